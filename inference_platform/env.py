@@ -1,0 +1,83 @@
+"""Settings from environment variables: small parsers with clear errors, no third-party helpers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+from django.core.exceptions import ImproperlyConfigured
+
+TRUE = {"1", "true", "yes", "on"}
+FALSE = {"0", "false", "no", "off", ""}
+
+
+def env_str(name: str, default: str = "") -> str:
+    return os.environ.get(name, default)
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in TRUE:
+        return True
+    if value in FALSE:
+        return False
+    raise ImproperlyConfigured(f"{name} must be true or false, not {raw!r}")
+
+
+def env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be an integer, not {raw!r}") from None
+
+
+def env_list(name: str, default: str = "") -> list[str]:
+    return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
+
+
+def redact_url(url: str) -> str:
+    """The URL with its password replaced, safe to print in an error message."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+def database_from_url(url: str, *, data_dir: Path) -> dict:
+    """A Django DATABASES entry from ``postgresql://`` or ``sqlite:///`` URLs (empty: a SQLite file)."""
+    if not url:
+        return {"ENGINE": "django.db.backends.sqlite3", "NAME": data_dir / "db.sqlite3"}
+    parts = urlsplit(url)
+    if parts.scheme == "sqlite":
+        path = unquote(parts.path)
+        return {"ENGINE": "django.db.backends.sqlite3", "NAME": path[1:] if path.startswith("//") else path}
+    if parts.scheme in {"postgres", "postgresql", "pgsql"}:
+        return {
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": unquote(parts.path.lstrip("/")) or "postgres",
+            "USER": unquote(parts.username or ""),
+            "PASSWORD": unquote(parts.password or ""),
+            "HOST": parts.hostname or "",
+            "PORT": str(parts.port or ""),
+            "CONN_MAX_AGE": 60,
+            "CONN_HEALTH_CHECKS": True,
+        }
+    raise ImproperlyConfigured(
+        f"DATABASE_URL must start with postgresql:// or sqlite:///, not {redact_url(url)!r}"
+    )
+
+
+def celery_broker_url(redis_url: str) -> str:
+    """Kombu spells a unix-socket Redis URL differently from redis-py."""
+    if redis_url.startswith("unix://"):
+        return "redis+socket://" + redis_url[len("unix://"):]
+    return redis_url

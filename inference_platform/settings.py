@@ -1,0 +1,157 @@
+"""Django settings: every value comes from an environment variable with a working default.
+
+The defaults are the embedded development setup (SQLite under ``DATA_DIR``, a private Redis on a
+unix socket under ``DATA_DIR``). Production (``DEBUG=false``) refuses to start without a real
+``SECRET_KEY`` and ``ALLOWED_HOSTS``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from django.core.exceptions import ImproperlyConfigured
+
+from .env import celery_broker_url, database_from_url, env_bool, env_int, env_list, env_str
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+DATA_DIR = Path(env_str("DATA_DIR", str(BASE_DIR / ".data"))).resolve()
+
+DEFAULT_SECRET_KEY = "dev-insecure-secret-key-change-me"
+DEBUG = env_bool("DEBUG", True)
+SECRET_KEY = env_str("SECRET_KEY", DEFAULT_SECRET_KEY)
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1]" if DEBUG else "")
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS")
+
+if not DEBUG:
+    if not SECRET_KEY or SECRET_KEY == DEFAULT_SECRET_KEY:
+        raise ImproperlyConfigured(
+            "SECRET_KEY is not set: production mode (DEBUG=false) needs a long random SECRET_KEY"
+        )
+    if not ALLOWED_HOSTS:
+        raise ImproperlyConfigured(
+            "ALLOWED_HOSTS is empty: production mode (DEBUG=false) needs the host names it serves, "
+            "comma-separated"
+        )
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "channels",
+    "accounts",
+    "models_catalog",
+    "gateway",
+    "workers",
+    "billing",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "inference_platform.urls"
+ASGI_APPLICATION = "inference_platform.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASES = {"default": database_from_url(env_str("DATABASE_URL"), data_dir=DATA_DIR)}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# One Redis for the Celery broker, the Channels layer and the cache. Unset: the private Redis that
+# `inference-platform up` starts on a unix socket under DATA_DIR.
+EMBEDDED_REDIS_SOCKET = DATA_DIR / "redis.sock"
+REDIS_URL = env_str("REDIS_URL") or f"unix://{EMBEDDED_REDIS_SOCKET}"
+REDIS_IS_EMBEDDED = not env_str("REDIS_URL")
+
+CACHES = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": REDIS_URL,
+        "KEY_PREFIX": "ip",
+    }
+}
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [REDIS_URL], "capacity": 1000, "expiry": 120},
+    }
+}
+
+CELERY_BROKER_URL = celery_broker_url(REDIS_URL)
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_DEFAULT_QUEUE = "default"
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# A redelivered (unacknowledged) task comes back after this long; keep it above the longest request.
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 3600)}
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "home"
+LOGOUT_REDIRECT_URL = "login"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = DATA_DIR / "staticfiles"
+
+EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "noreply@localhost")
+
+REST_FRAMEWORK = {
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Inference Platform API",
+    "DESCRIPTION": "OpenAI-compatible inference, deployments and usage.",
+    "VERSION": "1.0.0",
+}
+
+# Where operators keep model weights; catalog imports may only read below it.
+MODELS_ROOT = Path(env_str("MODELS_ROOT", str(DATA_DIR / "models"))).resolve()
+# How long /readyz waits for a Celery worker to answer a ping.
+READYZ_WORKER_TIMEOUT = float(env_str("READYZ_WORKER_TIMEOUT", "1.0"))
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+}
