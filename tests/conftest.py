@@ -1,0 +1,54 @@
+"""Fixtures for the whole suite: a real Celery worker process against the test database."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from django.conf import settings
+
+from tests.support import REPO_ROOT, wait_until
+
+
+def test_database_url() -> str:
+    """A URL for the database pytest-django created, so child processes share it."""
+    db = settings.DATABASES["default"]
+    if db["ENGINE"].endswith("sqlite3"):
+        return f"sqlite:///{db['NAME']}"
+    auth = db["USER"] + (f":{db['PASSWORD']}" if db["PASSWORD"] else "")
+    return f"postgresql://{auth}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+
+
+def child_env(**extra) -> dict:
+    env = dict(os.environ)
+    env.update(DATABASE_URL=test_database_url(), REDIS_URL=settings.REDIS_URL, DJANGO_SETTINGS_MODULE="inference_platform.settings")
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="session")
+def celery_worker(django_db_setup, django_db_blocker):
+    """One real Celery worker (thread pool, prefetch 1) consuming the default and billing queues."""
+    from inference_platform.readiness import check_workers
+
+    name = f"test-worker-{os.getpid()}@localhost"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "inference_platform", "worker", "--pool", "threads",
+         "--concurrency", "4", "--prefetch-multiplier", "1", "--queues", "default,billing",
+         "--hostname", name, "--loglevel", "WARNING", "--without-gossip", "--without-mingle"],
+        cwd=REPO_ROOT, env=child_env(),
+    )
+    try:
+        wait_until(
+            lambda: name in check_workers(settings.CELERY_BROKER_URL, timeout=0.5).get("workers", []),
+            timeout=60, message="the Celery worker to answer a ping",
+        )
+        yield name
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()

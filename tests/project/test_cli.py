@@ -1,0 +1,111 @@
+"""The operator's command line, run as a user would: real processes, real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import psutil
+import pytest
+
+from tests.support import REPO_ROOT, free_port, wait_until
+
+CLI = [sys.executable, "-m", "inference_platform.cli"]
+
+
+def run_cli(*args, env_overrides: dict, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in {"DEBUG", "SECRET_KEY", "ALLOWED_HOSTS"}}
+    env.update(env_overrides)
+    return subprocess.run([*CLI, *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("command", [[], ["up"], ["web"], ["worker"]])
+def test_every_command_has_help(command):
+    result = subprocess.run([*CLI, *command, "--help"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    assert result.stdout.startswith("usage: inference-platform")
+
+
+def test_production_mode_refuses_the_default_secret_key():
+    result = run_cli("web", env_overrides={"DEBUG": "false", "ALLOWED_HOSTS": "example.com"})
+    assert result.returncode == 2
+    assert "SECRET_KEY" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_production_mode_refuses_empty_allowed_hosts():
+    result = run_cli("web", env_overrides={"DEBUG": "false", "SECRET_KEY": "x" * 50})
+    assert result.returncode == 2
+    assert "ALLOWED_HOSTS" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_database_that_is_down_gives_one_clear_line_without_the_password():
+    port = free_port()
+    result = run_cli(
+        "web", "--port", str(free_port()),
+        env_overrides={"DATABASE_URL": f"postgresql://bob:hunter2@127.0.0.1:{port}/nowhere"},
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "database" in lines[0] and f"127.0.0.1:{port}" in lines[0]
+    assert "hunter2" not in result.stderr
+
+
+def test_a_redis_that_is_down_gives_one_clear_line_without_the_password():
+    port = free_port()
+    result = run_cli("worker", env_overrides={"REDIS_URL": f"redis://:hunter2@127.0.0.1:{port}/0"})
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Redis" in lines[0] and f"127.0.0.1:{port}" in lines[0]
+    assert "hunter2" not in result.stderr
+
+
+def test_the_stdlib_platform_module_is_not_shadowed():
+    result = subprocess.run(
+        [sys.executable, "-c", "import uuid, platform; print(platform.system())"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "Linux"
+
+
+def ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def test_up_starts_everything_on_embedded_defaults_and_ctrl_c_leaves_no_process(tmp_path):
+    """No DATABASE_URL, no REDIS_URL: SQLite and a private Redis; SIGINT stops every child."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL"}}
+    env["DATA_DIR"] = str(tmp_path)
+    log = tmp_path / "up.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([*CLI, "up", "--port", str(port), "--concurrency", "2"],
+                                cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: "Ready." in log.read_text() or proc.poll() is not None, timeout=180, interval=0.5,
+                   message="`up` to say it is ready")
+        assert ready(f"http://127.0.0.1:{port}/readyz"), log.read_text()
+        children = psutil.Process(proc.pid).children(recursive=True)
+        names = " ".join(" ".join(child.cmdline()) for child in children)
+        assert "redis-server" in names and "celery" in names and "uvicorn" in names
+        assert (tmp_path / "db.sqlite3").exists() and (tmp_path / "redis.sock").exists()
+
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        output = log.read_text()
+        assert proc.returncode == 0, output
+        assert "Dashboard:" in output and "Log in as:" in output
+        gone, alive = psutil.wait_procs(children, timeout=15)
+        assert alive == [], f"left behind: {[p.cmdline() for p in alive]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

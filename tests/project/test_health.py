@@ -1,0 +1,60 @@
+"""/healthz and /readyz against the real database, Redis and a real Celery worker."""
+
+from __future__ import annotations
+
+import pytest
+from django.test import override_settings
+
+from tests.support import free_port
+
+pytestmark = pytest.mark.django_db
+
+
+def test_healthz_answers_without_dependencies(client):
+    response = client.get("/healthz")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok"}
+
+
+def test_readyz_is_ok_with_database_redis_and_a_worker(client, celery_worker):
+    response = client.get("/readyz")
+    body = response.json()
+    assert response.status_code == 200, body
+    assert body["down"] == []
+    assert body["checks"]["database"]["ok"] and body["checks"]["redis"]["ok"]
+    assert celery_worker in body["checks"]["worker"]["workers"]
+
+
+def test_readyz_names_redis_when_it_is_down(client):
+    closed = f"redis://:s3cret@127.0.0.1:{free_port()}/0"
+    with override_settings(REDIS_URL=closed, CELERY_BROKER_URL=closed):
+        response = client.get("/readyz")
+    body = response.json()
+    assert response.status_code == 503
+    assert "redis" in body["down"] and "database" not in body["down"]
+    assert "s3cret" not in response.content.decode()
+
+
+def test_readyz_names_the_worker_when_none_runs(client, settings):
+    # A Redis database no worker listens on: Redis answers, nobody answers the ping.
+    empty = settings.REDIS_URL.rsplit("/", 1)[0] + "/13"
+    with override_settings(CELERY_BROKER_URL=empty, READYZ_WORKER_TIMEOUT=0.3):
+        response = client.get("/readyz")
+    body = response.json()
+    assert response.status_code == 503
+    assert body["down"] == ["worker"]
+    assert "no Celery worker" in body["checks"]["worker"]["error"]
+
+
+def test_database_check_reports_a_closed_port_with_a_real_driver_error():
+    from django.db.utils import ConnectionHandler
+
+    from inference_platform.readiness import check_database
+
+    handler = ConnectionHandler(
+        {"default": {"ENGINE": "django.db.backends.postgresql", "NAME": "x", "USER": "postgres",
+                     "HOST": "127.0.0.1", "PORT": str(free_port()), "OPTIONS": {"connect_timeout": 2}}}
+    )
+    result = check_database(handler["default"])
+    assert result["ok"] is False
+    assert "OperationalError" in result["error"]
