@@ -1,0 +1,262 @@
+"""Tokenizer, chat template and incremental detokenizer, all from the model's own files.
+
+A GGUF file carries its vocabulary as metadata (``tokenizer.ggml.*``); a Hugging Face folder carries
+``tokenizer.json`` (+ ``tokenizer_config.json`` / ``chat_template.jinja`` for the template). Either
+way the result is a ``tokenizers.Tokenizer`` plus the chat template, rendered in a sandbox because
+it is code that came with someone else's weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+from .config import UnsupportedModelError, WeightsError
+
+log = logging.getLogger(__name__)
+
+
+class ChatTemplateError(ValueError):
+    """The chat template is missing, or refused the messages (its ``raise_exception``)."""
+
+
+# How byte-level BPE vocabularies split text into words before merging, by llama.cpp's
+# ``tokenizer.ggml.pre`` name. Unknown names fall back to GPT-2's own split (ByteLevel's regex).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {
+    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+# Vocabularies trained on single digits (GPT-2 split, but every digit its own word).
+_DIGIT_SPLIT = {"smollm", "starcoder", "refact"}
+# Vocabularies whose whole words win over the merges (llama.cpp's ignore_merges).
+_IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe"}
+_GPT2_NAMES = {None, "default", "gpt2", *(_DIGIT_SPLIT), *_SPLITS}
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
+
+class Tokenizer:
+    """Text ↔ token ids, and the chat template, for one model."""
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Iterable[int],
+        chat_template: str | None,
+        special_tokens: Mapping[str, str | None] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.chat_template = chat_template
+        # bos_token, eos_token, ... as text, which chat templates refer to.
+        self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+        self._template = None
+
+    # -- building ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> "Tokenizer":
+        kind = metadata.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise UnsupportedModelError(
+                f"unsupported GGUF tokenizer {kind!r} (only byte-level BPE, 'gpt2', is supported)")
+        tokens = list(metadata.get("tokenizer.ggml.tokens") or ())
+        merges = list(metadata.get("tokenizer.ggml.merges") or ())
+        if not tokens or not merges:
+            raise WeightsError("GGUF metadata lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
+        pre = metadata.get("tokenizer.ggml.pre")
+        if pre not in _GPT2_NAMES:
+            log.warning("unknown GGUF pre-tokenizer %r; splitting words the GPT-2 way", pre)
+
+        vocab = {token: index for index, token in enumerate(tokens)}
+        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+                         fuse_unk=False, ignore_merges=pre in _IGNORE_MERGES)
+        backend = BackendTokenizer(bpe)
+        backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+        backend.decoder = decoders.ByteLevel()
+
+        types = list(metadata.get("tokenizer.ggml.token_type") or ())
+        special = [AddedToken(tokens[i], special=True, normalized=False)
+                   for i, t in enumerate(types) if t == _CONTROL]
+        user = [AddedToken(tokens[i], special=False, normalized=False)
+                for i, t in enumerate(types) if t == _USER_DEFINED]
+        backend.add_special_tokens(special)
+        backend.add_tokens(user)
+
+        def token(key: str) -> str | None:
+            index = metadata.get(f"tokenizer.ggml.{key}")
+            return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+        bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+        if metadata.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{tokens[bos_id]} $A", pair=f"{tokens[bos_id]} $A $B",
+                special_tokens=[(tokens[bos_id], bos_id)])
+        eos = [metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                     "tokenizer.ggml.eom_token_id") if k in metadata]
+        return cls(
+            backend,
+            bos_token_id=bos_id,
+            eos_token_ids=eos,
+            chat_template=metadata.get("tokenizer.chat_template"),
+            special_tokens={"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
+                            "unk_token": token("unknown_token_id"),
+                            "pad_token": token("padding_token_id")},
+        )
+
+    @classmethod
+    def from_hf_folder(cls, folder: str | Path, *, extra_eos_token_ids: Iterable[int] = ()
+                       ) -> "Tokenizer":
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise WeightsError(f"{folder} has no tokenizer.json")
+        try:
+            backend = BackendTokenizer.from_file(str(path))
+        except Exception as exc:
+            raise WeightsError(f"{path.name} cannot be read: {exc}") from exc
+        config = _read_json(folder / "tokenizer_config.json")
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            by_name = {t.get("name"): t.get("template") for t in template}
+            template = by_name.get("default") or next(iter(by_name.values()), None)
+        if (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        special = {name: _token_text(config.get(name))
+                   for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        bos_id = backend.token_to_id(special["bos_token"]) if special["bos_token"] else None
+        eos = list(extra_eos_token_ids)
+        if special["eos_token"] and backend.token_to_id(special["eos_token"]) is not None:
+            eos.append(backend.token_to_id(special["eos_token"]))
+        return cls(backend, bos_token_id=bos_id, eos_token_ids=eos, chat_template=template,
+                   special_tokens=special)
+
+    # -- using ---------------------------------------------------------------------------------
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``. Special tokens written in the text (``<|im_start|>``) are kept
+        whole; ``add_special_tokens`` adds what the model wants around a text (e.g. BOS)."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode() needs a str, not {type(text).__name__}")
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        """The prompt text for ``messages`` ([{"role": ..., "content": ...}, ...])."""
+        if not self.chat_template:
+            raise ChatTemplateError("this model has no chat template")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                **self.special_tokens)
+        except ChatTemplateError:
+            raise
+        except Exception as exc:  # a template is code: any failure is the caller's messages' fault
+            raise ChatTemplateError(f"the chat template failed: {exc}") from exc
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text pieces, never cutting a UTF-8 character in half.
+
+    Byte-level tokens can end mid-character; decoding then yields U+FFFD, so the text is held back
+    until a later token completes it. Decoding a short window that starts at already-emitted tokens
+    keeps tokenizers that drop a leading space on the first token (sentencepiece) correct.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = 0  # start of the decode window (already emitted)
+        self._read = 0  # end of what has been emitted
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes (possibly "")."""
+        self.ids.append(int(token_id))
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self._prefix:self._read])
+        after = decode(self.ids[self._prefix:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        new = after[len(before):]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += new
+        return new
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+def _byte_level_pre_tokenizer(pre: str | None):
+    if pre in _SPLITS:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGIT_SPLIT:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    return byte_level
+
+
+def _compile_template(source: str):
+    from jinja2 import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise ChatTemplateError(f"the chat template refused the messages: {message}")
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(source)
+    except TemplateError as exc:
+        raise ChatTemplateError(f"the chat template does not compile: {exc}") from exc
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise WeightsError(f"{path.name} is not valid JSON: {exc}") from exc
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # {"content": "<s>", ...}, as older tokenizer_config.json files write
+        return value.get("content")
+    return value

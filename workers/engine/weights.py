@@ -1,0 +1,156 @@
+"""Weights on disk → named torch tensors, in Hugging Face naming and layout.
+
+Two sources: a GGUF file (quantized blocks dequantized on load with the ``gguf`` package) and a
+Hugging Face folder of ``*.safetensors``. Both come out as ``{hf_name: tensor}`` in the layout
+transformers uses, so the model has one loading path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import UnsupportedModelError, WeightsError
+
+
+@dataclass
+class GGUFContents:
+    path: Path
+    metadata: dict[str, Any]  # llama.cpp key → value (strings, numbers, lists)
+    tensors: dict[str, torch.Tensor]  # Hugging Face names, transformers layout
+
+
+# GGUF tensor names (llama.cpp) → Hugging Face names; "{}" is the layer index.
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freqs",  # Llama 3 RoPE frequency factors, precomputed by llama.cpp
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_name_for_gguf(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or None for tensors the model does not use."""
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    match = _GGUF_LAYER_PATTERN.fullmatch(name)
+    if match and match.group(2) in _GGUF_LAYER_NAMES:
+        layer, part, kind = match.groups()
+        return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+    return None
+
+
+def read_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> GGUFContents:
+    """Read a GGUF file: its metadata and its tensors dequantized to ``dtype``.
+
+    llama.cpp's converter permutes the rows of Llama-architecture Q/K projections for its own RoPE
+    layout; they are permuted back here so the math is the one transformers runs.
+    """
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise WeightsError(f"no GGUF file at {path}")
+    try:
+        reader = gguf.GGUFReader(path)
+        metadata = {name: field.contents() for name, field in reader.fields.items()
+                    if not name.startswith("GGUF.")}
+    except Exception as exc:  # the reader raises bare ValueErrors, IndexErrors, struct errors...
+        raise WeightsError(f"{path.name} is not a readable GGUF file (truncated or corrupt?): {exc}"
+                           ) from exc
+
+    arch = metadata.get("general.architecture")
+    if arch not in ("llama", "mistral", "qwen2"):
+        raise UnsupportedModelError(f"{path.name}: unsupported GGUF architecture {arch!r}")
+    num_heads = metadata.get(f"{arch}.attention.head_count")
+    num_kv_heads = metadata.get(f"{arch}.attention.head_count_kv", num_heads)
+
+    tensors: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = hf_name_for_gguf(tensor.name)
+        if name is None:
+            continue
+        try:
+            array = _dequantize(tensor, gguf)
+        except Exception as exc:
+            raise WeightsError(f"{path.name}: cannot read tensor {tensor.name} "
+                               f"({tensor.tensor_type.name}): {exc}") from exc
+        if arch in ("llama", "mistral") and name.endswith(("q_proj.weight", "q_proj.bias")):
+            array = _unpermute_rope_rows(array, int(num_heads))
+        elif arch in ("llama", "mistral") and name.endswith(("k_proj.weight", "k_proj.bias")):
+            array = _unpermute_rope_rows(array, int(num_kv_heads))
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+    return GGUFContents(path=path, metadata=metadata, tensors=tensors)
+
+
+def _dequantize(tensor: Any, gguf: Any) -> np.ndarray:
+    """A GGUF tensor as a float32 array in numpy (row-major, [out_features, in_features]) order."""
+    # GGUF lists dimensions innermost first; numpy wants them outermost first.
+    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    qtype = tensor.tensor_type
+    expected_bytes = int(tensor.n_bytes)
+    if tensor.data.nbytes != expected_bytes:
+        raise WeightsError(f"holds {tensor.data.nbytes} bytes, expected {expected_bytes}")
+    if qtype == gguf.GGMLQuantizationType.F32:
+        array = np.array(tensor.data, dtype=np.float32)  # a copy: the file stays closable
+    elif qtype == gguf.GGMLQuantizationType.F16:
+        array = np.asarray(tensor.data, dtype=np.float16).astype(np.float32)
+    else:
+        array = gguf.quants.dequantize(np.asarray(tensor.data), qtype)
+    return array.reshape(shape).astype(np.float32, copy=False)
+
+
+def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row interleave of Q/K (its RoPE pairs adjacent dimensions)."""
+    half = weight.shape[0] // num_heads // 2
+    rest = weight.shape[1:]
+    return weight.reshape(num_heads, half, 2, *rest).swapaxes(1, 2).reshape(weight.shape)
+
+
+def read_safetensors_folder(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32
+                            ) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face folder's ``*.safetensors`` files, converted to ``dtype``."""
+    from safetensors import SafetensorError
+    from safetensors.torch import safe_open
+
+    folder = Path(path)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise WeightsError(f"no *.safetensors files in {folder}")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        # A sharded checkpoint: every shard its index names must be there.
+        wanted = set(json.loads(index.read_text())["weight_map"].values())
+        missing = sorted(wanted - {f.name for f in files})
+        if missing:
+            raise WeightsError(f"{folder}: shards named in {index.name} are missing: {missing}")
+        files = [folder / name for name in sorted(wanted)]
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as handle:
+                for name in handle.keys():
+                    tensors[name] = handle.get_tensor(name).to(dtype)
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise WeightsError(f"{file.name} is not a readable safetensors file "
+                               f"(truncated or corrupt?): {exc}") from exc
+    return tensors
