@@ -1,0 +1,597 @@
+"""The engine: one step loop in its own thread, and a thread-safe API around it.
+
+Callers (a worker's task threads, the CLI, tests) ``submit`` requests from any thread and read
+each request's outputs from its own queue through a ``RequestHandle``. Everything else — the
+scheduler, the block manager, the sequences, the model — is touched only by the loop thread, so
+none of it needs locks. The lock guards only the inbox the loop drains between steps and the
+table of live requests.
+
+A step that raises fails the requests in it (finish_reason "error", with the message) and the
+loop goes on serving everyone else.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator
+
+import torch
+
+from .kv_cache import BlockManager
+from .model_runner import ModelRunner, kv_bytes_per_block, pick_dtype
+from .scheduler import Scheduler
+from .sequence import (
+    FinishReason,
+    InvalidRequestError,
+    RequestOutput,
+    SamplingParams,
+    Sequence,
+    SequenceStatus,
+    StopStringMatcher,
+    TokenLogprob,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_MEMORY = 2 << 30  # bytes; the cache is allocated lazily by the OS as it fills
+DEFAULT_CUDA_KV_FRACTION = 0.8  # of the GPU memory left free once the weights are loaded
+
+
+class EngineError(RuntimeError):
+    """The engine cannot take the request (stopped, or its loop died)."""
+
+
+class RequestHandle:
+    """A submitted request: iterate it for its outputs, or wait for the whole ``result()``."""
+
+    def __init__(self, engine: "Engine", request_id: str, prompt_tokens: int):
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self._engine = engine
+        self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        self._done = False
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        return self.outputs()
+
+    def outputs(self, timeout: float | None = None) -> Iterator[RequestOutput]:
+        """Outputs as they come; the last has ``finished`` set. ``timeout`` bounds each wait."""
+        while not self._done:
+            try:
+                out = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(
+                    f"request {self.request_id}: no output within {timeout} s") from None
+            if out.finished:
+                self._done = True
+            yield out
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """Wait for the end and return one output holding every token, all text and logprobs."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        parts: list[RequestOutput] = []
+        while not self._done:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                out = self._queue.get(timeout=left)
+            except queue.Empty:
+                raise TimeoutError(
+                    f"request {self.request_id}: not finished within {timeout} s") from None
+            parts.append(out)
+            self._done = out.finished
+        if not parts:
+            raise RuntimeError(f"request {self.request_id}: its outputs were already consumed")
+        last = parts[-1]
+        logprobs = None
+        if any(p.logprobs is not None for p in parts):
+            logprobs = [lp for p in parts for lp in (p.logprobs or [])]
+        return RequestOutput(
+            request_id=self.request_id,
+            token_ids=[t for p in parts for t in p.token_ids],
+            text="".join(p.text for p in parts),
+            logprobs=logprobs,
+            finished=True,
+            finish_reason=last.finish_reason,
+            prompt_tokens=last.prompt_tokens,
+            cached_prompt_tokens=last.cached_prompt_tokens,
+            completion_tokens=last.completion_tokens,
+            timings=last.timings,
+            stop_reason=last.stop_reason,
+            error=last.error,
+        )
+
+    def abort(self) -> bool:
+        return self._engine.abort(self.request_id)
+
+
+@dataclass
+class _Live:
+    """A request between submit and its final output, as the loop tracks it."""
+
+    seq: Sequence
+    handle: RequestHandle
+    pending_ids: list[int] = field(default_factory=list)
+    pending_text: str = ""
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class Engine:
+    """Continuous-batching inference over a paged KV cache.
+
+    ``model`` is a path (GGUF file or Hugging Face folder) or an already ``LoadedModel``.
+    ``dtype`` defaults to bfloat16 on CUDA, and on CPU to whichever of bfloat16 and float32 this
+    chip multiplies faster (measured). The KV cache holds ``num_kv_blocks`` blocks, or as many as
+    ``kv_memory`` bytes allow. ``batch_window_ms``: when idle, how long to wait for more requests
+    before the first prefill, so that a burst starts as one batch.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        dtype: torch.dtype | str | None = None,
+        device: str | None = None,
+        max_batch_size: int = 64,
+        max_batched_tokens: int = 2048,
+        num_kv_blocks: int | None = None,
+        kv_memory: int | None = None,
+        block_size: int = 16,
+        batch_window_ms: float = 0.0,
+        enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
+        seed: int | None = None,
+    ):
+        from .loader import LoadedModel, load_model
+
+        if batch_window_ms < 0:
+            raise ValueError(f"batch_window_ms must be >= 0, got {batch_window_ms}")
+        if isinstance(dtype, str):
+            dtype = _parse_dtype(dtype)
+        if isinstance(model, LoadedModel):
+            loaded = model
+            model_dtype = next(loaded.model.parameters()).dtype
+            if dtype is not None and dtype != model_dtype:
+                raise ValueError(f"the loaded model is {model_dtype}, not {dtype}")
+            dtype = model_dtype
+            device = str(next(loaded.model.parameters()).device)
+        else:
+            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            dtype = dtype or pick_dtype(device)
+            loaded = load_model(model, dtype=dtype, device=device)
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.config = loaded.config
+        self.device = device
+        self.dtype = dtype
+
+        self.max_model_len = self.config.max_position_embeddings
+        if max_model_len is not None:
+            if max_model_len < 2:
+                raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+            self.max_model_len = min(max_model_len, self.max_model_len)
+        self.block_size = block_size
+        self.num_kv_blocks = self._kv_blocks(num_kv_blocks, kv_memory, max_batch_size)
+        self.block_manager = BlockManager(self.num_kv_blocks, block_size,
+                                          enable_prefix_caching=enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_batch_size=max_batch_size,
+                                   max_batched_tokens=max_batched_tokens)
+        self.runner = ModelRunner(loaded.model, num_blocks=self.num_kv_blocks,
+                                  block_size=block_size, device=device, dtype=dtype, seed=seed)
+        self.max_batch_size = max_batch_size
+        self.max_batched_tokens = max_batched_tokens
+        self.batch_window = batch_window_ms / 1000.0
+        self.enable_prefix_caching = enable_prefix_caching
+        self._eos_ids = frozenset(self.config.eos_token_ids) | self.tokenizer.eos_token_ids
+
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[tuple[str, Any]] = []
+        self._live: dict[str, _Live] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._crashed: BaseException | None = None
+        self._counters = {"steps": 0, "batch_size_max": 0, "batch_size_last": 0,
+                          "tokens_last_step": 0, "generated_tokens": 0, "requests_finished": 0,
+                          "requests_failed": 0, "requests_aborted": 0, "step_errors": 0}
+        self._stats = self._collect_stats()
+
+    def _kv_blocks(self, num_kv_blocks: int | None, kv_memory: int | None,
+                   max_batch_size: int) -> int:
+        if num_kv_blocks is not None and kv_memory is not None:
+            raise ValueError("give num_kv_blocks or kv_memory, not both")
+        if num_kv_blocks is not None:
+            if num_kv_blocks < 1:
+                raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
+            return num_kv_blocks
+        per_block = kv_bytes_per_block(self.config, self.block_size, self.dtype)
+        # More than every sequence at full length is never needed.
+        ceiling = max_batch_size * -(-self.max_model_len // self.block_size)
+        if kv_memory is None:
+            if str(self.device).startswith("cuda"):
+                free, _total = torch.cuda.mem_get_info(torch.device(self.device))
+                kv_memory = int(free * DEFAULT_CUDA_KV_FRACTION)
+            else:
+                kv_memory = DEFAULT_CPU_KV_MEMORY
+        blocks = min(kv_memory // per_block, ceiling)
+        if blocks < 1:
+            raise ValueError(f"kv_memory {kv_memory} bytes holds no block ({per_block} bytes)")
+        return int(blocks)
+
+    # ------------------------------------------------------------------------------ lifetime
+
+    def start(self) -> "Engine":
+        with self._lock:
+            if self._stopping:
+                raise EngineError("the engine was stopped; make a new one")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="engine-loop",
+                                                daemon=True)
+                self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop the loop; requests still in flight end with finish_reason "abort"."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self._fail_all(FinishReason.ABORT, "the engine stopped")
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    # ---------------------------------------------------------------------------- public API
+
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+               request_id: str | None = None) -> RequestHandle:
+        """Queue a request; returns at once. Bad input raises ``InvalidRequestError``."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, not {type(params).__name__}")
+        prompt_ids = self._prompt_ids(prompt)
+        max_tokens = self._check_fits(prompt_ids, params)
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        elif not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id: must be a non-empty string", param="request_id")
+        seq = Sequence(request_id, prompt_ids, params, max_tokens=max_tokens,
+                       arrival_time=time.monotonic(), detokenizer=self._detokenizer())
+        seq.stop_checker = StopStringMatcher(params.stop)
+        handle = RequestHandle(self, request_id, len(prompt_ids))
+        self.start()
+        with self._wake:
+            if self._crashed is not None:
+                raise EngineError(f"the engine loop died: {self._crashed!r}")
+            if self._stopping:
+                raise EngineError("the engine is stopped")
+            if request_id in self._live:
+                raise InvalidRequestError(f"request_id: {request_id!r} is already running",
+                                          param="request_id")
+            self._live[request_id] = _Live(seq, handle)
+            self._inbox.append(("add", seq))
+            self._wake.notify()
+        return handle
+
+    def submit_chat(self, messages: list[dict], params: SamplingParams | None = None, *,
+                    request_id: str | None = None) -> RequestHandle:
+        """Like ``submit``, with the prompt rendered from chat messages by the model's template."""
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages: must be a non-empty list", param="messages")
+        for message in messages:
+            if not isinstance(message, dict) or "role" not in message:
+                raise InvalidRequestError("messages: each message needs a role",
+                                          param="messages")
+        try:
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except ValueError as exc:  # the template refused the messages
+            raise InvalidRequestError(f"messages: {exc}", param="messages") from exc
+        return self.submit(prompt, params, request_id=request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now (finish_reason "abort"); False if it is not running."""
+        with self._wake:
+            if request_id not in self._live:
+                return False
+            self._inbox.append(("abort", request_id))
+            self._wake.notify()
+        return True
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 *, timeout: float | None = None):
+        """Run prompts to the end. One prompt (a str or a list of token ids) → one output;
+        a list of prompts → a list of outputs, in order."""
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts))
+        batch = [prompts] if single else list(prompts)
+        if isinstance(params, list):
+            if len(params) != len(batch):
+                raise ValueError("give one SamplingParams per prompt")
+            per_prompt = params
+        else:
+            per_prompt = [params] * len(batch)
+        handles = [self.submit(p, sp) for p, sp in zip(batch, per_prompt)]
+        results = [h.result(timeout=timeout) for h in handles]
+        return results[0] if single else results
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of the engine's state, refreshed after every step."""
+        return dict(self._stats)
+
+    # ----------------------------------------------------------------------------- validation
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt: must not be empty", param="prompt")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            vocab = self.config.vocab_size
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                       for t in ids):
+                raise InvalidRequestError(
+                    f"prompt: token ids must be integers in [0, {vocab})", param="prompt")
+        else:
+            raise InvalidRequestError("prompt: must be a string or a list of token ids",
+                                      param="prompt")
+        if not ids:
+            raise InvalidRequestError("prompt: must not be empty", param="prompt")
+        return ids
+
+    def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """The request's max_tokens, clamped to the context. A prompt that leaves no room for
+        one token, or that needs more KV blocks than the engine has, is refused."""
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt: {n} tokens leave no room to generate in this model's context of "
+                f"{self.max_model_len} tokens", param="prompt")
+        if self.block_manager.blocks_for(n + 1) > self.num_kv_blocks:
+            raise InvalidRequestError(
+                f"prompt: {n} tokens do not fit in the engine's KV cache "
+                f"({self.num_kv_blocks * self.block_size} tokens)", param="prompt")
+        vocab = self.config.vocab_size
+        for token in params.logit_bias or {}:
+            if token >= vocab:
+                raise InvalidRequestError(f"logit_bias: token id {token} is not in the "
+                                          f"vocabulary of {vocab}", param="logit_bias")
+        for token in params.stop_token_ids:
+            if token >= vocab:
+                raise InvalidRequestError(f"stop_token_ids: token id {token} is not in the "
+                                          f"vocabulary of {vocab}", param="stop_token_ids")
+        room = self.max_model_len - n
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def _detokenizer(self):
+        from .tokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self.tokenizer)
+
+    # ------------------------------------------------------------------------------ the loop
+
+    def _loop(self) -> None:
+        try:
+            while self._wait_for_work():
+                self._step()
+                self._stats = self._collect_stats()
+        except BaseException as exc:  # a bug outside a step: nobody may hang on a dead engine
+            log.exception("engine loop died")
+            with self._lock:
+                self._crashed = exc
+            self._fail_all(FinishReason.ERROR, f"the engine loop died: {exc!r}")
+
+    def _wait_for_work(self) -> bool:
+        """Take in new requests and aborts; return when a step should run (False: stop)."""
+        scheduler = self.scheduler
+        with self._wake:
+            while True:
+                if self._stopping:
+                    return False
+                inbox, self._inbox = self._inbox, []
+                for kind, item in inbox:
+                    if kind == "add":
+                        scheduler.add(item)
+                    else:
+                        self._abort_now(item)
+                if inbox:
+                    self._stats = self._collect_stats()
+                if scheduler.running:
+                    return True
+                if scheduler.waiting:
+                    # Idle: give a burst of requests the batch window to arrive together.
+                    wait = scheduler.waiting[0].timings.arrival_time + self.batch_window \
+                        - time.monotonic()
+                    if wait <= 0 or len(scheduler.waiting) >= self.max_batch_size:
+                        return True
+                    self._wake.wait(wait)
+                else:
+                    self._wake.wait()
+
+    def _abort_now(self, request_id: str) -> None:
+        live = self._live.get(request_id)
+        if live is None:
+            return
+        self.scheduler.finish(live.seq, FinishReason.ABORT)
+        self._counters["requests_aborted"] += 1
+        self._deliver(live, finished=True, locked=True)
+
+    def _step(self) -> None:
+        scheduler = self.scheduler
+        batch = scheduler.schedule()
+        for seq in batch.finished:  # ended by the scheduler: the pool cannot hold them
+            self._finish_live(seq)
+        if not batch.seqs:
+            if not scheduler.running and scheduler.waiting:
+                # Cannot happen while submit() checks prompts against the pool; never spin.
+                seq = scheduler.waiting[0]
+                seq.error = "the request cannot be scheduled"
+                scheduler.finish(seq, FinishReason.ERROR)
+                self._finish_live(seq)
+            return
+        try:
+            result = self.runner.execute(batch.seqs, batch.num_new_tokens)
+        except Exception as exc:
+            log.exception("engine step failed; failing its %d requests", len(batch.seqs))
+            self._counters["step_errors"] += 1
+            for seq in batch.seqs:
+                seq.error = f"the engine step failed: {type(exc).__name__}: {exc}"
+                scheduler.finish(seq, FinishReason.ERROR, invalidate=True)
+                self._finish_live(seq)
+            return
+        counters = self._counters
+        counters["steps"] += 1
+        counters["batch_size_last"] = len(batch.seqs)
+        counters["batch_size_max"] = max(counters["batch_size_max"], len(batch.seqs))
+        counters["tokens_last_step"] = batch.num_tokens
+        counters["generated_tokens"] += len(result.sampled)
+
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num_new
+        now = time.monotonic()
+        for row, seq in enumerate(result.sampled):
+            logprob = None
+            if seq.params.logprobs:
+                top = []
+                if seq.params.top_logprobs:
+                    k = seq.params.top_logprobs
+                    top = list(zip(result.top_ids[row][:k], result.top_logprobs[row][:k]))
+                logprob = TokenLogprob(result.token_ids[row], result.logprobs[row], top)
+            self._append_token(seq, result.token_ids[row], logprob, now)
+
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None,
+                      now: float) -> None:
+        live = self._live.get(seq.request_id)
+        if live is None or live.seq is not seq:
+            return
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            seq.timings.time_to_first_token = now - seq.timings.arrival_time
+        seq.last_token_time = now
+        live.pending_ids.append(token)
+        if logprob is not None:
+            live.pending_logprobs.append(logprob)
+
+        params = seq.params
+        reason = None
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self._eos_ids):
+            reason, seq.stop_reason = FinishReason.STOP, token
+        else:
+            text, stop = seq.stop_checker.feed(seq.detokenizer.push(token))
+            live.pending_text += text
+            if stop is not None:
+                reason, seq.stop_reason = FinishReason.STOP, stop
+        if reason is None and seq.num_output_tokens >= seq.max_tokens:
+            reason = FinishReason.LENGTH
+        if reason is None:
+            self._deliver(live, finished=False)
+            return
+        if reason is FinishReason.LENGTH:
+            live.pending_text += seq.stop_checker.flush()
+        self.scheduler.finish(seq, reason)
+        self._finish_live(seq)
+
+    def _finish_live(self, seq: Sequence) -> None:
+        live = self._live.get(seq.request_id)
+        if live is None or live.seq is not seq:
+            return
+        if seq.finish_reason is FinishReason.ERROR:
+            self._counters["requests_failed"] += 1
+        else:
+            self._counters["requests_finished"] += 1
+        self._deliver(live, finished=True)
+
+    def _deliver(self, live: _Live, *, finished: bool, locked: bool = False) -> None:
+        seq = live.seq
+        timings = seq.timings
+        if finished:
+            now = time.monotonic()
+            timings.e2e_latency = now - timings.arrival_time
+            if seq.first_token_time is not None and seq.num_output_tokens > 1:
+                timings.time_per_output_token = (seq.last_token_time - seq.first_token_time) \
+                    / (seq.num_output_tokens - 1)
+        out = RequestOutput(
+            request_id=seq.request_id,
+            token_ids=live.pending_ids,
+            text=live.pending_text,
+            logprobs=live.pending_logprobs if seq.params.logprobs else None,
+            finished=finished,
+            finish_reason=seq.finish_reason.value if finished and seq.finish_reason else None,
+            prompt_tokens=seq.num_prompt_tokens,
+            cached_prompt_tokens=seq.num_cached_prompt_tokens,
+            completion_tokens=seq.num_output_tokens,
+            timings=replace(timings),  # a snapshot: the sequence's own keeps changing
+            stop_reason=seq.stop_reason if finished else None,
+            error=seq.error if finished else None,
+        )
+        live.pending_ids, live.pending_text, live.pending_logprobs = [], "", []
+        if finished:
+            if locked:
+                self._live.pop(seq.request_id, None)
+            else:
+                with self._lock:
+                    self._live.pop(seq.request_id, None)
+        live.handle._queue.put(out)
+
+    def _fail_all(self, reason: FinishReason, message: str) -> None:
+        """End every request still known (engine stopping or dead)."""
+        with self._lock:
+            lives = list(self._live.values())
+            self._live.clear()
+            self._inbox.clear()
+        for live in lives:
+            seq = live.seq
+            if seq.status is not SequenceStatus.FINISHED:
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = reason
+                seq.error = message if reason is FinishReason.ERROR else None
+            self._deliver(live, finished=True, locked=True)
+
+    def _collect_stats(self) -> dict[str, Any]:
+        bm = self.block_manager
+        scheduler = self.scheduler
+        return {
+            **self._counters,
+            "running": len(scheduler.running),
+            "waiting": len(scheduler.waiting),
+            "preemptions": scheduler.num_preemptions,
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_cached": bm.num_cached_blocks,
+            "kv_block_size": bm.block_size,
+            "prefix_cache_hit_tokens": bm.prefix_hits,
+            "prefix_cache_query_tokens": bm.prefix_queries,
+            "prefix_cache_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries
+            else 0.0,
+            "max_batch_size": self.max_batch_size,
+            "max_batched_tokens": self.max_batched_tokens,
+            "max_model_len": self.max_model_len,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+        }
+
+
+def _parse_dtype(name: str) -> torch.dtype:
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    try:
+        return names[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r} (one of {', '.join(names)})") from None

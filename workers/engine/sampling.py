@@ -1,0 +1,210 @@
+"""Pick the next token for every sequence of a step with one set of tensor ops.
+
+Per-row settings travel as tensors, so a batch of 64 costs about what one row does. Features no
+row uses are skipped entirely (penalties, logit bias, logprobs, top-k, top-p, min-p), since each is
+a pass over a [rows, vocab] tensor.
+
+Random rows draw with the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which samples
+exactly from ``p``. A seeded row takes its noise from a generator keyed by (seed, output index),
+so its tokens depend on nothing else in the batch, nor on how often it was preempted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence as Seq
+
+import numpy as np
+import torch
+
+from .sequence import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step) pairs over the generator's seed space
+
+
+def seed_for_step(seed: int, step: int) -> int:
+    return (seed * _SEED_MIX + step * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings for one step; fields are ``None`` when no row needs them."""
+
+    num_rows: int
+    all_greedy: bool
+    sampled_rows: torch.Tensor | None  # long [S]: rows that draw at random
+    temperature: torch.Tensor | None  # float [S] for the sampled rows
+    top_k: torch.Tensor | None  # long [S], vocab size where disabled
+    top_p: torch.Tensor | None  # float [S]
+    min_p: torch.Tensor | None  # float [S]
+    seeds: list[int | None]  # per sampled row
+    steps: list[int]  # per sampled row: index of the token being drawn
+    # Penalties act on every row (greedy rows too).
+    presence: torch.Tensor | None  # float [N, 1]
+    frequency: torch.Tensor | None  # float [N, 1]
+    repetition: torch.Tensor | None  # float [N, 1]
+    output_ids: torch.Tensor | None  # long [N, L] padded with vocab_size
+    seen_ids: torch.Tensor | None  # long [N, L'] prompt + output, padded, for repetition
+    bias_rows: torch.Tensor | None
+    bias_cols: torch.Tensor | None
+    bias_values: torch.Tensor | None
+    max_top_logprobs: int
+    want_logprobs: bool
+
+    @classmethod
+    def build(cls, params: Seq[SamplingParams], token_ids: Seq[list[int]],
+              num_prompt_tokens: Seq[int], *, vocab_size: int,
+              device: torch.device | str = "cpu") -> "SamplingBatch":
+        """``token_ids[i]`` is row i's prompt + output so far; only read when penalties apply."""
+        n = len(params)
+        sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+        sp = [params[i] for i in sampled]
+
+        def rows_tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        temperature = top_k = top_p = min_p = sampled_rows = None
+        if sampled:
+            sampled_rows = rows_tensor(sampled, torch.long)
+            temperature = rows_tensor([p.temperature for p in sp], torch.float32)
+            if any(0 < p.top_k < vocab_size for p in sp):
+                top_k = rows_tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size
+                                     for p in sp], torch.long)
+            if any(p.top_p < 1.0 for p in sp):
+                top_p = rows_tensor([p.top_p for p in sp], torch.float32)
+            if any(p.min_p > 0 for p in sp):
+                min_p = rows_tensor([p.min_p for p in sp], torch.float32)
+
+        presence = frequency = repetition = output_ids = seen_ids = None
+        if any(p.uses_penalties for p in params):
+            if any(p.presence_penalty or p.frequency_penalty for p in params):
+                presence = rows_tensor([[p.presence_penalty] for p in params], torch.float32)
+                frequency = rows_tensor([[p.frequency_penalty] for p in params], torch.float32)
+                outputs = [ids[start:] for ids, start in zip(token_ids, num_prompt_tokens)]
+                output_ids = _padded(outputs, vocab_size, device)
+            if any(p.repetition_penalty != 1.0 for p in params):
+                repetition = rows_tensor([[p.repetition_penalty] for p in params], torch.float32)
+                seen_ids = _padded(token_ids, vocab_size, device)
+
+        bias_rows = bias_cols = bias_values = None
+        if any(p.logit_bias for p in params):
+            rows, cols, values = [], [], []
+            for i, p in enumerate(params):
+                for token, value in (p.logit_bias or {}).items():
+                    rows.append(i)
+                    cols.append(token)
+                    values.append(value)
+            bias_rows = rows_tensor(rows, torch.long)
+            bias_cols = rows_tensor(cols, torch.long)
+            bias_values = rows_tensor(values, torch.float32)
+
+        return cls(
+            num_rows=n, all_greedy=not sampled, sampled_rows=sampled_rows,
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            seeds=[p.seed for p in sp],
+            steps=[len(token_ids[i]) - num_prompt_tokens[i] for i in sampled],
+            presence=presence, frequency=frequency, repetition=repetition,
+            output_ids=output_ids, seen_ids=seen_ids,
+            bias_rows=bias_rows, bias_cols=bias_cols, bias_values=bias_values,
+            max_top_logprobs=max((p.top_logprobs for p in params), default=0),
+            want_logprobs=any(p.logprobs for p in params),
+        )
+
+
+def _padded(rows: Seq[list[int]], pad: int, device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0) or 1
+    out = np.full((len(rows), width), pad, dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return torch.from_numpy(out).to(device)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # long [N]
+    logprobs: torch.Tensor | None  # float [N]: the chosen token's logprob
+    top_ids: torch.Tensor | None  # long [N, K]
+    top_logprobs: torch.Tensor | None  # float [N, K]
+
+
+class Sampler:
+    def __init__(self, device: torch.device | str = "cpu", seed: int | None = None):
+        self.device = torch.device(device)
+        self._generator = torch.Generator(device=self.device)
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+        self._seeded = torch.Generator(device=self.device)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = logits.float()
+        logits = self.process_logits(logits, batch)
+
+        logprobs = top_ids = top_logprobs = None
+        log_probs = torch.log_softmax(logits, dim=-1) if batch.want_logprobs else None
+
+        token_ids = logits.argmax(dim=-1)
+        if not batch.all_greedy:
+            rows = batch.sampled_rows
+            token_ids[rows] = self._draw(logits[rows], batch)
+
+        if log_probs is not None:
+            logprobs = log_probs.gather(1, token_ids[:, None]).squeeze(1)
+            if batch.max_top_logprobs:
+                top_logprobs, top_ids = log_probs.topk(batch.max_top_logprobs, dim=-1)
+        return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs)
+
+    @staticmethod
+    def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Penalties and logit bias: what logprobs are reported on, and greedy picks from."""
+        vocab = logits.shape[1]
+        if batch.repetition is not None:
+            seen = torch.zeros(logits.shape[0], vocab + 1, dtype=torch.bool, device=logits.device)
+            seen.scatter_(1, batch.seen_ids, True)
+            seen = seen[:, :vocab]
+            penalised = torch.where(logits > 0, logits / batch.repetition,
+                                    logits * batch.repetition)
+            logits = torch.where(seen, penalised, logits)
+        if batch.output_ids is not None:
+            counts = torch.zeros(logits.shape[0], vocab + 1, dtype=torch.float32,
+                                 device=logits.device)
+            counts.scatter_add_(1, batch.output_ids, torch.ones_like(batch.output_ids,
+                                                                     dtype=torch.float32))
+            counts = counts[:, :vocab]
+            logits = logits - batch.frequency * counts - batch.presence * (counts > 0)
+        if batch.bias_rows is not None:
+            logits = logits.index_put((batch.bias_rows, batch.bias_cols), batch.bias_values,
+                                      accumulate=True)
+        return logits
+
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Random tokens for the sampled rows: temperature, top-k, top-p, min-p, then the race."""
+        logits = logits / batch.temperature[:, None]
+        if batch.top_k is not None:
+            k_max = int(batch.top_k.max())
+            top_values = logits.topk(k_max, dim=-1).values
+            threshold = top_values.gather(1, (batch.top_k.clamp(max=k_max) - 1)[:, None])
+            disabled = batch.top_k[:, None] >= logits.shape[1]
+            logits = logits.masked_fill((logits < threshold) & ~disabled, float("-inf"))
+        if batch.top_p is not None:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            # Drop a token when the tokens ranked above it already reach top_p.
+            drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= batch.top_p[:, None]
+            drop[:, 0] = False
+            logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        probs = logits.softmax(dim=-1)
+        if batch.min_p is not None:
+            floor = probs.max(dim=-1, keepdim=True).values * batch.min_p[:, None]
+            probs = probs.masked_fill(probs < floor, 0.0)
+        return (probs / self._noise(probs.shape, batch)).argmax(dim=-1)
+
+    def _noise(self, shape: torch.Size, batch: SamplingBatch) -> torch.Tensor:
+        noise = torch.empty(shape, device=self.device)
+        noise.exponential_(generator=self._generator)
+        for row, (seed, step) in enumerate(zip(batch.seeds, batch.steps)):
+            if seed is not None:
+                self._seeded.manual_seed(seed_for_step(seed, step))
+                noise[row].exponential_(generator=self._seeded)
+        return noise

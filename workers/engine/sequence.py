@@ -1,0 +1,288 @@
+"""What a request asks for (SamplingParams) and where it stands (Sequence), plus what it gets back.
+
+A sequence's tokens are its prompt followed by what it has generated so far. The scheduler only
+tracks how many of them already sit in the KV cache (``num_computed_tokens``): a step computes
+the next run of uncomputed tokens, and when that run reaches the end, a new token is sampled from
+the last position. Prefill, chunked prefill, decode, a prefix-cache hit and recompute after
+preemption are all that one rule.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot run; ``param`` names the offending field (OpenAI's ``param``)."""
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _fail(param: str, message: str) -> None:
+    raise InvalidRequestError(f"{param}: {message}", param=param)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop. Defaults follow OpenAI's API.
+
+    ``temperature == 0`` is greedy. ``top_k`` of 0 or -1 disables top-k. ``max_tokens=None`` means
+    "until the context is full"; a ``max_tokens`` larger than what fits after the prompt is
+    clamped to the room left (the request then ends with finish_reason "length"), whereas a
+    prompt that leaves no room at all is rejected.
+    """
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            _fail("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            _fail("temperature", f"must be a number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not (0 < self.top_p <= 1):
+            _fail("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            _fail("top_k", f"must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
+        if not _is_number(self.min_p) or not (0 <= self.min_p <= 1):
+            _fail("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            _fail("seed", f"must be an integer, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not (-2 <= value <= 2):
+                _fail(name, f"must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not math.isfinite(self.repetition_penalty) \
+                or self.repetition_penalty <= 0:
+            _fail("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        self.stop = self._valid_stop(self.stop)
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                    _is_int(t) and t >= 0 for t in self.stop_token_ids):
+                _fail("stop_token_ids", "must be a list of non-negative token ids")
+            self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            self.stop_token_ids = []
+        if self.logit_bias is not None:
+            self.logit_bias = self._valid_logit_bias(self.logit_bias)
+        if not isinstance(self.logprobs, bool):
+            _fail("logprobs", f"must be a boolean, got {self.logprobs!r}")
+        if not _is_int(self.top_logprobs) or not (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            _fail("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                                  f"got {self.top_logprobs!r}")
+        if self.top_logprobs and not self.logprobs:
+            _fail("top_logprobs", "needs logprobs=True")
+
+    @staticmethod
+    def _valid_stop(stop: Any) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            _fail("stop", "must be a string or a list of strings")
+        if len(stop) > MAX_STOP_STRINGS:
+            _fail("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+        if any(s == "" for s in stop):
+            _fail("stop", "stop strings must not be empty")
+        return list(stop)
+
+    @staticmethod
+    def _valid_logit_bias(bias: Any) -> dict[int, float]:
+        if not isinstance(bias, dict):
+            _fail("logit_bias", "must be a mapping of token id to bias")
+        clean: dict[int, float] = {}
+        for key, value in bias.items():
+            try:  # OpenAI's JSON carries token ids as strings
+                token = int(key)
+            except (TypeError, ValueError):
+                _fail("logit_bias", f"key {key!r} is not a token id")
+            if token < 0:
+                _fail("logit_bias", f"token id {token} is negative")
+            if not _is_number(value) or not (-100 <= value <= 100):
+                _fail("logit_bias", f"bias for token {token} must be in [-100, 100], got {value!r}")
+            clean[token] = float(value)
+        return clean
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class TokenLogprob:
+    """The chosen token's log-probability and, if asked, the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestTimings:
+    """Seconds; ``None`` where the moment has not come (yet)."""
+
+    arrival_time: float  # time.monotonic() when submitted
+    queue_time: float | None = None  # arrival → first scheduled
+    time_to_first_token: float | None = None  # arrival → first token
+    time_per_output_token: float | None = None  # mean gap between tokens after the first
+    e2e_latency: float | None = None  # arrival → finish
+    first_scheduled_step: int | None = None  # engine step that first ran this request
+
+
+@dataclass
+class RequestOutput:
+    """One delivery for a request: what is new since the previous one, and the running totals."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+    timings: RequestTimings
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    error: str | None = None  # set when finish_reason == "error"
+
+
+class Sequence:
+    """One request's tokens and progress through the engine. Touched only by the step loop."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 *, max_tokens: int, arrival_time: float, detokenizer: Any = None):
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt, then generated tokens
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens  # after clamping to the context
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks
+        self.num_cached_prompt_tokens = 0  # prompt tokens served by the prefix cache
+        self.num_preemptions = 0
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: str | int | None = None
+        self.error: str | None = None
+        self.detokenizer = detokenizer
+        self.stop_checker: Any = None  # set by the engine; see engine.StopChecker
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.timings = RequestTimings(arrival_time=arrival_time)
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.value})")
+
+
+class StopStringMatcher:
+    """Finds stop strings in streamed text, even when one spans several tokens.
+
+    Text that could still turn out to be the start of a stop string is held back; nothing of a
+    stop string is ever emitted. Only the held text and the new piece need searching: any earlier
+    start of a stop string would have been held back too.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.held = ""
+
+    def feed(self, piece: str) -> tuple[str, str | None]:
+        """Returns (text safe to emit, the stop string found or None)."""
+        if not self.stops:
+            return piece, None
+        text = self.held + piece
+        found_at, found = len(text) + 1, None
+        for stop in self.stops:
+            at = text.find(stop)
+            if at != -1 and at < found_at:
+                found_at, found = at, stop
+        if found is not None:
+            self.held = ""
+            return text[:found_at], found
+        keep = 0
+        for stop in self.stops:
+            for length in range(min(len(stop) - 1, len(text)), keep, -1):
+                if stop.startswith(text[len(text) - length:]):
+                    keep = length
+                    break
+        self.held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep], None
+
+    def flush(self) -> str:
+        """The held text, once the sequence ends for another reason."""
+        held, self.held = self.held, ""
+        return held
