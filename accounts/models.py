@@ -1,1 +1,163 @@
-"""Models arrive with this app's issue."""
+"""Users (email login), organizations and their members, and API keys.
+
+An API key belongs to an organization. Only a SHA-256 hash of the full key is stored: the key is a
+high-entropy random secret, so a fast hash is enough and nothing in the row lets anyone rebuild it.
+The visible ``prefix`` finds the row; the hash is then compared in constant time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from django.contrib.auth.base_user import AbstractBaseUser, BaseUserManager
+from django.contrib.auth.models import PermissionsMixin
+from django.db import models
+from django.db.models.functions import Lower
+from django.utils import timezone
+
+# What an API key may be allowed to do.
+SCOPE_INFERENCE = "inference"
+SCOPE_READ_USAGE = "read_usage"
+SCOPE_MANAGE = "manage"
+SCOPES = (SCOPE_INFERENCE, SCOPE_READ_USAGE, SCOPE_MANAGE)
+
+KEY_PREFIX = "sk-"
+KEY_PREFIX_LENGTH = 12  # the visible part after "sk-"
+
+
+def hash_api_key(raw: str) -> str:
+    """The stored form of a key: SHA-256 hex of the whole key (a random secret, so no slow hash)."""
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+class UserManager(BaseUserManager):
+    use_in_migrations = True
+
+    def _create(self, email: str, password: str | None, **extra) -> "User":
+        if not email:
+            raise ValueError("a user needs an email address")
+        user = self.model(email=self.normalize_email(email).lower(), **extra)
+        if password:
+            user.set_password(password)
+        else:
+            user.set_unusable_password()
+        user.save(using=self._db)
+        return user
+
+    def create_user(self, email: str, password: str | None = None, **extra) -> "User":
+        extra.setdefault("is_staff", False)
+        extra.setdefault("is_superuser", False)
+        return self._create(email, password, **extra)
+
+    def create_superuser(self, email: str, password: str | None = None, **extra) -> "User":
+        extra["is_staff"] = True
+        extra["is_superuser"] = True
+        return self._create(email, password, **extra)
+
+    def get_by_natural_key(self, email):
+        return self.get(email__iexact=email)
+
+
+class User(AbstractBaseUser, PermissionsMixin):
+    """A person who logs in with an email address and a password."""
+
+    email = models.EmailField("email address", max_length=254, unique=True)
+    name = models.CharField(max_length=150, blank=True)
+    is_staff = models.BooleanField(default=False, help_text="May log in to the operator's admin site.")
+    is_active = models.BooleanField(default=True)
+    date_joined = models.DateTimeField(default=timezone.now)
+
+    objects = UserManager()
+
+    USERNAME_FIELD = "email"
+    EMAIL_FIELD = "email"
+    REQUIRED_FIELDS: list[str] = []
+
+    class Meta:
+        constraints = [models.UniqueConstraint(Lower("email"), name="accounts_user_email_ci_unique")]
+
+    def __str__(self) -> str:
+        return self.email
+
+    def get_full_name(self) -> str:
+        return self.name or self.email
+
+    def get_short_name(self) -> str:
+        return self.name or self.email.split("@")[0]
+
+
+class Organization(models.Model):
+    """The unit that owns deployments, API keys, credits and usage."""
+
+    name = models.CharField(max_length=150)
+    slug = models.SlugField(max_length=160, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name", "id"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Membership(models.Model):
+    class Role(models.TextChoices):
+        OWNER = "owner", "Owner"
+        ADMIN = "admin", "Admin"
+        MEMBER = "member", "Member"
+
+    user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="memberships")
+    organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["created_at", "id"]
+        constraints = [
+            models.UniqueConstraint(fields=["user", "organization"], name="accounts_membership_unique_pair"),
+            models.CheckConstraint(condition=models.Q(role__in=["owner", "admin", "member"]),
+                                   name="accounts_membership_role_valid"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user} in {self.organization} ({self.role})"
+
+
+class ApiKey(models.Model):
+    """An organization's API key. The secret itself is never stored, only its SHA-256 hex digest."""
+
+    organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="api_keys")
+    created_by = models.ForeignKey(User, null=True, blank=True, on_delete=models.SET_NULL, related_name="api_keys")
+    name = models.CharField(max_length=100)
+    prefix = models.CharField(max_length=KEY_PREFIX_LENGTH, unique=True, editable=False)
+    secret_hash = models.CharField(max_length=64, unique=True, editable=False)
+    scopes = models.JSONField(default=list)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            models.CheckConstraint(condition=~models.Q(secret_hash=""), name="accounts_apikey_hash_not_empty"),
+            models.CheckConstraint(condition=~models.Q(prefix=""), name="accounts_apikey_prefix_not_empty"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.display_prefix})"
+
+    @property
+    def display_prefix(self) -> str:
+        """What the dashboard shows so a user recognises a key: ``sk-abcd1234wxyz…``."""
+        return f"{KEY_PREFIX}{self.prefix}…"
+
+    @property
+    def is_revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    def is_expired(self, now=None) -> bool:
+        return self.expires_at is not None and self.expires_at <= (now or timezone.now())
+
+    def has_scope(self, scope: str) -> bool:
+        return scope in (self.scopes or [])

@@ -3,6 +3,7 @@
     up       everything in the foreground on the embedded defaults (Ctrl-C stops it all)
     web      the ASGI web server alone
     worker   one Celery worker alone
+    createkey  create an API key and print it
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import urllib.request
 from .processes import StartError, child_env, spawn, start_embedded_redis, stop_all, web_command, worker_command
 
 DEFAULT_QUEUES = ["default", "billing"]
+ADMIN_EMAIL = "admin@localhost"
+DEFAULT_ORG = "default"
+DEFAULT_SCOPES = ["inference", "read_usage"]
 
 
 class Abort(Exception):
@@ -85,11 +89,82 @@ def ensure_admin(settings) -> str | None:
     if users.objects.filter(is_superuser=True).exists():
         return None
     password = secrets.token_urlsafe(12)
-    users.objects.create_superuser(username="admin", email="admin@localhost", password=password)
+    users.objects.create_superuser(email=ADMIN_EMAIL, password=password)
     path = settings.DATA_DIR / "admin-password.txt"
     path.write_text(password + "\n")
     path.chmod(0o600)
     return password
+
+
+def require_migrated() -> None:
+    from django.db import connection
+    from django.db.migrations.executor import MigrationExecutor
+
+    executor = MigrationExecutor(connection)
+    if executor.migration_plan(executor.loader.graph.leaf_nodes()):
+        raise Abort("the database has unapplied migrations: run `inference-platform up` (or `manage.py migrate`) first")
+
+
+def make_api_key(*, org_name: str, email: str | None, scopes: list[str], name: str) -> tuple[str, list[str]]:
+    """A new key for the organization ``org_name`` (created, owned by ``email``, when missing).
+    Returns the key and what was created, for the operator."""
+    from django.contrib.auth import get_user_model
+    from django.db import transaction
+
+    from accounts.errors import InvalidInput
+    from accounts.models import Membership, Organization
+    from accounts.services import add_member, create_api_key, create_organization, create_user
+
+    users = get_user_model()
+    notes: list[str] = []
+    try:
+        with transaction.atomic():
+            user = None
+            if email:
+                user = users.objects.filter(email__iexact=email).first()
+                if user is None:
+                    user = create_user(email=email, password=None)
+                    notes.append(f"created the user {user.email} (no password yet: set one with `manage.py changepassword {user.email}`)")
+            organization = Organization.objects.filter(name=org_name).first() or Organization.objects.filter(slug=org_name).first()
+            if organization is None:
+                if user is None:
+                    user = users.objects.filter(email__iexact=ADMIN_EMAIL).first() or users.objects.filter(is_superuser=True).order_by("pk").first()
+                    if user is None:
+                        raise Abort("no user to own the new organization: pass --email")
+                organization = create_organization(name=org_name, owner=user)
+                notes.append(f"created the organization {organization.name!r} owned by {user.email}")
+            elif user is not None and not Membership.objects.filter(organization=organization, user=user).exists():
+                add_member(organization=organization, user=user, role=Membership.Role.ADMIN)
+                notes.append(f"added {user.email} to {organization.name!r} as an admin")
+            if user is None:
+                owner = organization.memberships.filter(role=Membership.Role.OWNER).select_related("user").first()
+                user = owner.user if owner else None
+            api_key, raw = create_api_key(organization=organization, name=name, scopes=scopes, created_by=user)
+    except InvalidInput as exc:
+        raise Abort(f"{exc.field}: {exc.message}") from None
+    notes.append(f"created the API key {api_key.name!r} ({api_key.display_prefix}) for {organization.name!r} "
+                 f"with scopes {', '.join(api_key.scopes)}")
+    return raw, notes
+
+
+def ensure_api_key(settings) -> str:
+    """The key `up` prints: saved (0600) in DATA_DIR/api-key.txt the first time, reprinted later while
+    it still works."""
+    from accounts.errors import ApiKeyError
+    from accounts.selectors import authenticate_api_key
+
+    path = settings.DATA_DIR / "api-key.txt"
+    if path.exists():
+        raw = path.read_text().strip()
+        try:
+            authenticate_api_key(raw)
+            return raw
+        except ApiKeyError:
+            pass  # a fresh database, or the key was revoked: make a new one
+    raw, _ = make_api_key(org_name=DEFAULT_ORG, email=ADMIN_EMAIL, scopes=["inference", "read_usage", "manage"], name="up")
+    path.write_text(raw + "\n")
+    path.chmod(0o600)
+    return raw
 
 
 def seed(settings) -> None:
@@ -171,6 +246,7 @@ def cmd_up(args) -> int:
         say("[3/5] seeding")
         seed(settings)
         password = ensure_admin(settings)
+        api_key = ensure_api_key(settings)
         say(f"[4/5] starting the web server on http://{args.host}:{args.port} and a worker")
         env = child_env(DATA_DIR=str(settings.DATA_DIR))
         logs = settings.DATA_DIR / "logs"
@@ -191,10 +267,15 @@ def cmd_up(args) -> int:
         if isinstance(exc, KeyboardInterrupt):
             return 130
         raise
-    login = f"admin / {password}" if password else f"admin (password in {settings.DATA_DIR / 'admin-password.txt'})"
+    login = f"{ADMIN_EMAIL} / {password}" if password else f"{ADMIN_EMAIL} (password in {settings.DATA_DIR / 'admin-password.txt'})"
     say("")
     say(f"  Dashboard:  {base}/")
     say(f"  Log in as:  {login}")
+    say(f"  API key:    {api_key}  (also in {settings.DATA_DIR / 'api-key.txt'})")
+    say("  Try it:")
+    say(f"    curl {base}/v1/chat/completions -H \"Authorization: Bearer {api_key}\" "
+        "-H \"Content-Type: application/json\" "
+        "-d '{\"model\": \"smollm2-135m-instruct\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'")
     say(f"  Logs:       {logs}")
     say("  Ready. Press Ctrl-C to stop everything.")
     say("")
@@ -220,6 +301,18 @@ def cmd_worker(args) -> int:
     name = args.name or f"worker-{os.getpid()}@{socket.gethostname()}"
     procs.append(spawn(worker_command(queues=args.queues, concurrency=args.concurrency, name=name), env=child_env()))
     return supervise(procs)
+
+
+def cmd_createkey(args) -> int:
+    settings = setup_django()
+    require_database(settings)
+    require_migrated()
+    scopes = [scope.strip() for scope in args.scopes.split(",") if scope.strip()]
+    raw, notes = make_api_key(org_name=args.org, email=args.email, scopes=scopes, name=args.name)
+    for note in notes:
+        print(note, file=sys.stderr)
+    print(raw, flush=True)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -249,6 +342,20 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--concurrency", type=int, default=8, help="worker threads (default 8)")
     worker.add_argument("--name", default="", help="Celery node name (default worker-PID@HOST)")
     worker.set_defaults(func=cmd_worker)
+
+    createkey = sub.add_parser(
+        "createkey", help="create an API key and print it (alone, on stdout)",
+        description="Create an API key for an organization, creating the organization and the user when "
+                    "missing. The key alone goes to stdout (it is shown only this once); notes go to stderr.",
+    )
+    createkey.add_argument("--org", default=DEFAULT_ORG, help=f"organization name (default {DEFAULT_ORG!r}; created when missing)")
+    createkey.add_argument("--email", default=None,
+                           help=f"the user the key is created for (created when missing); default: the organization's owner, "
+                                f"or {ADMIN_EMAIL} for a new organization")
+    createkey.add_argument("--scopes", default=",".join(DEFAULT_SCOPES),
+                           help=f"comma-separated scopes among inference, read_usage, manage (default {','.join(DEFAULT_SCOPES)})")
+    createkey.add_argument("--name", default="cli", help="a name for the key (default 'cli')")
+    createkey.set_defaults(func=cmd_createkey)
     return parser
 
 

@@ -80,6 +80,7 @@ TEMPLATES = [
 
 DATABASES = {"default": database_from_url(env_str("DATABASE_URL"), data_dir=DATA_DIR)}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+AUTH_USER_MODEL = "accounts.User"
 
 # One Redis for the Celery broker, the Channels layer and the cache. Unset: the private Redis that
 # `inference-platform up` starts on a unix socket under DATA_DIR.

@@ -1,0 +1,87 @@
+"""Reads of the accounts app that are more than a lookup. The one place an API key is resolved."""
+
+from __future__ import annotations
+
+import hmac
+import re
+
+from django.db.models import QuerySet
+from django.utils import timezone
+
+from .errors import ExpiredApiKey, InvalidApiKey, MissingApiKey, RevokedApiKey
+from .models import KEY_PREFIX, KEY_PREFIX_LENGTH, ApiKey, Membership, Organization, User, hash_api_key
+
+_KEY_SHAPE = re.compile(rf"^{re.escape(KEY_PREFIX)}([A-Za-z0-9]{{{KEY_PREFIX_LENGTH}}})_[A-Za-z0-9_-]{{20,200}}$")
+
+
+def parse_bearer(header: str | bytes | None) -> str:
+    """The key from an ``Authorization: Bearer sk-...`` header value; raises MissingApiKey/InvalidApiKey."""
+    if isinstance(header, bytes):
+        header = header.decode("latin-1")
+    header = (header or "").strip()
+    if not header:
+        raise MissingApiKey()
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise InvalidApiKey("The Authorization header must be 'Bearer sk-...'.")
+    return token.strip()
+
+
+def authenticate_api_key(raw: str) -> ApiKey:
+    """The usable key for ``raw``, with its organization and creator loaded.
+
+    Raises InvalidApiKey (missing, malformed or unknown), RevokedApiKey or ExpiredApiKey.
+    """
+    raw = (raw or "").strip()
+    if not raw:
+        raise MissingApiKey()
+    match = _KEY_SHAPE.match(raw)
+    if match is None:
+        raise InvalidApiKey()
+    api_key = ApiKey.objects.select_related("organization", "created_by").filter(prefix=match.group(1)).first()
+    # Compare even when no row matched, so both paths cost the same hash and compare.
+    expected = api_key.secret_hash if api_key is not None else "0" * 64
+    if not hmac.compare_digest(expected.encode(), hash_api_key(raw).encode()) or api_key is None:
+        raise InvalidApiKey()
+    if api_key.revoked_at is not None:
+        raise RevokedApiKey()
+    if api_key.is_expired(timezone.now()):
+        raise ExpiredApiKey()
+    return api_key
+
+
+def organizations_for_user(*, user: User) -> QuerySet[Organization]:
+    """The organizations ``user`` belongs to, in the order they joined them."""
+    if not getattr(user, "is_authenticated", False):
+        return Organization.objects.none()
+    return (
+        Organization.objects.filter(memberships__user=user)
+        .order_by("memberships__created_at", "memberships__id")
+    )
+
+
+def membership_for(*, user: User, organization: Organization) -> Membership | None:
+    if not getattr(user, "is_authenticated", False):
+        return None
+    return Membership.objects.filter(user=user, organization=organization).first()
+
+
+def current_organization_for_user(*, user: User, organization_id=None) -> Organization | None:
+    """A session user's current organization: ``organization_id`` (from the session) when the user
+    belongs to it, else the first organization they joined, else None."""
+    organizations = organizations_for_user(user=user)
+    if organization_id:
+        try:
+            chosen = organizations.filter(pk=int(organization_id)).first()
+        except (TypeError, ValueError):
+            chosen = None
+        if chosen is not None:
+            return chosen
+    return organizations.first()
+
+
+def api_keys_for_organization(*, organization: Organization, include_revoked: bool = False) -> QuerySet[ApiKey]:
+    keys = ApiKey.objects.filter(organization=organization).select_related("created_by")
+    if not include_revoked:
+        keys = keys.filter(revoked_at__isnull=True)
+    return keys.order_by("-created_at", "-id")

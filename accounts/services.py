@@ -1,0 +1,164 @@
+"""Every write of the accounts app. Keyword-only arguments."""
+
+from __future__ import annotations
+
+import secrets
+import string
+from datetime import datetime, timedelta
+
+from django.contrib.auth.password_validation import validate_password
+from django.core.exceptions import ValidationError
+from django.core.validators import validate_email
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+from django.utils import timezone
+from django.utils.text import slugify
+
+from .errors import InvalidInput
+from .models import KEY_PREFIX, KEY_PREFIX_LENGTH, SCOPES, ApiKey, Membership, Organization, User, hash_api_key
+from .signals import organization_created
+
+# last_used_at is written at most this often per key.
+TOUCH_INTERVAL = timedelta(seconds=60)
+_PREFIX_ALPHABET = string.ascii_letters + string.digits
+
+
+def create_user(*, email: str, password: str | None, name: str = "", validate: bool = True) -> User:
+    """A new user. ``password=None`` gives an unusable password (set later through a reset)."""
+    email = (email or "").strip().lower()
+    try:
+        validate_email(email)
+    except ValidationError:
+        raise InvalidInput("email", "Enter a valid email address.") from None
+    if User.objects.filter(email__iexact=email).exists():
+        raise InvalidInput("email", "A user with this email address already exists.")
+    if password is not None and validate:
+        try:
+            validate_password(password, User(email=email, name=name))
+        except ValidationError as exc:
+            raise InvalidInput("password", " ".join(exc.messages)) from None
+    try:
+        with transaction.atomic():
+            return User.objects.create_user(email=email, password=password, name=name)
+    except IntegrityError:
+        raise InvalidInput("email", "A user with this email address already exists.") from None
+
+
+def _unique_slug(name: str) -> str:
+    base = slugify(name)[:150] or "org"
+    slug, n = base, 1
+    while Organization.objects.filter(slug=slug).exists():
+        n += 1
+        slug = f"{base}-{n}"
+    return slug
+
+
+@transaction.atomic
+def create_organization(*, name: str, owner: User) -> Organization:
+    """A new organization with ``owner`` as its owner; sends ``organization_created``."""
+    name = (name or "").strip()
+    if not name:
+        raise InvalidInput("name", "An organization needs a name.")
+    if len(name) > Organization._meta.get_field("name").max_length:
+        raise InvalidInput("name", "The name is too long (150 characters at most).")
+    for attempt in range(5):
+        try:
+            with transaction.atomic():
+                organization = Organization.objects.create(name=name, slug=_unique_slug(name))
+            break
+        except IntegrityError:  # a concurrent creation took the slug
+            if attempt == 4:
+                raise
+    Membership.objects.create(user=owner, organization=organization, role=Membership.Role.OWNER)
+    organization_created.send(sender=Organization, organization=organization)
+    return organization
+
+
+def add_member(*, organization: Organization, user: User, role: str = Membership.Role.MEMBER) -> Membership:
+    """Adds ``user`` to ``organization``, or changes the role of an existing member."""
+    if role not in Membership.Role.values:
+        raise InvalidInput("role", f"The role must be one of {', '.join(Membership.Role.values)}.")
+    membership, created = Membership.objects.get_or_create(
+        organization=organization, user=user, defaults={"role": role}
+    )
+    if not created and membership.role != role:
+        membership.role = role
+        membership.save(update_fields=["role"])
+    return membership
+
+
+def remove_member(*, organization: Organization, user: User) -> None:
+    """Removes a member; the last owner cannot leave (someone must own the organization)."""
+    with transaction.atomic():
+        membership = Membership.objects.select_for_update().filter(organization=organization, user=user).first()
+        if membership is None:
+            return
+        if membership.role == Membership.Role.OWNER:
+            owners = Membership.objects.filter(organization=organization, role=Membership.Role.OWNER).count()
+            if owners <= 1:
+                raise InvalidInput("user", "The last owner cannot leave the organization.")
+        membership.delete()
+
+
+def validate_scopes(scopes) -> list[str]:
+    if not isinstance(scopes, (list, tuple)) or not scopes:
+        raise InvalidInput("scopes", f"Give at least one scope of: {', '.join(SCOPES)}.")
+    unknown = [s for s in scopes if s not in SCOPES]
+    if unknown:
+        raise InvalidInput("scopes", f"Unknown scope {unknown[0]!r}: choose from {', '.join(SCOPES)}.")
+    return [s for s in SCOPES if s in scopes]  # canonical order, no duplicates
+
+
+def _new_key() -> tuple[str, str]:
+    prefix = "".join(secrets.choice(_PREFIX_ALPHABET) for _ in range(KEY_PREFIX_LENGTH))
+    return prefix, f"{KEY_PREFIX}{prefix}_{secrets.token_urlsafe(32)}"
+
+
+def create_api_key(
+    *,
+    organization: Organization,
+    name: str,
+    scopes: list[str],
+    created_by: User | None = None,
+    expires_at: datetime | None = None,
+) -> tuple[ApiKey, str]:
+    """A new key for ``organization``. Returns the row and the plaintext key, which exists only here."""
+    name = (name or "").strip()
+    if not name:
+        raise InvalidInput("name", "A key needs a name.")
+    if len(name) > ApiKey._meta.get_field("name").max_length:
+        raise InvalidInput("name", "The name is too long (100 characters at most).")
+    scopes = validate_scopes(scopes)
+    if expires_at is not None and expires_at <= timezone.now():
+        raise InvalidInput("expires_at", "The expiry must be in the future.")
+    for attempt in range(5):
+        prefix, raw = _new_key()
+        try:
+            with transaction.atomic():
+                api_key = ApiKey.objects.create(
+                    organization=organization, created_by=created_by, name=name, prefix=prefix,
+                    secret_hash=hash_api_key(raw), scopes=scopes, expires_at=expires_at,
+                )
+            return api_key, raw
+        except IntegrityError:  # a prefix collision: astronomically rare, draw again
+            if attempt == 4:
+                raise
+    raise AssertionError("unreachable")
+
+
+def revoke_api_key(*, api_key: ApiKey) -> None:
+    """Revokes at once; revoking twice keeps the first time."""
+    now = timezone.now()
+    ApiKey.objects.filter(pk=api_key.pk, revoked_at__isnull=True).update(revoked_at=now)
+    api_key.refresh_from_db(fields=["revoked_at"])
+
+
+def touch_api_key(*, api_key: ApiKey) -> None:
+    """Records that the key was used; writes at most once a minute per key."""
+    now = timezone.now()
+    if api_key.last_used_at is not None and now - api_key.last_used_at < TOUCH_INTERVAL:
+        return
+    ApiKey.objects.filter(pk=api_key.pk).filter(
+        Q(last_used_at__isnull=True) | Q(last_used_at__lt=now - TOUCH_INTERVAL)
+    ).update(last_used_at=now)
+    api_key.last_used_at = now

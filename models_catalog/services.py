@@ -1,0 +1,272 @@
+"""Every write of the catalog app. Keyword-only arguments."""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+from django.utils.text import slugify
+
+from accounts.models import Organization
+
+from .errors import InvalidCatalogModel, InvalidDeployment, ModelImportError
+from .models import DEPLOYMENT_NAME_PATTERN, CatalogModel, Deployment
+from .weights import inspect_weights, models_root, path_under_models_root
+
+# Settings a caller may give a deployment, with the bounds the service enforces (the database
+# enforces the lower bounds and max_replicas >= min_replicas itself).
+INT_SETTINGS = {
+    "batch_window_ms": (0, 10_000),
+    "max_batch_size": (1, 1024),
+    "queue_limit": (1, 100_000),
+    "min_replicas": (0, 64),
+    "max_replicas": (1, 64),
+    "scale_to_zero_seconds": (0, 7 * 24 * 3600),
+}
+CHOICE_SETTINGS = {
+    "kind": Deployment.Kind.values,
+    "dtype": Deployment.Dtype.values,
+}
+BOOL_SETTINGS = {"is_public"}
+SETTINGS = set(INT_SETTINGS) | set(CHOICE_SETTINGS) | BOOL_SETTINGS
+
+_NAME = re.compile(DEPLOYMENT_NAME_PATTERN)
+
+
+def _clean_settings(values: dict) -> dict:
+    cleaned = {}
+    for field, value in values.items():
+        if field not in SETTINGS:
+            raise InvalidDeployment(field, f"Unknown setting {field!r}.")
+        if field in INT_SETTINGS:
+            low, high = INT_SETTINGS[field]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidDeployment(field, f"{field} must be a whole number.")
+            if not low <= value <= high:
+                raise InvalidDeployment(field, f"{field} must be between {low} and {high}.")
+        elif field in CHOICE_SETTINGS:
+            if value not in CHOICE_SETTINGS[field]:
+                raise InvalidDeployment(field, f"{field} must be one of {', '.join(CHOICE_SETTINGS[field])}.")
+        elif not isinstance(value, bool):
+            raise InvalidDeployment(field, f"{field} must be true or false.")
+        cleaned[field] = value
+    return cleaned
+
+
+def _check_consistency(deployment: Deployment) -> None:
+    if deployment.max_replicas < deployment.min_replicas:
+        raise InvalidDeployment("max_replicas", "max_replicas must be at least min_replicas.")
+    if deployment.kind == Deployment.Kind.DEDICATED and deployment.min_replicas < 1:
+        raise InvalidDeployment("min_replicas", "A dedicated deployment keeps at least one replica (min_replicas >= 1).")
+
+
+def _check_name(name) -> str:
+    if not isinstance(name, str) or not name:
+        raise InvalidDeployment("name", "A deployment needs a name.")
+    if not _NAME.match(name):
+        raise InvalidDeployment(
+            "name", "Use 1-100 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit."
+        )
+    return name
+
+
+def create_deployment(
+    *, organization: Organization | None, model: CatalogModel, name: str, created_by=None, **settings
+) -> Deployment:
+    """A new deployment of ``model``. ``organization=None`` makes an operator's deployment.
+
+    Settings: kind, is_public, batch_window_ms, max_batch_size, queue_limit, min_replicas,
+    max_replicas, scale_to_zero_seconds, dtype. Raises InvalidDeployment(field, message).
+    """
+    name = _check_name(name)
+    if not isinstance(model, CatalogModel) or model.pk is None:
+        raise InvalidDeployment("model", "Choose a model from the catalog.")
+    if not model.is_active:
+        raise InvalidDeployment("model", f"The model '{model.slug}' is not available.")
+    cleaned = _clean_settings(settings)
+    if organization is not None and cleaned.get("is_public"):
+        raise InvalidDeployment("is_public", "Only the operator can publish a deployment to every organization.")
+    if cleaned.get("kind") == Deployment.Kind.DEDICATED:
+        cleaned.setdefault("min_replicas", 1)
+        cleaned.setdefault("max_replicas", max(1, cleaned["min_replicas"]))
+    deployment = Deployment(organization=organization, model=model, name=name, created_by=created_by, **cleaned)
+    _check_consistency(deployment)
+    if Deployment.objects.filter(name=name).exists():
+        raise InvalidDeployment("name", f"The name '{name}' is taken: choose another.")
+    try:
+        with transaction.atomic():
+            deployment.save()
+    except IntegrityError:  # a concurrent creation took the name
+        raise InvalidDeployment("name", f"The name '{name}' is taken: choose another.") from None
+    return deployment
+
+
+def update_deployment(*, deployment: Deployment, **changes) -> Deployment:
+    """Changes settings (see create_deployment). The name and the model are fixed for life: the name
+    is the deployment's queue, the model its workers' weights."""
+    for fixed in ("name", "model", "organization"):
+        if fixed in changes:
+            raise InvalidDeployment(fixed, f"The {fixed} of a deployment cannot be changed: create a new one.")
+    cleaned = _clean_settings(changes)
+    if deployment.organization_id is not None and cleaned.get("is_public"):
+        raise InvalidDeployment("is_public", "Only the operator can publish a deployment to every organization.")
+    with transaction.atomic():
+        locked = Deployment.objects.select_for_update().get(pk=deployment.pk)
+        for field, value in cleaned.items():
+            setattr(locked, field, value)
+        _check_consistency(locked)
+        locked.save(update_fields=[*cleaned, "updated_at"])
+    for field in [*cleaned, "updated_at"]:
+        setattr(deployment, field, getattr(locked, field))
+    return deployment
+
+
+def set_deployment_status(*, deployment: Deployment, status: str, reason: str = "") -> Deployment:
+    if status not in Deployment.Status.values:
+        raise InvalidDeployment("status", f"status must be one of {', '.join(Deployment.Status.values)}.")
+    now = timezone.now()
+    Deployment.objects.filter(pk=deployment.pk).update(status=status, status_reason=reason, updated_at=now)
+    deployment.status, deployment.status_reason, deployment.updated_at = status, reason, now
+    return deployment
+
+
+def delete_deployment(*, deployment: Deployment) -> None:
+    """Removes the deployment; its name is free again afterwards."""
+    Deployment.objects.filter(pk=deployment.pk).delete()
+
+
+def _price(field: str, value) -> Decimal:
+    try:
+        price = Decimal(str(value))
+    except (InvalidOperation, ValueError):
+        raise ModelImportError(f"{field}: not a price: {value!r}") from None
+    if not price.is_finite() or price < 0:
+        raise ModelImportError(f"{field}: a price must be a non-negative amount in USD")
+    return price
+
+
+def _unique_model_slug(base: str) -> str:
+    base = slugify(base)[:90] or "model"
+    slug, n = base, 1
+    while CatalogModel.objects.filter(slug=slug).exists():
+        n += 1
+        slug = f"{base}-{n}"
+    return slug
+
+
+PRICE_FIELDS = ("price_input_per_mtok", "price_cached_input_per_mtok", "price_output_per_mtok", "price_per_request")
+
+
+def import_model(
+    *, path: str | Path, slug: str | None = None, display_name: str | None = None, description: str = "",
+    is_active: bool = True, **prices,
+) -> CatalogModel:
+    """Adds the GGUF file or safetensors folder at ``path`` (absolute, or relative to MODELS_ROOT) to
+    the catalog, filled from its metadata. Raises ModelImportError and writes nothing when the path
+    leads outside MODELS_ROOT or the weights cannot be read."""
+    unknown = set(prices) - set(PRICE_FIELDS)
+    if unknown:
+        raise ModelImportError(f"unknown field {sorted(unknown)[0]!r}")
+    cleaned_prices = {field: _price(field, value) for field, value in prices.items()}
+    resolved = path_under_models_root(path)
+    if not resolved.exists():
+        raise ModelImportError(f"{path}: no such file or folder under MODELS_ROOT")
+    info = inspect_weights(resolved)
+    stored_path = str(resolved.relative_to(models_root()))
+    existing = CatalogModel.objects.filter(weights_path=stored_path).first()
+    if existing is not None:
+        raise ModelImportError(f"{stored_path} is already in the catalog as '{existing.slug}'")
+    stem = resolved.stem if resolved.is_file() else resolved.name
+    if slug is not None:
+        slug = slugify(slug)
+        if not slug:
+            raise ModelImportError("slug: use letters, digits, '-' or '_'")
+        if CatalogModel.objects.filter(slug=slug).exists():
+            raise ModelImportError(f"slug: '{slug}' is already in the catalog")
+    try:
+        with transaction.atomic():
+            return CatalogModel.objects.create(
+                slug=slug or _unique_model_slug(stem),
+                display_name=display_name or info.name or stem,
+                architecture=info.architecture,
+                parameter_count=info.parameter_count,
+                context_length=info.context_length,
+                quantization=info.quantization,
+                weights_path=stored_path,
+                license=info.license[:100],
+                description=description,
+                is_active=is_active,
+                **cleaned_prices,
+            )
+    except IntegrityError as exc:
+        raise ModelImportError(f"cannot add {stored_path} to the catalog: {exc}") from None
+
+
+def update_catalog_model(*, catalog_model: CatalogModel, **changes) -> CatalogModel:
+    """Changes prices, names, description or availability of a catalog model."""
+    allowed = set(PRICE_FIELDS) | {"display_name", "description", "license", "is_active"}
+    for field, value in changes.items():
+        if field not in allowed:
+            raise InvalidCatalogModel(field, f"{field} cannot be changed")
+        if field in PRICE_FIELDS:
+            try:
+                value = _price(field, value)
+            except ModelImportError as exc:
+                raise InvalidCatalogModel(field, exc.message) from None
+        setattr(catalog_model, field, value)
+    catalog_model.save(update_fields=list(changes))
+    return catalog_model
+
+
+BUNDLED_SLUG = "smollm2-135m-instruct"
+# What the bundled file says about itself, for when its package is not installed yet.
+_BUNDLED_FALLBACK = {"architecture": "llama", "parameter_count": 134_515_008, "quantization": "Q4_1", "context_length": 8192}
+
+
+class SeedResult:
+    def __init__(self):
+        self.messages: list[str] = []
+        self.warnings: list[str] = []
+
+
+@transaction.atomic
+def seed_catalog() -> SeedResult:
+    """The bundled model and its public serverless deployment; idempotent (existing rows are kept)."""
+    from .models import BUNDLED_PREFIX
+    from .weights import WeightsNotFound, bundled_weights_path, inspect_gguf
+
+    result = SeedResult()
+    model = CatalogModel.objects.filter(slug=BUNDLED_SLUG).first()
+    if model is None:
+        metadata = dict(_BUNDLED_FALLBACK)
+        try:
+            info = inspect_gguf(bundled_weights_path(BUNDLED_SLUG))
+        except (WeightsNotFound, ModelImportError) as exc:
+            result.warnings.append(f"warning: {exc.message}; the catalog entry uses the known metadata")
+        else:
+            metadata = {"architecture": info.architecture, "parameter_count": info.parameter_count,
+                        "quantization": info.quantization, "context_length": info.context_length}
+        model = CatalogModel.objects.create(
+            slug=BUNDLED_SLUG,
+            display_name="SmolLM2 135M Instruct",
+            weights_path=f"{BUNDLED_PREFIX}{BUNDLED_SLUG}",
+            license="apache-2.0",
+            description="A small instruction-tuned Llama-architecture model from Hugging Face (SmolLM2), "
+                        "shipped with the platform in GGUF Q4_1 so it runs anywhere, CPU included.",
+            price_input_per_mtok=Decimal("0.05"),
+            price_cached_input_per_mtok=Decimal("0.025"),
+            price_output_per_mtok=Decimal("0.10"),
+            price_per_request=Decimal("0"),
+            **metadata,
+        )
+        result.messages.append(f"added the catalog model {model.slug}")
+    if not Deployment.objects.filter(name=BUNDLED_SLUG).exists():
+        Deployment.objects.create(
+            organization=None, model=model, name=BUNDLED_SLUG, kind=Deployment.Kind.SERVERLESS, is_public=True,
+            batch_window_ms=20, max_batch_size=32, status=Deployment.Status.READY,
+        )
+        result.messages.append(f"added the public serverless deployment {BUNDLED_SLUG}")
+    return result
