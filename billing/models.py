@@ -1,1 +1,222 @@
-"""Models arrive with this app's issue."""
+"""Billing data: usage records, the credit ledger, spend limits, and Stripe top-ups.
+
+Invariants live in the database: one usage record per request id, one ledger entry per
+(kind, reference) where a reference is given, signs of ledger amounts by kind, cached prompt tokens
+never above prompt tokens, one Stripe event processed once. An organization's balance is the sum of
+its ledger entries, computed by the database (``billing.selectors.balance``); there is no stored
+balance to drift.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+from .pricing import COST_DECIMAL_PLACES, STATUS_CANCELLED, STATUS_COMPLETED, STATUS_FAILED, STATUSES
+
+# USD amounts: 12 digits before the point, 6 after (a micro-dollar).
+MONEY = {"max_digits": 18, "decimal_places": COST_DECIMAL_PLACES}
+# Per-million-token prices as applied: 10 decimal places, as fine as a catalog may set them.
+PRICE = {"max_digits": 20, "decimal_places": 10}
+
+
+class UsageRecord(models.Model):
+    """One finished request, what it used and what it cost. Written once per ``request_id``."""
+
+    class Status(models.TextChoices):
+        COMPLETED = STATUS_COMPLETED, "Completed"
+        CANCELLED = STATUS_CANCELLED, "Cancelled"
+        FAILED = STATUS_FAILED, "Failed"
+
+    request_id = models.CharField(max_length=128, unique=True)
+    organization = models.ForeignKey("accounts.Organization", on_delete=models.CASCADE, related_name="usage_records")
+    api_key = models.ForeignKey(
+        "accounts.ApiKey", null=True, blank=True, on_delete=models.SET_NULL, related_name="usage_records"
+    )
+    # SET_NULL: deleting a deployment keeps its history (the name stays in ``deployment_name``).
+    deployment = models.ForeignKey(
+        "models_catalog.Deployment", null=True, blank=True, on_delete=models.SET_NULL, related_name="usage_records"
+    )
+    model = models.CharField(max_length=200, help_text="Catalog model slug.")
+    deployment_name = models.CharField(max_length=200, blank=True)
+    prompt_tokens = models.PositiveIntegerField()
+    cached_prompt_tokens = models.PositiveIntegerField(default=0)
+    completion_tokens = models.PositiveIntegerField()
+    status = models.CharField(max_length=16, choices=Status.choices)
+    queue_ms = models.PositiveIntegerField(null=True, blank=True)
+    ttft_ms = models.PositiveIntegerField(null=True, blank=True)
+    latency_ms = models.PositiveIntegerField(null=True, blank=True)
+    # The prices applied (USD; per million tokens, and per request), copied from the catalog.
+    price_input_per_mtok = models.DecimalField(**PRICE)
+    price_cached_input_per_mtok = models.DecimalField(**PRICE)
+    price_output_per_mtok = models.DecimalField(**PRICE)
+    price_per_request = models.DecimalField(**PRICE)
+    cost = models.DecimalField(**MONEY)
+    # When the request finished (from the event): what reports group by.
+    created_at = models.DateTimeField()
+    # When billing recorded it (later than created_at when the billing queue was behind).
+    recorded_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [
+            models.Index(fields=["organization", "created_at"], name="billing_usage_org_created",
+                         include=["cost"]),
+            models.Index(fields=["api_key", "created_at"], name="billing_usage_key_created",
+                         include=["cost", "prompt_tokens", "completion_tokens"]),
+        ]
+        constraints = [
+            models.CheckConstraint(condition=Q(cached_prompt_tokens__lte=models.F("prompt_tokens")),
+                                   name="billing_usage_cached_le_prompt"),
+            models.CheckConstraint(condition=Q(cost__gte=0), name="billing_usage_cost_not_negative"),
+            models.CheckConstraint(condition=Q(status__in=list(STATUSES)), name="billing_usage_status_valid"),
+            models.CheckConstraint(condition=~Q(request_id=""), name="billing_usage_request_id_not_empty"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.request_id} {self.model} {self.cost}"
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class LedgerEntry(models.Model):
+    """A signed movement of an organization's prepaid credit (USD). Credits are positive, charges
+    negative; the balance is their sum. ``reference`` ties an entry to what caused it (a request id
+    for usage, a PaymentIntent id for a top-up, a refund id for a refund) and is unique per kind, so
+    the same cause can never move money twice."""
+
+    class Kind(models.TextChoices):
+        SIGNUP_CREDIT = "signup_credit", "Sign-up credit"
+        TOPUP = "topup", "Top-up"
+        USAGE = "usage", "Usage"
+        ADJUSTMENT = "adjustment", "Adjustment"
+        REFUND = "refund", "Refund"
+
+    organization = models.ForeignKey("accounts.Organization", on_delete=models.CASCADE, related_name="ledger_entries")
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    amount = models.DecimalField(**MONEY)
+    reference = models.CharField(max_length=255, blank=True, default="")
+    description = models.CharField(max_length=255, blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        verbose_name_plural = "ledger entries"
+        indexes = [
+            # Balance = SUM(amount) per organization: an index-only scan on PostgreSQL.
+            models.Index(fields=["organization", "created_at"], name="billing_ledger_org_created", include=["amount"]),
+        ]
+        constraints = [
+            models.UniqueConstraint(fields=["kind", "reference"], condition=~Q(reference=""),
+                                    name="billing_ledger_kind_reference_unique"),
+            models.CheckConstraint(condition=Q(kind__in=["signup_credit", "topup", "usage", "adjustment", "refund"]), name="billing_ledger_kind_valid"),
+            models.CheckConstraint(
+                condition=(
+                    (Q(kind__in=["signup_credit", "topup"]) & Q(amount__gt=0))
+                    | (Q(kind__in=["usage", "refund"]) & Q(amount__lt=0))
+                    | (Q(kind="adjustment") & ~Q(amount=0))
+                ),
+                name="billing_ledger_amount_sign_by_kind",
+            ),
+            # Usage, top-ups and refunds always say what caused them.
+            models.CheckConstraint(condition=Q(kind__in=["adjustment"]) | ~Q(reference=""),
+                                   name="billing_ledger_reference_required"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.amount} ({self.reference or '-'})"
+
+
+class SpendLimit(models.Model):
+    """An organization's monthly spend limit (USD, calendar month in UTC); null: no limit."""
+
+    organization = models.OneToOneField("accounts.Organization", on_delete=models.CASCADE, related_name="spend_limit")
+    monthly_limit = models.DecimalField(**MONEY, null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(condition=Q(monthly_limit__isnull=True) | Q(monthly_limit__gte=0),
+                                   name="billing_spendlimit_not_negative"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.organization}: {self.monthly_limit if self.monthly_limit is not None else 'no limit'}"
+
+
+class ApiKeySpendLimit(models.Model):
+    """Limits on what one API key may spend over its lifetime: an amount (USD) and/or a number of
+    tokens (prompt + completion); null: no limit."""
+
+    api_key = models.OneToOneField("accounts.ApiKey", on_delete=models.CASCADE, related_name="spend_limit")
+    amount_limit = models.DecimalField(**MONEY, null=True, blank=True)
+    token_limit = models.PositiveBigIntegerField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(condition=Q(amount_limit__isnull=True) | Q(amount_limit__gte=0),
+                                   name="billing_keylimit_amount_not_negative"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.api_key}: {self.amount_limit} USD / {self.token_limit} tokens"
+
+
+class BillingAccount(models.Model):
+    """An organization's customer at Stripe, created on its first top-up."""
+
+    organization = models.OneToOneField("accounts.Organization", on_delete=models.CASCADE, related_name="billing_account")
+    stripe_customer_id = models.CharField(max_length=255, unique=True, null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"{self.organization} ({self.stripe_customer_id or 'no customer yet'})"
+
+
+class TopUp(models.Model):
+    """A top-up started in the dashboard: one Stripe PaymentIntent. The credit itself is the ledger
+    entry written when Stripe's signed ``payment_intent.succeeded`` webhook arrives."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending", "Pending"
+        SUCCEEDED = "succeeded", "Succeeded"
+        FAILED = "failed", "Failed"
+
+    organization = models.ForeignKey("accounts.Organization", on_delete=models.CASCADE, related_name="topups")
+    payment_intent_id = models.CharField(max_length=255, unique=True)
+    amount = models.DecimalField(**MONEY)
+    currency = models.CharField(max_length=3, default="usd")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            models.CheckConstraint(condition=Q(amount__gt=0), name="billing_topup_amount_positive"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.payment_intent_id} {self.amount} {self.status}"
+
+
+class StripeEvent(models.Model):
+    """A Stripe webhook event already processed: its id is the key, so a replay does nothing."""
+
+    event_id = models.CharField(max_length=255, primary_key=True)
+    type = models.CharField(max_length=100)
+    livemode = models.BooleanField(default=False)
+    received_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-received_at"]
+
+    def __str__(self) -> str:
+        return f"{self.event_id} {self.type}"

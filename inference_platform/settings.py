@@ -156,3 +156,32 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
 }
+
+# --- billing (billing/): sign-up credit, Stripe top-ups ----------------------------------------
+# Money settings are Decimal USD. Without STRIPE_SECRET_KEY top-ups answer 503 (usage billing and
+# the ledger work regardless). STRIPE_API_BASE unset: Stripe's own API; tests point it at localstripe.
+from decimal import Decimal, InvalidOperation  # noqa: E402
+
+
+def _env_decimal(name: str, default: str) -> Decimal:
+    raw = env_str(name, default).strip() or default
+    try:
+        value = Decimal(raw)
+    except InvalidOperation:
+        raise ImproperlyConfigured(f"{name} must be a decimal amount in USD, like {default}, not {raw!r}") from None
+    if not value.is_finite() or value < 0:
+        raise ImproperlyConfigured(f"{name} must be a finite amount >= 0, not {raw!r}")
+    return value
+
+
+BILLING_SIGNUP_CREDIT = _env_decimal("BILLING_SIGNUP_CREDIT", "5.00")
+STRIPE_SECRET_KEY = env_str("STRIPE_SECRET_KEY")
+STRIPE_PUBLISHABLE_KEY = env_str("STRIPE_PUBLISHABLE_KEY")
+STRIPE_WEBHOOK_SECRET = env_str("STRIPE_WEBHOOK_SECRET")
+STRIPE_API_BASE = env_str("STRIPE_API_BASE") or None
+STRIPE_JS_URL = env_str("STRIPE_JS_URL", "https://js.stripe.com/v3/")
+TOPUP_MIN = _env_decimal("TOPUP_MIN", "5.00")
+TOPUP_MAX = _env_decimal("TOPUP_MAX", "1000.00")
+if TOPUP_MIN > TOPUP_MAX:
+    raise ImproperlyConfigured(f"TOPUP_MIN ({TOPUP_MIN}) is above TOPUP_MAX ({TOPUP_MAX})")
+# --- end billing ------------------------------------------------------------------------------

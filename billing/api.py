@@ -1,0 +1,211 @@
+"""The billing REST API: usage reports, the CSV export, balance, ledger and top-ups.
+
+Callers: an API key with the ``read_usage`` scope (``Authorization: Bearer sk-...``), or the
+dashboard's logged-in user (session; the session's current organization). Top-ups need the
+``manage`` scope or the dashboard. Every answer concerns the caller's organization only. Errors
+follow OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import csv
+from typing import Iterable, Iterator
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.core.handlers.asgi import ASGIRequest
+from django.http import StreamingHttpResponse
+from rest_framework import exceptions as drf_exceptions
+from rest_framework.authentication import SessionAuthentication
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from accounts.authentication import ApiKeyAuthentication
+from accounts.middleware import SESSION_ORGANIZATION_KEY
+from accounts.models import ApiKey
+from accounts.permissions import require_scope
+from accounts.selectors import current_organization_for_user
+
+from . import selectors, serializers, services
+from .errors import BillingError
+
+EXPORT_CHUNK_ROWS = 2000
+
+_STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    406: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+def _error_response(status: int, message: str, *, type: str | None = None, param=None, code=None, headers=None):
+    body = {"error": {"message": message, "type": type or _STATUS_TYPES.get(status, "server_error"),
+                      "param": param, "code": code}}
+    return Response(body, status=status, headers=headers)
+
+
+def billing_exception_handler(exc, context):
+    """BillingError and DRF's own errors, rendered in OpenAI's shape; anything else: a 500."""
+    if isinstance(exc, BillingError):
+        return _error_response(exc.status, exc.message, type=exc.type, param=exc.param, code=exc.code)
+    if isinstance(exc, drf_exceptions.APIException):
+        detail = exc.detail
+        if isinstance(detail, dict):
+            param, messages = next(iter(detail.items())) if detail else (None, ["invalid request"])
+            message = str(messages[0] if isinstance(messages, list) else messages)
+        elif isinstance(detail, list):
+            param, message = None, str(detail[0]) if detail else "invalid request"
+        else:
+            param, message = None, str(detail)
+        codes = exc.get_codes()
+        code = codes if isinstance(codes, str) else None
+        if isinstance(exc, drf_exceptions.NotAuthenticated):
+            code = "invalid_api_key"
+        headers = {}
+        if getattr(exc, "auth_header", None):
+            headers["WWW-Authenticate"] = exc.auth_header
+        if getattr(exc, "wait", None):
+            headers["Retry-After"] = str(int(exc.wait))
+        return _error_response(exc.status_code, message, param=param, code=code, headers=headers)
+    return None
+
+
+class BillingAPIView(APIView):
+    authentication_classes = [ApiKeyAuthentication, SessionAuthentication]
+    permission_classes = [require_scope("read_usage")]
+
+    def get_exception_handler(self):
+        return billing_exception_handler
+
+    def organization(self, request):
+        """The caller's organization: the key's, or the session user's current one."""
+        if isinstance(request.auth, ApiKey):
+            return request.auth.organization
+        organization = current_organization_for_user(
+            user=request.user, organization_id=request.session.get(SESSION_ORGANIZATION_KEY)
+        )
+        if organization is None:
+            raise drf_exceptions.PermissionDenied("Your account does not belong to an organization yet.")
+        return organization
+
+
+class UsageReportView(BillingAPIView):
+    """``GET /v1/usage?start=YYYY-MM-DD&end=YYYY-MM-DD&group_by=day|hour|model|deployment|api_key``"""
+
+    def get(self, request):
+        start, end = serializers.parse_period(request.query_params)
+        group_by = serializers.parse_group_by(request.query_params)
+        report = selectors.usage_report(organization=self.organization(request), start=start, end=end,
+                                        group_by=group_by)
+        return Response(serializers.usage_report(report, start=start, end=end, group_by=group_by))
+
+
+class _Echo:
+    """A file-like object whose write returns the line, for csv.writer in a generator."""
+
+    def write(self, value: str) -> str:
+        return value
+
+
+def _csv_lines(rows: Iterable[tuple]) -> Iterator[str]:
+    writer = csv.writer(_Echo())
+    yield writer.writerow(selectors.EXPORT_COLUMNS)
+    for row in rows:
+        yield writer.writerow(
+            [value.isoformat() if hasattr(value, "isoformat") else ("" if value is None else value) for value in row]
+        )
+
+
+def _next_chunk(lines: Iterator[str], size: int) -> str:
+    """Up to ``size`` CSV lines joined (run in the database's thread under ASGI)."""
+    out = []
+    for line in lines:
+        out.append(line)
+        if len(out) >= size:
+            break
+    return "".join(out)
+
+
+async def _async_chunks(lines: Iterator[str], size: int):
+    """Under ASGI a synchronous iterator would be read whole into memory before the first byte is
+    sent; this pulls ``size`` lines at a time from the server-side cursor in a worker thread."""
+    next_chunk = sync_to_async(_next_chunk, thread_sensitive=True)
+    while True:
+        chunk = await next_chunk(lines, size)
+        if not chunk:
+            break
+        yield chunk
+
+
+class UsageExportView(BillingAPIView):
+    """``GET /v1/usage/export.csv?start&end``: the raw usage records, streamed as CSV."""
+
+    def get(self, request):
+        start, end = serializers.parse_period(request.query_params)
+        rows = selectors.usage_export_rows(organization=self.organization(request), start=start, end=end,
+                                           chunk_size=EXPORT_CHUNK_ROWS)
+        lines = _csv_lines(rows)
+        if isinstance(request._request, ASGIRequest):
+            content = _async_chunks(lines, EXPORT_CHUNK_ROWS)
+        else:
+            content = lines
+        response = StreamingHttpResponse(content, content_type="text/csv; charset=utf-8")
+        response["Content-Disposition"] = f'attachment; filename="usage-{start.isoformat()}-{end.isoformat()}.csv"'
+        return response
+
+
+class BalanceView(BillingAPIView):
+    """``GET /v1/billing/balance``"""
+
+    def get(self, request):
+        organization = self.organization(request)
+        limit = selectors.organization_monthly_limit(organization=organization)
+        return Response({
+            "object": "billing.balance",
+            "balance": serializers.money(selectors.balance(organization=organization)),
+            "currency": "usd",
+            "monthly_spend": serializers.money(selectors.monthly_spend(organization=organization)),
+            "monthly_limit": serializers.money(limit) if limit is not None else None,
+        })
+
+
+class LedgerView(BillingAPIView):
+    """``GET /v1/billing/ledger?limit=20&after=<entry id>``: newest first, cursor-paginated."""
+
+    def get(self, request):
+        limit, after = serializers.parse_ledger_page(request.query_params)
+        entries, has_more = selectors.ledger_page(organization=self.organization(request), limit=limit, after=after)
+        data = serializers.LedgerEntrySerializer(entries, many=True).data
+        return Response({
+            "object": "list",
+            "data": data,
+            "has_more": has_more,
+            "first_id": entries[0].pk if entries else None,
+            "last_id": entries[-1].pk if entries else None,
+        })
+
+
+class TopUpView(BillingAPIView):
+    """``POST /v1/billing/topups {"amount": "20.00"}``: a PaymentIntent to confirm with Stripe.js."""
+
+    permission_classes = [require_scope("manage")]
+
+    def post(self, request):
+        body = serializers.TopUpRequestSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        user = request.user if getattr(request.user, "pk", None) and not isinstance(request.auth, ApiKey) else None
+        intent = services.create_topup(organization=self.organization(request), amount=body.validated_data["amount"],
+                                       created_by=user)
+        return Response({
+            "object": "billing.topup",
+            "id": intent.id,
+            "client_secret": intent.client_secret,
+            "amount": str(intent.amount),
+            "currency": intent.currency,
+            "publishable_key": settings.STRIPE_PUBLISHABLE_KEY,
+        }, status=201)

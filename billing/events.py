@@ -1,0 +1,195 @@
+"""The usage event: what a worker reports about one finished request, and its validating parser.
+
+A GPU worker emits one event per request when it finishes (completed, cancelled by the client, or
+failed) through :func:`billing.dispatch.emit_usage_event`; it travels as JSON on the Celery
+``billing`` queue and :func:`billing.services.record_usage` records it, idempotently by
+``request_id``. The wire form is :class:`UsageEvent` (JSON types only):
+
+=====================  ==============  ===================================================
+field                  type            meaning
+=====================  ==============  ===================================================
+request_id             str             the request's unique id (1-128 printable chars);
+                                       the idempotency key of billing
+organization_id        int             the calling organization
+api_key_id             int | None      the key used (None: the dashboard's session)
+deployment_id          int | None      the deployment served (None: unknown / deleted)
+model                  str             catalog model slug (its prices apply)
+deployment             str             deployment name ("" when none)
+prompt_tokens          int >= 0        every prompt token, cached ones included
+cached_prompt_tokens   int >= 0        prompt tokens served from the prefix cache
+                                       (<= prompt_tokens)
+completion_tokens      int >= 0        output tokens produced
+status                 str             "completed" | "cancelled" | "failed"
+queue_ms               int | None      time queued before the engine admitted it
+ttft_ms                int | None      time to first token
+latency_ms             int | None      total time, accepted to finished
+finished_at            str             ISO 8601 with a time zone, e.g.
+                                       "2025-01-31T12:00:00.123+00:00" or "...Z"
+=====================  ==============  ===================================================
+
+``api_key_id``, ``deployment_id`` and the three timings may be omitted (read as null). Timings may
+also be given as non-negative floats (milliseconds); they are rounded to whole milliseconds. Counts
+and timings stop at 2**31 - 1. Unknown keys are refused, so a typo in a worker fails loudly instead of being lost.
+This module imports no Django models: a worker can validate an event before publishing it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Mapping, TypedDict
+
+from .errors import InvalidUsageEvent
+from .pricing import STATUSES
+
+REQUEST_ID_MAX_LENGTH = 128
+NAME_MAX_LENGTH = 200
+INT_MAX = 2**31 - 1  # the database's integer columns
+
+
+class UsageEvent(TypedDict):
+    """The wire form of a usage event (see the module's table)."""
+
+    request_id: str
+    organization_id: int
+    api_key_id: int | None
+    deployment_id: int | None
+    model: str
+    deployment: str
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+    status: str
+    queue_ms: int | float | None
+    ttft_ms: int | float | None
+    latency_ms: int | float | None
+    finished_at: str
+
+
+FIELDS = tuple(UsageEvent.__annotations__)
+OPTIONAL_FIELDS = ("api_key_id", "deployment_id", "queue_ms", "ttft_ms", "latency_ms")
+
+
+@dataclass(frozen=True)
+class ParsedUsageEvent:
+    """A validated usage event with Python types (``finished_at`` an aware datetime)."""
+
+    request_id: str
+    organization_id: int
+    api_key_id: int | None
+    deployment_id: int | None
+    model: str
+    deployment: str
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+    status: str
+    queue_ms: int | None
+    ttft_ms: int | None
+    latency_ms: int | None
+    finished_at: datetime
+
+    def to_wire(self) -> UsageEvent:
+        """The JSON-safe form, as published on the queue."""
+        wire = {name: getattr(self, name) for name in FIELDS}
+        wire["finished_at"] = self.finished_at.isoformat()
+        return UsageEvent(**wire)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _id(event: Mapping, name: str, *, optional: bool) -> int | None:
+    value = event.get(name)
+    if value is None and optional:
+        return None
+    if not _is_int(value) or value <= 0:
+        raise InvalidUsageEvent(name, f"must be a positive integer id{' or null' if optional else ''}, not {value!r}")
+    return value
+
+
+def _count(event: Mapping, name: str) -> int:
+    value = event.get(name)
+    if not _is_int(value) or not 0 <= value <= INT_MAX:
+        raise InvalidUsageEvent(name, f"must be an integer from 0 to {INT_MAX}, not {value!r}")
+    return value
+
+
+def _millis(event: Mapping, name: str) -> int | None:
+    value = event.get(name)
+    if value is None:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not 0 <= value <= INT_MAX):
+        raise InvalidUsageEvent(name, f"must be a number of milliseconds from 0 to {INT_MAX} or null, not {value!r}")
+    return int(value) if isinstance(value, int) else int(round(value))
+
+
+def _text(event: Mapping, name: str, *, max_length: int, allow_empty: bool) -> str:
+    value = event.get(name)
+    if not isinstance(value, str) or len(value) > max_length or (not value and not allow_empty):
+        raise InvalidUsageEvent(
+            name, f"must be a {'' if allow_empty else 'non-empty '}string of at most {max_length} characters"
+        )
+    if not value.isprintable():
+        raise InvalidUsageEvent(name, "must contain printable characters only")
+    return value
+
+
+def _finished_at(event: Mapping) -> datetime:
+    value = event.get("finished_at")
+    if isinstance(value, datetime):
+        parsed = value
+    elif isinstance(value, str):
+        try:
+            parsed = datetime.fromisoformat(value)
+        except ValueError:
+            raise InvalidUsageEvent("finished_at", f"must be an ISO 8601 date-time, not {value!r}") from None
+    else:
+        raise InvalidUsageEvent("finished_at", f"must be an ISO 8601 date-time string, not {value!r}")
+    if parsed.tzinfo is None or parsed.utcoffset() is None:
+        raise InvalidUsageEvent("finished_at", "must include a time zone (e.g. +00:00 or Z)")
+    return parsed.astimezone(timezone.utc)
+
+
+def parse_usage_event(event: Any) -> ParsedUsageEvent:
+    """Validate a usage event (the wire form, a mapping) and return it with Python types.
+
+    Raises :class:`billing.errors.InvalidUsageEvent` naming the first offending field.
+    """
+    if not isinstance(event, Mapping):
+        raise InvalidUsageEvent("event", f"must be a JSON object, not {type(event).__name__}")
+    unknown = sorted(set(event) - set(FIELDS))
+    if unknown:
+        raise InvalidUsageEvent(unknown[0], "is not a field of a usage event")
+    missing = [name for name in FIELDS if name not in event and name not in OPTIONAL_FIELDS]
+    if missing:
+        raise InvalidUsageEvent(missing[0], "is required")
+
+    status = event.get("status")
+    if status not in STATUSES:
+        raise InvalidUsageEvent("status", f"must be one of {', '.join(STATUSES)}, not {status!r}")
+    prompt_tokens = _count(event, "prompt_tokens")
+    cached_prompt_tokens = _count(event, "cached_prompt_tokens")
+    if cached_prompt_tokens > prompt_tokens:
+        raise InvalidUsageEvent(
+            "cached_prompt_tokens", f"({cached_prompt_tokens}) cannot exceed prompt_tokens ({prompt_tokens})"
+        )
+    return ParsedUsageEvent(
+        request_id=_text(event, "request_id", max_length=REQUEST_ID_MAX_LENGTH, allow_empty=False),
+        organization_id=_id(event, "organization_id", optional=False),
+        api_key_id=_id(event, "api_key_id", optional=True),
+        deployment_id=_id(event, "deployment_id", optional=True),
+        model=_text(event, "model", max_length=NAME_MAX_LENGTH, allow_empty=False),
+        deployment=_text(event, "deployment", max_length=NAME_MAX_LENGTH, allow_empty=True),
+        prompt_tokens=prompt_tokens,
+        cached_prompt_tokens=cached_prompt_tokens,
+        completion_tokens=_count(event, "completion_tokens"),
+        status=status,
+        queue_ms=_millis(event, "queue_ms"),
+        ttft_ms=_millis(event, "ttft_ms"),
+        latency_ms=_millis(event, "latency_ms"),
+        finished_at=_finished_at(event),
+    )

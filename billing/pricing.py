@@ -1,0 +1,127 @@
+"""The one place a request's cost is computed.
+
+Prices are USD per million tokens (input, cached input, output) plus a flat price per request,
+all :class:`~decimal.Decimal`. The cost is exact Decimal arithmetic, quantized once at the end to
+:data:`COST_QUANTUM` (one micro-dollar, 0.000001 USD) with ROUND_HALF_UP; nothing here ever touches
+a float, and a float given as a price or a token count is refused (TypeError) rather than
+silently rounded.
+
+Which requests are billed (``status``):
+
+- ``completed``: every token, plus the per-request price.
+- ``cancelled`` or ``failed`` with at least one output token (a stream the client closed, a worker
+  that died mid-generation): billed like a completed request for the tokens actually processed,
+  i.e. the whole prompt and the output produced so far, plus the per-request price.
+- ``cancelled`` or ``failed`` with no output token: free (0). The caller got nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal, localcontext
+from typing import Any, Mapping
+
+#: Costs are rounded to a micro-dollar (6 decimal places), half up.
+COST_QUANTUM = Decimal("0.000001")
+COST_DECIMAL_PLACES = 6
+TOKENS_PER_PRICE_UNIT = Decimal(1_000_000)
+
+STATUS_COMPLETED = "completed"
+STATUS_CANCELLED = "cancelled"
+STATUS_FAILED = "failed"
+STATUSES = (STATUS_COMPLETED, STATUS_CANCELLED, STATUS_FAILED)
+
+PRICE_FIELDS = ("input_per_mtok", "cached_input_per_mtok", "output_per_mtok", "per_request")
+
+
+def _price(name: str, value: Any) -> Decimal:
+    if isinstance(value, bool) or not isinstance(value, Decimal):
+        raise TypeError(f"price {name} must be a Decimal, not {type(value).__name__} ({value!r})")
+    if not value.is_finite() or value < 0:
+        raise ValueError(f"price {name} must be a finite Decimal >= 0, not {value}")
+    return value
+
+
+def _tokens(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__} ({value!r})")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, not {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Prices:
+    """The four prices of a catalog model, USD: per million input / cached input / output tokens,
+    and per request. Stored on every usage record as the prices applied."""
+
+    input_per_mtok: Decimal
+    cached_input_per_mtok: Decimal
+    output_per_mtok: Decimal
+    per_request: Decimal
+
+    def __post_init__(self):
+        for name in PRICE_FIELDS:
+            _price(name, getattr(self, name))
+
+    @classmethod
+    def of(cls, catalog_model) -> "Prices":
+        """The prices of a ``models_catalog.models.CatalogModel``."""
+        return cls(
+            input_per_mtok=catalog_model.price_input_per_mtok,
+            cached_input_per_mtok=catalog_model.price_cached_input_per_mtok,
+            output_per_mtok=catalog_model.price_output_per_mtok,
+            per_request=catalog_model.price_per_request,
+        )
+
+    @classmethod
+    def from_strings(cls, values: Mapping[str, str]) -> "Prices":
+        return cls(**{name: Decimal(str(values[name])) for name in PRICE_FIELDS})
+
+    def as_strings(self) -> dict[str, str]:
+        return {name: str(getattr(self, name)) for name in PRICE_FIELDS}
+
+
+FREE = Prices(Decimal(0), Decimal(0), Decimal(0), Decimal(0))
+
+
+def request_cost(
+    *,
+    prices: Prices,
+    prompt_tokens: int,
+    cached_prompt_tokens: int,
+    completion_tokens: int,
+    status: str = STATUS_COMPLETED,
+) -> Decimal:
+    """The cost in USD of one request, quantized to :data:`COST_QUANTUM` (ROUND_HALF_UP).
+
+    ``prompt_tokens`` counts every prompt token, cached ones included; ``cached_prompt_tokens`` of
+    them (served from the prefix cache) are billed at the cached input price, the rest at the input
+    price. Raises TypeError for a float (or any non-Decimal price / non-int count) and ValueError for
+    negative counts, more cached tokens than prompt tokens, or an unknown status.
+    """
+    if not isinstance(prices, Prices):
+        raise TypeError(f"prices must be billing.pricing.Prices, not {type(prices).__name__}")
+    prompt_tokens = _tokens("prompt_tokens", prompt_tokens)
+    cached_prompt_tokens = _tokens("cached_prompt_tokens", cached_prompt_tokens)
+    completion_tokens = _tokens("completion_tokens", completion_tokens)
+    if cached_prompt_tokens > prompt_tokens:
+        raise ValueError(
+            f"cached_prompt_tokens ({cached_prompt_tokens}) cannot exceed prompt_tokens ({prompt_tokens})"
+        )
+    if status not in STATUSES:
+        raise ValueError(f"status must be one of {', '.join(STATUSES)}, not {status!r}")
+
+    if status != STATUS_COMPLETED and completion_tokens == 0:
+        return Decimal(0).quantize(COST_QUANTUM)
+
+    # A private context with ample precision: every step before the final quantize is exact
+    # (products of integers and prices, then a division by a power of ten).
+    with localcontext() as ctx:
+        ctx.prec = 60
+        token_cost = (
+            (prompt_tokens - cached_prompt_tokens) * prices.input_per_mtok
+            + cached_prompt_tokens * prices.cached_input_per_mtok
+            + completion_tokens * prices.output_per_mtok
+        ) / TOKENS_PER_PRICE_UNIT
+        return (token_cost + prices.per_request).quantize(COST_QUANTUM, rounding=ROUND_HALF_UP)

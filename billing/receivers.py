@@ -1,0 +1,11 @@
+"""Billing's receivers of other apps' signals (connected in BillingConfig.ready)."""
+
+from __future__ import annotations
+
+from . import services
+
+
+def grant_signup_credit(sender, organization, **kwargs) -> None:
+    """accounts.signals.organization_created: the new organization's free sign-up credit. It runs
+    inside the organization's creation transaction, so both commit or neither does."""
+    services.grant_signup_credit(organization=organization)

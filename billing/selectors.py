@@ -1,0 +1,258 @@
+"""Reads of the billing app: balances, spend, the ledger, usage reports and the CSV export.
+
+Every figure is computed by the database from the rows themselves (usage records, ledger entries),
+never from a cached counter, so it is current and cannot drift.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import date, datetime, time, timedelta, timezone
+from decimal import Decimal
+from typing import Iterator
+
+from django.db import connection
+from django.db.models import Aggregate, Count, F, IntegerField, QuerySet, Sum, Value
+from django.db.models.functions import Coalesce, TruncDay, TruncHour
+from django.utils import timezone as dj_timezone
+
+from accounts.models import ApiKey, Organization
+
+from .models import ApiKeySpendLimit, LedgerEntry, SpendLimit, UsageRecord
+from .pricing import COST_QUANTUM
+
+ZERO = Decimal(0).quantize(COST_QUANTUM)
+_MONEY_ZERO = Value(Decimal(0), output_field=UsageRecord._meta.get_field("cost"))
+
+
+def _money(value) -> Decimal:
+    return (value if value is not None else ZERO).quantize(COST_QUANTUM)
+
+
+# --- balances and spend ---------------------------------------------------------------------------
+
+
+def balance(*, organization: Organization) -> Decimal:
+    """The organization's credit balance in USD: the sum of its ledger entries."""
+    total = LedgerEntry.objects.filter(organization=organization).aggregate(
+        total=Coalesce(Sum("amount"), Value(Decimal(0), output_field=LedgerEntry._meta.get_field("amount")))
+    )["total"]
+    return _money(total)
+
+
+def month_start(now: datetime | None = None) -> datetime:
+    """The start of the current calendar month, UTC."""
+    now = (now or dj_timezone.now()).astimezone(timezone.utc)
+    return now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+
+
+def monthly_spend(*, organization: Organization, now: datetime | None = None) -> Decimal:
+    """What the organization's requests cost this calendar month (UTC), from its usage records."""
+    total = UsageRecord.objects.filter(organization=organization, created_at__gte=month_start(now)).aggregate(
+        total=Coalesce(Sum("cost"), _MONEY_ZERO)
+    )["total"]
+    return _money(total)
+
+
+@dataclass(frozen=True)
+class KeySpend:
+    cost: Decimal
+    tokens: int
+
+
+def api_key_spend(*, api_key: ApiKey) -> KeySpend:
+    """Everything a key has spent (USD) and used (prompt + completion tokens) since it was created."""
+    totals = UsageRecord.objects.filter(api_key=api_key).aggregate(
+        cost=Coalesce(Sum("cost"), _MONEY_ZERO),
+        tokens=Coalesce(Sum(F("prompt_tokens") + F("completion_tokens")), Value(0)),
+    )
+    return KeySpend(cost=_money(totals["cost"]), tokens=int(totals["tokens"]))
+
+
+def organization_monthly_limit(*, organization: Organization) -> Decimal | None:
+    return SpendLimit.objects.filter(organization=organization).values_list("monthly_limit", flat=True).first()
+
+
+def api_key_limits(*, api_key: ApiKey) -> ApiKeySpendLimit | None:
+    return ApiKeySpendLimit.objects.filter(api_key=api_key).first()
+
+
+# --- the ledger -----------------------------------------------------------------------------------
+
+
+def ledger_page(*, organization: Organization, limit: int, after: int | None = None) -> tuple[list[LedgerEntry], bool]:
+    """Up to ``limit`` entries, newest first, older than entry id ``after``; and whether more follow."""
+    entries = LedgerEntry.objects.filter(organization=organization).order_by("-id")
+    if after is not None:
+        entries = entries.filter(id__lt=after)
+    rows = list(entries[: limit + 1])
+    return rows[:limit], len(rows) > limit
+
+
+# --- usage reports --------------------------------------------------------------------------------
+
+GROUP_BYS = ("day", "hour", "model", "deployment", "api_key")
+
+
+def period_bounds(start: date, end: date) -> tuple[datetime, datetime]:
+    """[start 00:00 UTC, the day after end 00:00 UTC): ``end`` is inclusive."""
+    return (datetime.combine(start, time.min, tzinfo=timezone.utc),
+            datetime.combine(end + timedelta(days=1), time.min, tzinfo=timezone.utc))
+
+
+def usage_records(*, organization: Organization, start: date, end: date) -> QuerySet[UsageRecord]:
+    since, until = period_bounds(start, end)
+    return UsageRecord.objects.filter(organization=organization, created_at__gte=since, created_at__lt=until)
+
+
+class PercentileDisc(Aggregate):
+    """PostgreSQL's ``percentile_disc(p) WITHIN GROUP (ORDER BY x)``: the smallest value whose
+    cumulative share reaches ``p`` (an actual observation, nulls ignored)."""
+
+    function = "PERCENTILE_DISC"
+    template = "%(function)s(%(fraction)s) WITHIN GROUP (ORDER BY %(expressions)s)"
+    output_field = IntegerField()
+
+    def __init__(self, expression, fraction: float, **extra):
+        if not 0 < fraction <= 1:
+            raise ValueError("fraction must be in (0, 1]")
+        super().__init__(expression, fraction=repr(float(fraction)), **extra)
+
+
+def percentile_disc(sorted_values: list[int], fraction: float) -> int | None:
+    """The same definition in Python, for databases without percentile_disc (SQLite)."""
+    if not sorted_values:
+        return None
+    return sorted_values[max(0, math.ceil(fraction * len(sorted_values)) - 1)]
+
+
+_BUCKETS = {
+    "day": lambda: TruncDay("created_at", tzinfo=timezone.utc),
+    "hour": lambda: TruncHour("created_at", tzinfo=timezone.utc),
+    "model": lambda: F("model"),
+    "deployment": lambda: F("deployment_name"),
+    "api_key": lambda: F("api_key_id"),
+}
+
+
+def _sums(queryset: QuerySet) -> dict:
+    return {
+        "requests": Count("id"),
+        "prompt_tokens": Coalesce(Sum("prompt_tokens"), Value(0)),
+        "cached_prompt_tokens": Coalesce(Sum("cached_prompt_tokens"), Value(0)),
+        "completion_tokens": Coalesce(Sum("completion_tokens"), Value(0)),
+        "cost": Coalesce(Sum("cost"), _MONEY_ZERO),
+    }
+
+
+def _with_percentiles(aggregates: dict) -> dict:
+    if connection.vendor == "postgresql":
+        aggregates["latency_ms_p50"] = PercentileDisc("latency_ms", 0.5)
+        aggregates["latency_ms_p99"] = PercentileDisc("latency_ms", 0.99)
+    return aggregates
+
+
+def _python_percentiles(records: QuerySet, bucket_expr=None) -> dict:
+    """{bucket: (p50, p99)} computed by streaming latencies in order (non-PostgreSQL only)."""
+    rows = records.filter(latency_ms__isnull=False)
+    if bucket_expr is None:
+        values = list(rows.order_by("latency_ms").values_list("latency_ms", flat=True).iterator())
+        return {None: (percentile_disc(values, 0.5), percentile_disc(values, 0.99))}
+    result, current, values = {}, object(), []
+    ordered = rows.annotate(bucket=bucket_expr).order_by("bucket", "latency_ms").values_list("bucket", "latency_ms")
+    for bucket, latency in ordered.iterator(chunk_size=5000):
+        if bucket != current:
+            if values:
+                result[current] = (percentile_disc(values, 0.5), percentile_disc(values, 0.99))
+            current, values = bucket, []
+        values.append(latency)
+    if values:
+        result[current] = (percentile_disc(values, 0.5), percentile_disc(values, 0.99))
+    return result
+
+
+def _figures(row: dict) -> dict:
+    return {
+        "requests": int(row["requests"]),
+        "prompt_tokens": int(row["prompt_tokens"]),
+        "cached_prompt_tokens": int(row["cached_prompt_tokens"]),
+        "completion_tokens": int(row["completion_tokens"]),
+        "total_tokens": int(row["prompt_tokens"]) + int(row["completion_tokens"]),
+        "cost": _money(row["cost"]),
+        "latency_ms_p50": row.get("latency_ms_p50"),
+        "latency_ms_p99": row.get("latency_ms_p99"),
+    }
+
+
+def _empty_figures() -> dict:
+    return _figures({"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "completion_tokens": 0,
+                     "cost": ZERO})
+
+
+def _time_buckets(group_by: str, since: datetime, until: datetime) -> Iterator[datetime]:
+    step = timedelta(days=1) if group_by == "day" else timedelta(hours=1)
+    moment = since
+    while moment < until:
+        yield moment
+        moment += step
+
+
+def usage_report(*, organization: Organization, start: date, end: date, group_by: str) -> dict:
+    """Usage of one organization between two dates (inclusive, UTC), grouped by ``group_by``.
+
+    Returns ``{"buckets": [...], "totals": {...}}``; each bucket has ``key`` (a datetime for
+    day/hour — every day/hour of the period is present, empty ones with zeros —, the model slug,
+    the deployment name, or the API key id) and the figures: requests, token sums, cost (Decimal)
+    and latency p50/p99 in ms (percentile_disc, None when no request reported a latency).
+    For ``api_key`` buckets, ``api_key`` is ``{"id", "name", "prefix"}`` (None: the dashboard).
+    """
+    if group_by not in GROUP_BYS:
+        raise ValueError(f"group_by must be one of {', '.join(GROUP_BYS)}")
+    records = usage_records(organization=organization, start=start, end=end)
+    bucket_expr = _BUCKETS[group_by]()
+    rows = (
+        records.annotate(bucket=bucket_expr).order_by().values("bucket")
+        .annotate(**_with_percentiles(_sums(records))).order_by("bucket")
+    )
+    totals = records.aggregate(**_with_percentiles(_sums(records)))
+    figures = {row["bucket"]: _figures(row) for row in rows}
+    if connection.vendor != "postgresql":
+        for key, (p50, p99) in _python_percentiles(records, bucket_expr).items():
+            figures[key].update(latency_ms_p50=p50, latency_ms_p99=p99)
+        totals["latency_ms_p50"], totals["latency_ms_p99"] = _python_percentiles(records)[None]
+
+    if group_by in ("day", "hour"):
+        since, until = period_bounds(start, end)
+        buckets = [{"key": moment, **figures.get(moment, _empty_figures())}
+                   for moment in _time_buckets(group_by, since, until)]
+    else:
+        buckets = [{"key": key, **value} for key, value in figures.items()]
+        buckets.sort(key=lambda bucket: (bucket["key"] is None, bucket["key"] if bucket["key"] is not None else 0))
+    if group_by == "api_key":
+        keys = {key.pk: key for key in ApiKey.objects.filter(organization=organization,
+                                                            pk__in=[b["key"] for b in buckets if b["key"]])}
+        for bucket in buckets:
+            key = keys.get(bucket["key"])
+            bucket["api_key"] = (
+                {"id": key.pk, "name": key.name, "prefix": key.display_prefix} if key is not None else None
+            )
+    return {"buckets": buckets, "totals": _figures(totals)}
+
+
+# --- the CSV export -------------------------------------------------------------------------------
+
+EXPORT_COLUMNS = (
+    "request_id", "created_at", "model", "deployment", "api_key_id", "status",
+    "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "queue_ms", "ttft_ms", "latency_ms",
+    "price_input_per_mtok", "price_cached_input_per_mtok", "price_output_per_mtok", "price_per_request", "cost",
+)
+_EXPORT_FIELDS = tuple("deployment_name" if column == "deployment" else column for column in EXPORT_COLUMNS)
+
+
+def usage_export_rows(*, organization: Organization, start: date, end: date, chunk_size: int = 2000) -> Iterator[tuple]:
+    """Raw usage records as tuples in :data:`EXPORT_COLUMNS` order, oldest first, fetched
+    ``chunk_size`` rows at a time (a server-side cursor on PostgreSQL): never the whole period in
+    memory."""
+    records = usage_records(organization=organization, start=start, end=end).order_by("created_at", "id")
+    return records.values_list(*_EXPORT_FIELDS).iterator(chunk_size=chunk_size)

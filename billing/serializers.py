@@ -1,0 +1,133 @@
+"""Query parameters in, JSON out, for the billing API. Money leaves as strings ("1.234500")."""
+
+from __future__ import annotations
+
+from datetime import date, datetime, timedelta, timezone
+from decimal import Decimal
+
+from rest_framework import serializers
+
+from .errors import InvalidParameter
+from .pricing import COST_QUANTUM
+from .selectors import GROUP_BYS
+
+MAX_REPORT_DAYS = 366
+DEFAULT_REPORT_DAYS = 30
+LEDGER_DEFAULT_LIMIT = 20
+LEDGER_MAX_LIMIT = 100
+
+
+def money(value: Decimal) -> str:
+    return str(value.quantize(COST_QUANTUM))
+
+
+def _date(params, name: str, default: date) -> date:
+    raw = params.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return date.fromisoformat(raw) if len(raw) == 10 else _bad_date(name, raw)
+    except ValueError:
+        return _bad_date(name, raw)
+
+
+def _bad_date(name: str, raw: str):
+    raise InvalidParameter(name, f"'{name}' must be a date as YYYY-MM-DD, not {raw!r}.")
+
+
+def parse_period(params) -> tuple[date, date]:
+    """``start`` and ``end`` (inclusive, UTC dates). Default: the last 30 days up to today."""
+    end = _date(params, "end", datetime.now(timezone.utc).date())
+    start = _date(params, "start", end - timedelta(days=DEFAULT_REPORT_DAYS - 1))
+    if end < start:
+        raise InvalidParameter("end", f"'end' ({end}) is before 'start' ({start}).")
+    if (end - start).days + 1 > MAX_REPORT_DAYS:
+        raise InvalidParameter("end", f"The period from 'start' to 'end' spans more than {MAX_REPORT_DAYS} days.")
+    return start, end
+
+
+def parse_group_by(params) -> str:
+    group_by = params.get("group_by") or "day"
+    if group_by not in GROUP_BYS:
+        raise InvalidParameter("group_by", f"'group_by' must be one of {', '.join(GROUP_BYS)}, not {group_by!r}.")
+    return group_by
+
+
+def _positive_int(params, name: str, default: int | None, maximum: int | None = None) -> int | None:
+    raw = params.get(name)
+    if raw is None or raw == "":
+        return default
+    if not raw.isdigit() or int(raw) < 1 or (maximum is not None and int(raw) > maximum):
+        bound = f" from 1 to {maximum}" if maximum else " >= 1"
+        raise InvalidParameter(name, f"'{name}' must be an integer{bound}, not {raw!r}.")
+    return int(raw)
+
+
+def parse_ledger_page(params) -> tuple[int, int | None]:
+    return (_positive_int(params, "limit", LEDGER_DEFAULT_LIMIT, LEDGER_MAX_LIMIT),
+            _positive_int(params, "after", None))
+
+
+def _bucket_key(group_by: str, key):
+    if group_by == "day":
+        return key.date().isoformat()
+    if group_by == "hour":
+        return key.isoformat().replace("+00:00", "Z")
+    return key
+
+
+def _figures(values: dict) -> dict:
+    return {
+        "requests": values["requests"],
+        "prompt_tokens": values["prompt_tokens"],
+        "cached_prompt_tokens": values["cached_prompt_tokens"],
+        "completion_tokens": values["completion_tokens"],
+        "total_tokens": values["total_tokens"],
+        "cost": money(values["cost"]),
+        "latency_ms_p50": values["latency_ms_p50"],
+        "latency_ms_p99": values["latency_ms_p99"],
+    }
+
+
+def usage_report(report: dict, *, start: date, end: date, group_by: str) -> dict:
+    data = []
+    for bucket in report["buckets"]:
+        item = {"bucket": _bucket_key(group_by, bucket["key"]), **_figures(bucket)}
+        if group_by == "api_key":
+            item["api_key"] = bucket["api_key"]
+        data.append(item)
+    return {
+        "object": "usage.report",
+        "start": start.isoformat(),
+        "end": end.isoformat(),
+        "group_by": group_by,
+        "currency": "usd",
+        "data": data,
+        "totals": _figures(report["totals"]),
+    }
+
+
+class LedgerEntrySerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    object = serializers.SerializerMethodField()
+    kind = serializers.CharField()
+    amount = serializers.SerializerMethodField()
+    currency = serializers.SerializerMethodField()
+    reference = serializers.CharField()
+    description = serializers.CharField()
+    created_at = serializers.DateTimeField()
+
+    def get_object(self, entry) -> str:
+        return "billing.ledger_entry"
+
+    def get_amount(self, entry) -> str:
+        return money(entry.amount)
+
+    def get_currency(self, entry) -> str:
+        return "usd"
+
+
+class TopUpRequestSerializer(serializers.Serializer):
+    """``{"amount": "20.00"}``: USD as a string (a JSON number is accepted, never as a float)."""
+
+    amount = serializers.CharField()

@@ -1,0 +1,376 @@
+"""Every write of the billing app: recording usage, moving credit, spend limits, Stripe top-ups.
+
+Money moves only as ledger entries, each unique by (kind, reference): a usage event delivered twice,
+a webhook replayed, two workers racing on the same request all end with one entry.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
+from typing import Any, Mapping
+
+import stripe
+from django.conf import settings
+from django.db import transaction
+
+from accounts.models import ApiKey, Organization
+from models_catalog.models import CatalogModel, Deployment
+
+from . import selectors
+from .errors import (
+    InvalidParameter,
+    InvalidUsageEvent,
+    PaymentProviderError,
+    QuotaExceeded,
+    UnknownModel,
+)
+from .events import parse_usage_event
+from .models import ApiKeySpendLimit, BillingAccount, LedgerEntry, SpendLimit, StripeEvent, TopUp, UsageRecord
+from .pricing import COST_QUANTUM, Prices, request_cost
+from .stripe_api import stripe_client
+
+logger = logging.getLogger(__name__)
+
+CENTS = Decimal("0.01")
+
+
+# --- credit -----------------------------------------------------------------------------------------
+
+
+def grant_signup_credit(*, organization: Organization) -> LedgerEntry | None:
+    """Credit ``BILLING_SIGNUP_CREDIT`` to a new organization, once (None when the setting is 0)."""
+    amount = settings.BILLING_SIGNUP_CREDIT
+    if amount <= 0:
+        return None
+    entry, _ = LedgerEntry.objects.get_or_create(
+        kind=LedgerEntry.Kind.SIGNUP_CREDIT,
+        reference=f"organization:{organization.pk}",
+        defaults={"organization": organization, "amount": amount.quantize(COST_QUANTUM),
+                  "description": "Sign-up credit"},
+    )
+    return entry
+
+
+def add_adjustment(*, organization: Organization, amount: Decimal, description: str, reference: str = "") -> LedgerEntry:
+    """An operator's manual credit (positive) or debit (negative). With a ``reference`` it happens
+    once: a second call with the same reference returns the first entry."""
+    if isinstance(amount, float) or not isinstance(amount, Decimal):
+        raise InvalidParameter("amount", "amount must be a Decimal")
+    amount = amount.quantize(COST_QUANTUM, rounding=ROUND_HALF_UP)
+    if amount == 0:
+        raise InvalidParameter("amount", "an adjustment cannot be zero")
+    if reference:
+        entry, _ = LedgerEntry.objects.get_or_create(
+            kind=LedgerEntry.Kind.ADJUSTMENT, reference=reference,
+            defaults={"organization": organization, "amount": amount, "description": description[:255]},
+        )
+        return entry
+    return LedgerEntry.objects.create(organization=organization, kind=LedgerEntry.Kind.ADJUSTMENT, amount=amount,
+                                      description=description[:255])
+
+
+# --- usage ------------------------------------------------------------------------------------------
+
+
+def record_usage(*, event: Mapping[str, Any]) -> UsageRecord:
+    """Record one usage event (:class:`billing.events.UsageEvent`) and charge its cost, once.
+
+    Idempotent by ``request_id``: the record and its ledger charge are written in one transaction,
+    and the unique request id means a second delivery (a retry, a redelivery, a race between two
+    billing workers) returns the existing record without charging again. The prices applied are the
+    catalog model's at recording time, copied onto the record.
+
+    Raises InvalidUsageEvent (malformed, unknown organization, a key of another organization) or
+    UnknownModel: permanent errors, redelivering the event cannot fix them.
+    """
+    parsed = parse_usage_event(event)
+    existing = UsageRecord.objects.filter(request_id=parsed.request_id).first()
+    if existing is not None:
+        return existing
+
+    organization = Organization.objects.filter(pk=parsed.organization_id).first()
+    if organization is None:
+        raise InvalidUsageEvent("organization_id", f"no organization has id {parsed.organization_id}")
+    api_key_id = None
+    if parsed.api_key_id is not None:
+        owner = ApiKey.objects.filter(pk=parsed.api_key_id).values_list("organization_id", flat=True).first()
+        if owner is not None and owner != organization.pk:
+            raise InvalidUsageEvent("api_key_id", "the key belongs to another organization")
+        api_key_id = parsed.api_key_id if owner is not None else None  # a deleted key: keep the usage
+    catalog_model = CatalogModel.objects.filter(slug=parsed.model).first()
+    if catalog_model is None:
+        raise UnknownModel(f"usage event {parsed.request_id}: no catalog model {parsed.model!r}", param="model")
+    deployment_id = parsed.deployment_id
+    if deployment_id is not None:
+        if not Deployment.objects.filter(pk=deployment_id).exists():
+            deployment_id = None  # deleted since: the name still says which it was
+
+    prices = Prices.of(catalog_model)
+    cost = request_cost(
+        prices=prices,
+        prompt_tokens=parsed.prompt_tokens,
+        cached_prompt_tokens=parsed.cached_prompt_tokens,
+        completion_tokens=parsed.completion_tokens,
+        status=parsed.status,
+    )
+    with transaction.atomic():
+        record, created = UsageRecord.objects.get_or_create(
+            request_id=parsed.request_id,
+            defaults={
+                "organization": organization,
+                "api_key_id": api_key_id,
+                "deployment_id": deployment_id,
+                "model": parsed.model,
+                "deployment_name": parsed.deployment,
+                "prompt_tokens": parsed.prompt_tokens,
+                "cached_prompt_tokens": parsed.cached_prompt_tokens,
+                "completion_tokens": parsed.completion_tokens,
+                "status": parsed.status,
+                "queue_ms": parsed.queue_ms,
+                "ttft_ms": parsed.ttft_ms,
+                "latency_ms": parsed.latency_ms,
+                "price_input_per_mtok": prices.input_per_mtok,
+                "price_cached_input_per_mtok": prices.cached_input_per_mtok,
+                "price_output_per_mtok": prices.output_per_mtok,
+                "price_per_request": prices.per_request,
+                "cost": cost,
+                "created_at": parsed.finished_at,
+            },
+        )
+        if created and cost > 0:
+            LedgerEntry.objects.create(
+                organization=organization,
+                kind=LedgerEntry.Kind.USAGE,
+                amount=-cost,
+                reference=parsed.request_id,
+                description=f"{parsed.model}" + (f" on {parsed.deployment}" if parsed.deployment else ""),
+            )
+    return record
+
+
+# --- spend limits and the quota check ---------------------------------------------------------------
+
+
+def _limit(name: str, value) -> Decimal | None:
+    if value is None:
+        return None
+    if isinstance(value, float) or not isinstance(value, Decimal) or not value.is_finite() or value < 0:
+        raise InvalidParameter(name, f"{name} must be a Decimal >= 0 or None")
+    return value.quantize(COST_QUANTUM, rounding=ROUND_HALF_UP)
+
+
+def set_spend_limit(*, organization: Organization, monthly_limit: Decimal | None) -> SpendLimit:
+    """Set (or clear, with None) the organization's monthly spend limit in USD."""
+    limit, _ = SpendLimit.objects.update_or_create(
+        organization=organization, defaults={"monthly_limit": _limit("monthly_limit", monthly_limit)}
+    )
+    return limit
+
+
+def set_api_key_spend_limit(*, api_key: ApiKey, amount_limit: Decimal | None = None,
+                            token_limit: int | None = None) -> ApiKeySpendLimit:
+    """Set (or clear, with None) what a key may spend over its lifetime: USD and/or tokens."""
+    if token_limit is not None and (isinstance(token_limit, bool) or not isinstance(token_limit, int) or token_limit < 0):
+        raise InvalidParameter("token_limit", "token_limit must be an integer >= 0 or None")
+    limit, _ = ApiKeySpendLimit.objects.update_or_create(
+        api_key=api_key,
+        defaults={"amount_limit": _limit("amount_limit", amount_limit), "token_limit": token_limit},
+    )
+    return limit
+
+
+def check_quota(*, organization: Organization, api_key: ApiKey | None = None) -> None:
+    """Refuse a new request (QuotaExceeded, code ``insufficient_quota``) when the organization's
+    balance is zero or below, its monthly spend limit is reached, or the key's amount or token limit
+    is reached. Every figure is computed now from the ledger and the usage records."""
+    current = selectors.balance(organization=organization)
+    if current <= 0:
+        raise QuotaExceeded(
+            f"You exceeded your current quota: your credit balance is {current} USD. "
+            "Top up your credits in the dashboard to continue."
+        )
+    monthly_limit = selectors.organization_monthly_limit(organization=organization)
+    if monthly_limit is not None:
+        spent = selectors.monthly_spend(organization=organization)
+        if spent >= monthly_limit:
+            raise QuotaExceeded(
+                f"You reached your organization's monthly spend limit ({monthly_limit} USD; spent {spent} USD "
+                "this month). Raise the limit in the dashboard to continue."
+            )
+    if api_key is not None:
+        limits = selectors.api_key_limits(api_key=api_key)
+        if limits is not None and (limits.amount_limit is not None or limits.token_limit is not None):
+            spend = selectors.api_key_spend(api_key=api_key)
+            if limits.amount_limit is not None and spend.cost >= limits.amount_limit:
+                raise QuotaExceeded(
+                    f"This API key reached its spend limit ({limits.amount_limit} USD; spent {spend.cost} USD)."
+                )
+            if limits.token_limit is not None and spend.tokens >= limits.token_limit:
+                raise QuotaExceeded(
+                    f"This API key reached its token limit ({limits.token_limit} tokens; used {spend.tokens})."
+                )
+
+
+# --- Stripe top-ups ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TopUpIntent:
+    """What the dashboard needs to confirm a top-up with Stripe.js."""
+
+    id: str
+    client_secret: str
+    amount: Decimal
+    currency: str
+
+
+def _topup_amount(amount) -> Decimal:
+    if isinstance(amount, float) or isinstance(amount, bool):
+        raise InvalidParameter("amount", "amount must be a decimal string such as \"20.00\", not a float")
+    try:
+        value = Decimal(str(amount)) if not isinstance(amount, Decimal) else amount
+    except InvalidOperation:
+        raise InvalidParameter("amount", f"amount must be a decimal amount in USD, not {amount!r}") from None
+    if not value.is_finite() or value != value.quantize(CENTS):
+        raise InvalidParameter("amount", "amount must be in USD with at most 2 decimal places")
+    if not settings.TOPUP_MIN <= value <= settings.TOPUP_MAX:
+        raise InvalidParameter(
+            "amount", f"amount must be between {settings.TOPUP_MIN} and {settings.TOPUP_MAX} USD, not {value}"
+        )
+    return value.quantize(CENTS)
+
+
+def _stripe_call(call, *args, **kwargs):
+    try:
+        return call(*args, **kwargs)
+    except stripe.StripeError as exc:
+        logger.warning("Stripe refused %s: %s", getattr(call, "__qualname__", call), exc)
+        raise PaymentProviderError(exc.user_message or None) from exc
+
+
+def ensure_stripe_customer(*, organization: Organization) -> str:
+    """The organization's Stripe customer id, created once (the row lock keeps it to one)."""
+    client = stripe_client()
+    with transaction.atomic():
+        account, _ = BillingAccount.objects.select_for_update().get_or_create(organization=organization)
+        if account.stripe_customer_id:
+            return account.stripe_customer_id
+        customer = _stripe_call(
+            client.v1.customers.create,
+            params={"name": organization.name, "metadata": {"organization_id": str(organization.pk)}},
+            options={"idempotency_key": f"customer-organization-{organization.pk}"},
+        )
+        account.stripe_customer_id = customer.id
+        account.save(update_fields=["stripe_customer_id"])
+        return customer.id
+
+
+def create_topup(*, organization: Organization, amount: Decimal, created_by=None) -> TopUpIntent:
+    """Start a top-up of ``amount`` USD (TOPUP_MIN..TOPUP_MAX, cents): a PaymentIntent for the
+    organization's Stripe customer. Nothing is credited until Stripe's signed
+    ``payment_intent.succeeded`` webhook arrives (:func:`handle_stripe_event`)."""
+    value = _topup_amount(amount)
+    customer_id = ensure_stripe_customer(organization=organization)
+    intent = _stripe_call(
+        stripe_client().v1.payment_intents.create,
+        params={
+            "amount": int(value * 100),
+            "currency": "usd",
+            "customer": customer_id,
+            "payment_method_types": ["card"],
+            "metadata": {"organization_id": str(organization.pk), "purpose": "topup"},
+        },
+    )
+    TopUp.objects.create(organization=organization, payment_intent_id=intent.id, amount=value,
+                         currency="usd", created_by=created_by)
+    return TopUpIntent(id=intent.id, client_secret=intent.client_secret, amount=value, currency="usd")
+
+
+def _usd_from_cents(value) -> Decimal | None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return None
+    return (Decimal(value) / 100).quantize(COST_QUANTUM)
+
+
+def _on_payment_intent_succeeded(intent: dict) -> None:
+    topup = TopUp.objects.select_for_update().filter(payment_intent_id=intent.get("id")).first()
+    if topup is None:
+        logger.warning("payment_intent.succeeded for %s: not a top-up of this platform, ignored", intent.get("id"))
+        return
+    amount = _usd_from_cents(intent.get("amount_received") or intent.get("amount"))
+    if amount is None or (intent.get("currency") or "").lower() != "usd":
+        logger.error("payment_intent.succeeded for %s: unusable amount/currency %r %r, not credited",
+                     topup.payment_intent_id, intent.get("amount"), intent.get("currency"))
+        return
+    LedgerEntry.objects.get_or_create(
+        kind=LedgerEntry.Kind.TOPUP,
+        reference=topup.payment_intent_id,
+        defaults={"organization_id": topup.organization_id, "amount": amount, "description": "Top-up (Stripe)"},
+    )
+    if topup.status != TopUp.Status.SUCCEEDED:
+        topup.status = TopUp.Status.SUCCEEDED
+        topup.save(update_fields=["status", "updated_at"])
+
+
+def _on_payment_intent_failed(intent: dict) -> None:
+    updated = TopUp.objects.filter(payment_intent_id=intent.get("id"), status=TopUp.Status.PENDING).update(
+        status=TopUp.Status.FAILED
+    )
+    if not updated:
+        logger.info("payment_intent.payment_failed for %s: no pending top-up", intent.get("id"))
+
+
+def _refunds_of(charge: dict) -> list[dict]:
+    """The charge's refunds: from the event when it carries them all, else listed from Stripe."""
+    embedded = charge.get("refunds")
+    if isinstance(embedded, dict) and isinstance(embedded.get("data"), list) and not embedded.get("has_more"):
+        return embedded["data"]
+    listing = _stripe_call(stripe_client().v1.refunds.list, params={"charge": charge["id"], "limit": 100})
+    return [refund.to_dict() for refund in listing.auto_paging_iter()]
+
+
+def _on_charge_refunded(charge: dict) -> None:
+    topup = TopUp.objects.filter(payment_intent_id=charge.get("payment_intent") or "").first()
+    if topup is None:
+        logger.warning("charge.refunded for %s: not a top-up of this platform, ignored", charge.get("id"))
+        return
+    for refund in _refunds_of(charge):
+        amount = _usd_from_cents(refund.get("amount"))
+        if refund.get("status") != "succeeded" or amount is None or not refund.get("id"):
+            continue
+        LedgerEntry.objects.get_or_create(
+            kind=LedgerEntry.Kind.REFUND,
+            reference=refund["id"],
+            defaults={"organization_id": topup.organization_id, "amount": -amount,
+                      "description": f"Refund of top-up {topup.payment_intent_id}"},
+        )
+
+
+_STRIPE_HANDLERS = {
+    "payment_intent.succeeded": _on_payment_intent_succeeded,
+    "payment_intent.payment_failed": _on_payment_intent_failed,
+    "charge.refunded": _on_charge_refunded,
+}
+
+
+def handle_stripe_event(*, event: dict) -> bool:
+    """Apply a verified Stripe event (see ``stripe_api.construct_webhook_event``) exactly once.
+
+    ``payment_intent.succeeded`` credits the top-up (amount from the PaymentIntent, reference its
+    id); ``charge.refunded`` debits each succeeded refund once (reference the refund id);
+    ``payment_intent.payment_failed`` marks the top-up failed. Other types are stored and ignored.
+    Returns False for an event id already processed. A handler that raises rolls everything back,
+    the event included, so Stripe's retry can process it later.
+    """
+    with transaction.atomic():
+        _, created = StripeEvent.objects.get_or_create(
+            event_id=event["id"], defaults={"type": event["type"][:100], "livemode": bool(event.get("livemode"))}
+        )
+        if not created:
+            return False
+        handler = _STRIPE_HANDLERS.get(event["type"])
+        if handler is not None:
+            handler(event["data"]["object"])
+        return True

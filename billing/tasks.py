@@ -1,0 +1,35 @@
+"""Celery tasks of the billing app (the ``billing`` queue): they only call services."""
+
+from __future__ import annotations
+
+import logging
+
+from celery import shared_task
+from django.db import InterfaceError, OperationalError
+
+from . import services
+from .errors import InvalidUsageEvent, UnknownModel
+
+logger = logging.getLogger(__name__)
+
+
+@shared_task(
+    name="billing.tasks.record_usage_event",
+    acks_late=True,
+    reject_on_worker_lost=True,
+    # The database down or restarting: retry with exponential backoff (up to 10 minutes apart) for
+    # as long as it takes; a usage event is money and must not be dropped.
+    autoretry_for=(OperationalError, InterfaceError),
+    retry_backoff=1,
+    retry_backoff_max=600,
+    retry_jitter=True,
+    max_retries=None,
+)
+def record_usage_event(event: dict) -> int | None:
+    """Record one usage event (idempotent by request id); returns the usage record's id."""
+    try:
+        return services.record_usage(event=event).pk
+    except (InvalidUsageEvent, UnknownModel) as exc:
+        # Permanent: a redelivery carries the same event. Logged loudly for the operator.
+        logger.error("usage event refused, not recorded: %s; event=%r", exc.message, event)
+        return None

@@ -1,0 +1,13 @@
+from django.urls import path
+
+from . import api, views
+
+urlpatterns = [
+    path("v1/usage", api.UsageReportView.as_view(), name="billing-usage"),
+    path("v1/usage/export.csv", api.UsageExportView.as_view(), name="billing-usage-export"),
+    path("v1/billing/balance", api.BalanceView.as_view(), name="billing-balance"),
+    path("v1/billing/ledger", api.LedgerView.as_view(), name="billing-ledger"),
+    path("v1/billing/topups", api.TopUpView.as_view(), name="billing-topups"),
+    path("billing/stripe/webhook", views.stripe_webhook, name="billing-stripe-webhook"),
+    path("billing/", views.billing_page, name="billing"),
+]

@@ -1,0 +1,82 @@
+"""The usage event's validating parser: the wire shape workers emit."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import pytest
+
+from billing.errors import InvalidUsageEvent
+from billing.events import parse_usage_event
+
+
+def event(**changes):
+    base = {
+        "request_id": "req-1", "organization_id": 1, "api_key_id": 2, "deployment_id": 3,
+        "model": "tiny-llama", "deployment": "tiny", "prompt_tokens": 10, "cached_prompt_tokens": 4,
+        "completion_tokens": 5, "status": "completed", "queue_ms": 1.4, "ttft_ms": 20, "latency_ms": 300.6,
+        "finished_at": "2025-03-01T12:00:00.500000Z",
+    }
+    base.update(changes)
+    return base
+
+
+def test_a_good_event_parses_with_python_types():
+    parsed = parse_usage_event(event())
+    assert parsed.finished_at == datetime(2025, 3, 1, 12, 0, 0, 500000, tzinfo=timezone.utc)
+    assert (parsed.queue_ms, parsed.ttft_ms, parsed.latency_ms) == (1, 20, 301)
+    wire = parsed.to_wire()
+    assert wire["finished_at"] == "2025-03-01T12:00:00.500000+00:00"
+    assert parse_usage_event(wire) == parsed
+
+
+def test_optional_fields_may_be_null_or_missing():
+    raw = event(api_key_id=None, deployment_id=None)
+    del raw["queue_ms"], raw["ttft_ms"], raw["latency_ms"]
+    parsed = parse_usage_event(raw)
+    assert parsed.api_key_id is None and parsed.latency_ms is None
+
+
+def test_other_time_zones_are_converted_to_utc():
+    parsed = parse_usage_event(event(finished_at="2025-03-01T14:00:00+02:00"))
+    assert parsed.finished_at == datetime(2025, 3, 1, 12, tzinfo=timezone.utc)
+
+
+@pytest.mark.parametrize(("changes", "field"), [
+    ({"request_id": ""}, "request_id"),
+    ({"request_id": "x" * 129}, "request_id"),
+    ({"request_id": "a\nb"}, "request_id"),
+    ({"organization_id": "1"}, "organization_id"),
+    ({"organization_id": None}, "organization_id"),
+    ({"api_key_id": 0}, "api_key_id"),
+    ({"model": ""}, "model"),
+    ({"prompt_tokens": 1.5}, "prompt_tokens"),
+    ({"prompt_tokens": -1}, "prompt_tokens"),
+    ({"prompt_tokens": True}, "prompt_tokens"),
+    ({"completion_tokens": 2**31}, "completion_tokens"),
+    ({"cached_prompt_tokens": 11}, "cached_prompt_tokens"),
+    ({"status": "done"}, "status"),
+    ({"latency_ms": -1}, "latency_ms"),
+    ({"latency_ms": float("nan")}, "latency_ms"),
+    ({"finished_at": "yesterday"}, "finished_at"),
+    ({"finished_at": "2025-03-01T12:00:00"}, "finished_at"),
+    ({"finished_at": 1700000000}, "finished_at"),
+    ({"colour": "blue"}, "colour"),
+])
+def test_bad_events_name_the_field(changes, field):
+    with pytest.raises(InvalidUsageEvent) as caught:
+        parse_usage_event(event(**changes))
+    assert caught.value.field == field
+
+
+def test_a_missing_required_field_is_named():
+    raw = event()
+    del raw["completion_tokens"]
+    with pytest.raises(InvalidUsageEvent) as caught:
+        parse_usage_event(raw)
+    assert caught.value.field == "completion_tokens"
+
+
+def test_not_a_mapping():
+    with pytest.raises(InvalidUsageEvent):
+        parse_usage_event(["req-1"])

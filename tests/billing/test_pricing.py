@@ -1,0 +1,125 @@
+"""The one cost function: exact Decimal arithmetic, rounding, status rules, refusing floats."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from billing.pricing import COST_QUANTUM, FREE, Prices, request_cost
+
+SAMPLE = Prices(
+    input_per_mtok=Decimal("0.15"),
+    cached_input_per_mtok=Decimal("0.075"),
+    output_per_mtok=Decimal("0.60"),
+    per_request=Decimal("0.0001"),
+)
+
+
+def cost(**kwargs):
+    kwargs.setdefault("prices", SAMPLE)
+    kwargs.setdefault("cached_prompt_tokens", 0)
+    return request_cost(**kwargs)
+
+
+def test_cost_of_a_sample_request_is_exact():
+    # 800 uncached * 0.15 + 200 cached * 0.075 + 500 out * 0.60 = 120 + 15 + 300 = 435 per M
+    # = 0.000435, plus 0.0001 per request.
+    result = cost(prompt_tokens=1000, cached_prompt_tokens=200, completion_tokens=500)
+    assert result == Decimal("0.000535")
+    assert isinstance(result, Decimal)
+    assert result.as_tuple().exponent == -6
+
+
+def test_cost_rounds_half_up_to_a_micro_dollar():
+    prices = Prices(Decimal("1"), Decimal("0"), Decimal("0"), Decimal("0"))
+    # 1 token at 1 USD / M = 0.000001 exactly; 1.5e-6 rounds half up to 0.000002; 0.5e-6 to 0.000001
+    assert request_cost(prices=prices, prompt_tokens=1, cached_prompt_tokens=0, completion_tokens=0) == Decimal("0.000001")
+    half = Prices(Decimal("1.5"), Decimal("0.5"), Decimal("0"), Decimal("0"))
+    assert request_cost(prices=half, prompt_tokens=1, cached_prompt_tokens=0, completion_tokens=0) == Decimal("0.000002")
+    assert request_cost(prices=half, prompt_tokens=1, cached_prompt_tokens=1, completion_tokens=0) == Decimal("0.000001")
+    # 0.4e-6 rounds down to zero
+    tiny = Prices(Decimal("0.4"), Decimal("0"), Decimal("0"), Decimal("0"))
+    assert request_cost(prices=tiny, prompt_tokens=1, cached_prompt_tokens=0, completion_tokens=0) == Decimal("0.000000")
+
+
+def test_large_counts_stay_exact():
+    prices = Prices(Decimal("3.123457"), Decimal("0.000001"), Decimal("15.999999"), Decimal("0.010000"))
+    result = request_cost(prices=prices, prompt_tokens=2_000_000_000, cached_prompt_tokens=1_999_999_999,
+                          completion_tokens=1_234_567)
+    expected = (Decimal(1) * Decimal("3.123457") + Decimal(1_999_999_999) * Decimal("0.000001")
+                + Decimal(1_234_567) * Decimal("15.999999")) / Decimal(1_000_000) + Decimal("0.01")
+    assert result == expected.quantize(COST_QUANTUM)
+
+
+@pytest.mark.parametrize("status", ["cancelled", "failed"])
+def test_cancelled_or_failed_without_output_is_free(status):
+    assert cost(prompt_tokens=5000, completion_tokens=0, status=status) == Decimal("0.000000")
+
+
+def test_a_completed_request_without_output_still_pays_its_prompt():
+    assert cost(prompt_tokens=1000, completion_tokens=0) == Decimal("0.000250")
+
+
+@pytest.mark.parametrize("status", ["cancelled", "failed"])
+def test_a_cut_stream_pays_for_what_it_produced(status):
+    assert cost(prompt_tokens=1000, completion_tokens=10, status=status) == cost(prompt_tokens=1000, completion_tokens=10)
+
+
+@pytest.mark.parametrize("bad", [0.15, 1, "0.15", None, True])
+def test_prices_must_be_decimals(bad):
+    with pytest.raises(TypeError):
+        Prices(bad, Decimal(0), Decimal(0), Decimal(0))
+
+
+@pytest.mark.parametrize("field", ["prompt_tokens", "cached_prompt_tokens", "completion_tokens"])
+@pytest.mark.parametrize("bad", [1.0, 10.5, Decimal("3"), "3", True])
+def test_token_counts_must_be_ints(field, bad):
+    counts = {"prompt_tokens": 100, "cached_prompt_tokens": 0, "completion_tokens": 10, field: bad}
+    with pytest.raises(TypeError):
+        request_cost(prices=SAMPLE, **counts)
+
+
+def test_prices_object_is_required_not_a_dict_of_floats():
+    with pytest.raises(TypeError):
+        request_cost(prices={"input_per_mtok": 0.15}, prompt_tokens=1, cached_prompt_tokens=0, completion_tokens=1)
+
+
+@pytest.mark.parametrize("counts", [
+    {"prompt_tokens": -1, "cached_prompt_tokens": 0, "completion_tokens": 0},
+    {"prompt_tokens": 10, "cached_prompt_tokens": 11, "completion_tokens": 0},
+    {"prompt_tokens": 10, "cached_prompt_tokens": 0, "completion_tokens": -5},
+])
+def test_impossible_counts_are_refused(counts):
+    with pytest.raises(ValueError):
+        request_cost(prices=SAMPLE, **counts)
+
+
+def test_negative_price_and_unknown_status_are_refused():
+    with pytest.raises(ValueError):
+        Prices(Decimal("-0.1"), Decimal(0), Decimal(0), Decimal(0))
+    with pytest.raises(ValueError):
+        cost(prompt_tokens=1, completion_tokens=1, status="done")
+
+
+def test_free_prices_cost_nothing():
+    assert request_cost(prices=FREE, prompt_tokens=10**6, cached_prompt_tokens=0, completion_tokens=10**6) == 0
+
+
+@given(
+    prompt=st.integers(0, 10**7), cached_share=st.integers(0, 100), completion=st.integers(0, 10**7),
+    prices=st.tuples(*[st.decimals(min_value=0, max_value=100, places=6) for _ in range(4)]),
+)
+def test_cost_equals_the_rational_formula_rounded_half_up(prompt, cached_share, completion, prices):
+    from fractions import Fraction
+
+    cached = prompt * cached_share // 100
+    p = Prices(*prices)
+    exact = (Fraction(prompt - cached) * Fraction(p.input_per_mtok) + Fraction(cached) * Fraction(p.cached_input_per_mtok)
+             + Fraction(completion) * Fraction(p.output_per_mtok)) / 10**6 + Fraction(p.per_request)
+    micro = exact * 10**6
+    rounded = int(micro) + (1 if micro - int(micro) >= Fraction(1, 2) else 0)
+    assert request_cost(prices=p, prompt_tokens=prompt, cached_prompt_tokens=cached,
+                        completion_tokens=completion) == Decimal(rounded) / 10**6

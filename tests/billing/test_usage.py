@@ -1,0 +1,237 @@
+"""Recording usage: idempotent by request id, charged once, exact under concurrency; the sign-up
+credit; spend limits and the quota check."""
+
+from __future__ import annotations
+
+import threading
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
+
+import pytest
+from django.db import connection
+
+from billing import selectors, services
+from billing.errors import InvalidParameter, InvalidUsageEvent, QuotaExceeded, UnknownModel
+from billing.models import LedgerEntry, UsageRecord
+from billing.pricing import Prices, request_cost
+from models_catalog.models import CatalogModel
+from tests.billing.conftest import make_catalog_model, make_key, make_organization, usage_event
+
+pytestmark = pytest.mark.django_db
+
+SAMPLE_COST = Decimal("0.000535")  # 1000 prompt (200 cached), 500 completion at the sample prices
+SIGNUP = Decimal("5.000000")
+
+
+def test_a_new_organization_gets_the_signup_credit_once(organization):
+    assert selectors.balance(organization=organization) == SIGNUP
+    assert services.grant_signup_credit(organization=organization).amount == SIGNUP
+    assert LedgerEntry.objects.filter(organization=organization, kind="signup_credit").count() == 1
+    assert selectors.balance(organization=organization) == SIGNUP
+
+
+def test_signup_credit_follows_the_setting(settings):
+    settings.BILLING_SIGNUP_CREDIT = Decimal("0.50")
+    assert selectors.balance(organization=make_organization("Small")) == Decimal("0.500000")
+    settings.BILLING_SIGNUP_CREDIT = Decimal("0")
+    assert selectors.balance(organization=make_organization("None")) == 0
+
+
+def test_usage_is_recorded_with_prices_applied_and_charged(organization, catalog_model):
+    api_key, _ = make_key(organization)
+    event = usage_event(organization, api_key=api_key, latency_ms=901.6)
+    record = services.record_usage(event=event)
+    assert record.cost == SAMPLE_COST
+    assert (record.prompt_tokens, record.cached_prompt_tokens, record.completion_tokens) == (1000, 200, 500)
+    assert record.price_output_per_mtok == Decimal("0.6") and record.price_per_request == Decimal("0.0001")
+    assert record.latency_ms == 902 and record.api_key == api_key
+    assert record.created_at == datetime.fromisoformat(event["finished_at"])
+    entry = LedgerEntry.objects.get(kind="usage", reference=event["request_id"])
+    assert entry.amount == -SAMPLE_COST and entry.organization == organization
+    assert selectors.balance(organization=organization) == SIGNUP - SAMPLE_COST
+
+
+def test_the_same_event_twice_bills_once(organization, catalog_model):
+    event = usage_event(organization)
+    first = services.record_usage(event=event)
+    second = services.record_usage(event=dict(event, completion_tokens=9999))  # a redelivery never rewrites
+    assert first.pk == second.pk and second.completion_tokens == 500
+    assert UsageRecord.objects.filter(request_id=event["request_id"]).count() == 1
+    assert LedgerEntry.objects.filter(kind="usage", reference=event["request_id"]).count() == 1
+    assert selectors.balance(organization=organization) == SIGNUP - SAMPLE_COST
+
+
+def test_prices_are_a_snapshot(organization, catalog_model):
+    record = services.record_usage(event=usage_event(organization))
+    catalog_model.price_output_per_mtok = Decimal("99")
+    catalog_model.save()
+    record.refresh_from_db()
+    assert record.price_output_per_mtok == Decimal("0.6") and record.cost == SAMPLE_COST
+
+
+def test_a_cancelled_request_without_output_is_free(organization, catalog_model):
+    record = services.record_usage(event=usage_event(organization, status="cancelled", completion_tokens=0))
+    assert record.cost == 0
+    assert not LedgerEntry.objects.filter(kind="usage").exists()
+    assert selectors.balance(organization=organization) == SIGNUP
+
+
+def test_deleting_a_deployment_keeps_its_usage(organization, catalog_model):
+    from models_catalog.services import create_deployment, delete_deployment
+
+    deployment = create_deployment(organization=organization, model=catalog_model, name="acme-tiny")
+    record = services.record_usage(event=usage_event(organization, deployment=deployment))
+    delete_deployment(deployment=deployment)
+    record.refresh_from_db()
+    assert record.deployment is None and record.deployment_name == "acme-tiny" and record.cost == SAMPLE_COST
+
+
+def test_an_event_for_a_deployment_already_deleted_is_still_recorded(organization, catalog_model):
+    from models_catalog.services import create_deployment, delete_deployment
+
+    deployment = create_deployment(organization=organization, model=catalog_model, name="gone")
+    event = usage_event(organization, deployment=deployment)
+    delete_deployment(deployment=deployment)
+    record = services.record_usage(event=event)
+    assert record.deployment_id is None and record.deployment_name == "gone"
+
+
+def test_permanent_errors_write_nothing(organization, other_organization, catalog_model):
+    other_key, _ = make_key(other_organization)
+    with pytest.raises(UnknownModel):
+        services.record_usage(event=usage_event(organization, model="no-such-model"))
+    with pytest.raises(InvalidUsageEvent) as caught:
+        services.record_usage(event=usage_event(organization, api_key=other_key))
+    assert caught.value.field == "api_key_id"
+    with pytest.raises(InvalidUsageEvent) as caught:
+        services.record_usage(event=dict(usage_event(organization), organization_id=10**9))
+    assert caught.value.field == "organization_id"
+    with pytest.raises(InvalidUsageEvent):
+        services.record_usage(event=dict(usage_event(organization), prompt_tokens=1.5))
+    assert not UsageRecord.objects.exists() and not LedgerEntry.objects.filter(kind="usage").exists()
+
+
+def test_the_database_refuses_a_second_charge_for_the_same_request(organization):
+    from django.db import IntegrityError, transaction
+
+    LedgerEntry.objects.create(organization=organization, kind="usage", amount=Decimal("-1"), reference="req-x")
+    with pytest.raises(IntegrityError), transaction.atomic():
+        LedgerEntry.objects.create(organization=organization, kind="usage", amount=Decimal("-1"), reference="req-x")
+    with pytest.raises(IntegrityError), transaction.atomic():  # a charge is negative
+        LedgerEntry.objects.create(organization=organization, kind="usage", amount=Decimal("1"), reference="req-y")
+
+
+# --- concurrency (threads with their own database connections) ----------------------------------
+
+
+def _run_concurrently(events: list[dict]) -> list[BaseException]:
+    barrier = threading.Barrier(len(events))
+    errors: list[BaseException] = []
+
+    def work(event):
+        try:
+            barrier.wait(timeout=30)
+            services.record_usage(event=event)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=work, args=(event,)) for event in events]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    return errors
+
+
+@pytest.mark.django_db(transaction=True)
+def test_fifty_concurrent_charges_leave_the_exact_balance():
+    organization = make_organization("Busy")
+    make_catalog_model()
+    events = [usage_event(organization, prompt_tokens=1000 + i, cached_prompt_tokens=i, completion_tokens=3 * i + 1)
+              for i in range(50)]
+    assert _run_concurrently(events) == []
+    prices = Prices.of(CatalogModel.objects.get(slug="tiny-llama"))
+    expected = sum((request_cost(prices=prices, prompt_tokens=e["prompt_tokens"],
+                                 cached_prompt_tokens=e["cached_prompt_tokens"],
+                                 completion_tokens=e["completion_tokens"]) for e in events), Decimal(0))
+    assert UsageRecord.objects.count() == 50
+    assert LedgerEntry.objects.filter(kind="usage").count() == 50
+    assert selectors.balance(organization=organization) == SIGNUP - expected
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_redeliveries_of_the_same_events_charge_once_each():
+    organization = make_organization("Racy")
+    make_catalog_model()
+    distinct = [usage_event(organization) for _ in range(10)]
+    assert _run_concurrently([event for event in distinct for _ in range(5)]) == []
+    assert UsageRecord.objects.count() == 10
+    assert LedgerEntry.objects.filter(kind="usage").count() == 10
+    assert selectors.balance(organization=organization) == SIGNUP - 10 * SAMPLE_COST
+
+
+# --- quota ------------------------------------------------------------------------------------------
+
+
+def test_check_quota_passes_with_credit(organization):
+    services.check_quota(organization=organization)
+
+
+def test_zero_balance_raises_insufficient_quota(organization):
+    services.add_adjustment(organization=organization, amount=-SIGNUP, description="use it all")
+    assert selectors.balance(organization=organization) == 0
+    with pytest.raises(QuotaExceeded) as caught:
+        services.check_quota(organization=organization)
+    assert caught.value.code == "insufficient_quota" and caught.value.status == 429
+
+
+def test_usage_that_exhausts_the_credit_blocks_the_next_request(organization):
+    make_catalog_model(slug="pricey", price_per_request=Decimal("5"))
+    services.record_usage(event=usage_event(organization, model="pricey"))
+    assert selectors.balance(organization=organization) < 0
+    with pytest.raises(QuotaExceeded):
+        services.check_quota(organization=organization)
+
+
+def test_monthly_limit_counts_this_months_usage_only(organization, catalog_model):
+    services.set_spend_limit(organization=organization, monthly_limit=Decimal("0.001"))
+    last_month = datetime.now(timezone.utc).replace(day=1) - timedelta(days=2)
+    services.record_usage(event=usage_event(organization, finished_at=last_month))
+    services.record_usage(event=usage_event(organization, finished_at=last_month))
+    services.check_quota(organization=organization)  # last month's 0.00107 does not count
+    services.record_usage(event=usage_event(organization))
+    services.check_quota(organization=organization)  # 0.000535 < 0.001
+    services.record_usage(event=usage_event(organization))
+    with pytest.raises(QuotaExceeded, match="monthly spend limit") as caught:
+        services.check_quota(organization=organization)
+    assert caught.value.code == "insufficient_quota"
+    services.set_spend_limit(organization=organization, monthly_limit=None)
+    services.check_quota(organization=organization)
+
+
+def test_key_limits_are_computed_from_its_own_usage(organization, catalog_model):
+    key, _ = make_key(organization)
+    other_key, _ = make_key(organization, name="other")
+    services.set_api_key_spend_limit(api_key=key, token_limit=3000)
+    services.record_usage(event=usage_event(organization, api_key=key))  # 1500 tokens
+    services.record_usage(event=usage_event(organization, api_key=other_key))
+    services.check_quota(organization=organization, api_key=key)
+    services.record_usage(event=usage_event(organization, api_key=key))  # 3000 tokens
+    with pytest.raises(QuotaExceeded, match="token limit"):
+        services.check_quota(organization=organization, api_key=key)
+    services.check_quota(organization=organization, api_key=other_key)
+    services.check_quota(organization=organization)
+
+    services.set_api_key_spend_limit(api_key=other_key, amount_limit=Decimal("0.000535"))
+    with pytest.raises(QuotaExceeded, match="spend limit"):
+        services.check_quota(organization=organization, api_key=other_key)
+
+
+def test_adjustments_with_a_reference_apply_once(organization):
+    services.add_adjustment(organization=organization, amount=Decimal("2.5"), description="goodwill", reference="t-1")
+    services.add_adjustment(organization=organization, amount=Decimal("2.5"), description="goodwill", reference="t-1")
+    assert selectors.balance(organization=organization) == SIGNUP + Decimal("2.5")
+    with pytest.raises(InvalidParameter):
+        services.add_adjustment(organization=organization, amount=2.5, description="float")
