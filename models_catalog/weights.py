@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import struct
+import threading
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,6 +109,30 @@ def _field(reader, key: str, default=None):
 
 
 def inspect_gguf(path: Path) -> WeightsInfo:
+    """GGUF metadata. GGUFReader parses every key/value (the tokenizer's tens of thousands of strings
+    included), which takes seconds: results are remembered per file identity (device, inode, size,
+    modification time), so the same unchanged file, under any name, is read once per process."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise ModelImportError(f"{path.name}: cannot be read ({exc.strerror or exc})") from None
+    identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    with _gguf_cache_lock:
+        info = _gguf_cache.get(identity)
+    if info is None:
+        info = _read_gguf(path)
+        with _gguf_cache_lock:
+            if len(_gguf_cache) >= 16:
+                _gguf_cache.clear()
+            _gguf_cache[identity] = info
+    return info
+
+
+_gguf_cache: dict[tuple[int, int, int, int], WeightsInfo] = {}
+_gguf_cache_lock = threading.Lock()
+
+
+def _read_gguf(path: Path) -> WeightsInfo:
     from gguf import GGUFReader, LlamaFileType
 
     try:

@@ -1,0 +1,121 @@
+"""Users, organizations, membership and the organization_created signal."""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib.auth import authenticate, get_user_model
+from django.db import IntegrityError, transaction
+
+from accounts.errors import InvalidInput
+from accounts.models import Membership, Organization, User
+from accounts.selectors import current_organization_for_user, organizations_for_user
+from accounts.services import add_member, create_organization, create_user, remove_member
+from accounts.signals import organization_created
+
+pytestmark = pytest.mark.django_db
+
+PASSWORD = "a-long-pass-phrase-42"
+
+
+def test_the_user_model_logs_in_by_email_case_insensitively():
+    assert get_user_model() is User
+    user = create_user(email="Ada@Example.COM", password=PASSWORD)
+    assert user.email == "ada@example.com"
+    assert authenticate(username="ADA@example.com", password=PASSWORD) == user
+    assert authenticate(username="ada@example.com", password="wrong") is None
+
+
+def test_create_user_refuses_duplicates_bad_emails_and_weak_passwords():
+    create_user(email="ada@example.com", password=PASSWORD)
+    for kwargs, field in [
+        ({"email": "ADA@example.com", "password": PASSWORD}, "email"),
+        ({"email": "not-an-email", "password": PASSWORD}, "email"),
+        ({"email": "bob@example.com", "password": "123"}, "password"),
+    ]:
+        with pytest.raises(InvalidInput) as info:
+            create_user(**kwargs)
+        assert info.value.field == field
+    assert User.objects.count() == 1
+
+
+def test_the_database_refuses_emails_differing_only_in_case():
+    User.objects.create(email="x@example.com")
+    with pytest.raises(IntegrityError), transaction.atomic():
+        User.objects.create(email="X@example.com")
+
+
+def test_a_user_without_password_cannot_log_in():
+    user = create_user(email="cli@example.com", password=None)
+    assert not user.has_usable_password()
+
+
+def test_create_organization_makes_the_owner_and_sends_the_signal_once():
+    owner = create_user(email="ada@example.com", password=PASSWORD)
+    received = []
+
+    def receiver(sender, organization, **kwargs):
+        # Inside the creation: the owner's membership already exists.
+        received.append((organization.pk, Membership.objects.get(organization=organization).role))
+
+    organization_created.connect(receiver)
+    try:
+        org = create_organization(name="Acme Labs", owner=owner)
+    finally:
+        organization_created.disconnect(receiver)
+    assert received == [(org.pk, "owner")]
+    assert org.slug == "acme-labs"
+    assert create_organization(name="Acme Labs", owner=owner).slug == "acme-labs-2"
+
+
+def test_a_failing_receiver_rolls_the_organization_back():
+    owner = create_user(email="ada@example.com", password=PASSWORD)
+
+    def broken(sender, organization, **kwargs):
+        raise RuntimeError("credit grant failed")
+
+    organization_created.connect(broken)
+    try:
+        with pytest.raises(RuntimeError):
+            create_organization(name="Acme", owner=owner)
+    finally:
+        organization_created.disconnect(broken)
+    assert not Organization.objects.exists() and not Membership.objects.exists()
+
+
+def test_membership_is_unique_per_pair_and_roles_are_checked():
+    owner = create_user(email="ada@example.com", password=PASSWORD)
+    bob = create_user(email="bob@example.com", password=PASSWORD)
+    org = create_organization(name="Acme", owner=owner)
+    add_member(organization=org, user=bob, role="member")
+    add_member(organization=org, user=bob, role="admin")
+    assert Membership.objects.get(organization=org, user=bob).role == "admin"
+    with pytest.raises(InvalidInput):
+        add_member(organization=org, user=bob, role="god")
+    with pytest.raises(IntegrityError), transaction.atomic():
+        Membership.objects.create(organization=org, user=bob, role="member")
+    with pytest.raises(IntegrityError), transaction.atomic():
+        Membership.objects.filter(organization=org, user=bob).update(role="god")
+
+
+def test_the_last_owner_cannot_leave():
+    owner = create_user(email="ada@example.com", password=PASSWORD)
+    org = create_organization(name="Acme", owner=owner)
+    with pytest.raises(InvalidInput):
+        remove_member(organization=org, user=owner)
+    bob = create_user(email="bob@example.com", password=PASSWORD)
+    add_member(organization=org, user=bob, role="owner")
+    remove_member(organization=org, user=owner)
+    assert list(organizations_for_user(user=owner)) == []
+
+
+def test_current_organization_is_the_session_choice_when_a_member_else_the_first():
+    ada = create_user(email="ada@example.com", password=PASSWORD)
+    eve = create_user(email="eve@example.com", password=PASSWORD)
+    first = create_organization(name="Zeta", owner=ada)
+    second = create_organization(name="Alpha", owner=ada)
+    foreign = create_organization(name="Eve's", owner=eve)
+    assert list(organizations_for_user(user=ada)) == [first, second]
+    assert current_organization_for_user(user=ada) == first
+    assert current_organization_for_user(user=ada, organization_id=second.pk) == second
+    assert current_organization_for_user(user=ada, organization_id=foreign.pk) == first
+    assert current_organization_for_user(user=ada, organization_id="junk") == first
