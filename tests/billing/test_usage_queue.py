@@ -1,0 +1,117 @@
+"""Usage events through Redis and a real Celery billing worker: an event published by a producer
+that dies before any billing worker runs is recorded exactly once when one starts; the same event
+published again is not recorded twice.
+
+The test uses its own Redis database as the broker so that no other worker (the suite's shared one
+included) consumes its queue before it wants one to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import redis
+from django.conf import settings
+
+from billing import selectors
+from billing.dispatch import emit_usage_event, usage_task_id
+from billing.errors import InvalidUsageEvent
+from billing.models import LedgerEntry, UsageRecord
+from tests.billing.conftest import make_catalog_model, make_organization, usage_event
+from tests.conftest import child_env
+from tests.support import REPO_ROOT, wait_until
+
+BROKER_DB = 11
+PRODUCER = (
+    "import json, sys, time\n"
+    "from billing.dispatch import emit_usage_event\n"
+    "emit_usage_event(json.loads(sys.argv[1]))\n"
+    "print('published', flush=True)\n"
+    "time.sleep(3600 if sys.argv[2] == 'hang' else 0)\n"
+)
+
+
+def broker_url() -> str:
+    return settings.REDIS_URL.rsplit("/", 1)[0] + f"/{BROKER_DB}"
+
+
+@pytest.fixture
+def broker():
+    url = broker_url()
+    client = redis.Redis.from_url(url)
+    keys = ["billing", "unacked", "unacked_index", "unacked_mutex", "_kombu.binding.billing"]
+    client.delete(*keys)
+    yield client
+    client.delete(*keys)
+    client.close()
+
+
+def produce(event: dict, *, die: bool) -> None:
+    """Publish from another process; with ``die`` the process is SIGKILLed right after publishing."""
+    proc = subprocess.Popen([sys.executable, "-c", PRODUCER, json.dumps(event), "hang" if die else "exit"],
+                            cwd=REPO_ROOT, env=child_env(REDIS_URL=broker_url()), stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "published"
+        if die:
+            proc.kill()
+        assert proc.wait(timeout=30) == (-9 if die else 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def start_billing_worker() -> subprocess.Popen:
+    # One thread: tasks run in the order they were published.
+    return subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "inference_platform", "worker", "--pool", "threads",
+         "--concurrency", "1", "--prefetch-multiplier", "1", "--queues", "billing",
+         "--hostname", f"billing-test-{os.getpid()}@localhost", "--loglevel", "WARNING",
+         "--without-gossip", "--without-mingle", "--without-heartbeat"],
+        cwd=REPO_ROOT, env=child_env(REDIS_URL=broker_url()),
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_event_left_in_redis_by_a_dead_producer_is_recorded_exactly_once(broker):
+    organization = make_organization("Queued")
+    make_catalog_model()
+    event = usage_event(organization, request_id="req-survives-its-worker")
+
+    produce(event, die=True)
+    assert broker.llen("billing") == 1  # the event waits in Redis; nobody consumes it yet
+    message = json.loads(broker.lindex("billing", 0))
+    assert message["headers"]["id"] == usage_task_id(event["request_id"])
+    assert not UsageRecord.objects.exists()
+
+    worker = start_billing_worker()
+    try:
+        wait_until(lambda: UsageRecord.objects.filter(request_id=event["request_id"]).exists(), timeout=60,
+                   message="the billing worker to record the event")
+        # The same event again, then a sentinel: once the sentinel is recorded, the duplicate was handled.
+        produce(event, die=False)
+        sentinel = usage_event(organization, request_id="req-sentinel")
+        produce(sentinel, die=False)
+        wait_until(lambda: UsageRecord.objects.filter(request_id="req-sentinel").exists(), timeout=60,
+                   message="the sentinel event")
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+
+    assert UsageRecord.objects.filter(request_id=event["request_id"]).count() == 1
+    assert LedgerEntry.objects.filter(kind="usage", reference=event["request_id"]).count() == 1
+    record = UsageRecord.objects.get(request_id=event["request_id"])
+    sentinel_record = UsageRecord.objects.get(request_id="req-sentinel")
+    assert selectors.balance(organization=organization) == \
+        settings.BILLING_SIGNUP_CREDIT - record.cost - sentinel_record.cost
+    assert broker.llen("billing") == 0
+
+
+def test_a_malformed_event_is_refused_before_publishing():
+    with pytest.raises(InvalidUsageEvent) as caught:
+        emit_usage_event({"request_id": "req-bad"})
+    assert caught.value.field == "organization_id"
