@@ -1,0 +1,174 @@
+"""Tokenizer from the model's own files, chat templates in a sandbox, incremental detokenizing."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.engine.config import UnsupportedModelError
+from workers.engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+VARIED_TEXTS = [
+    "Hello, world!",
+    "  two leading spaces\n\nblank line\ttab and trailing space ",
+    "naïve café, Übergrößenträger, 日本語のテキスト, русский текст, emoji 🎉👍🏽🦙",
+    "def fibonacci(n):\n    if n < 2:\n        return n  # base case\n    return fib(n-1)+fib(n-2)\n",
+    "In 2024 the price rose 12.5% to $1,234,567.89 (≈ 3.14159e10)",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "don't, they're, I'VE, we'll",
+    "",
+    "\n",
+    "x" * 300,
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_metadata(bundled_path):
+    import gguf
+
+    reader = gguf.GGUFReader(bundled_path)
+    return {name: field.contents() for name, field in reader.fields.items()}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(bundled_model_fp32):
+    return bundled_model_fp32.tokenizer
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(bundled_path):
+    return transformers.AutoTokenizer.from_pretrained(bundled_path.parent, gguf_file=bundled_path.name)
+
+
+@pytest.mark.parametrize("text", VARIED_TEXTS)
+def test_encoding_matches_transformers_and_round_trips(tokenizer, hf_tokenizer, text):
+    ids = tokenizer.encode(text)
+    assert ids == hf_tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+def test_special_tokens_stay_whole_and_are_skipped_on_decode(tokenizer):
+    im_start, im_end = tokenizer.encode("<|im_start|>"), tokenizer.encode("<|im_end|>")
+    assert len(im_start) == 1 and len(im_end) == 1
+    assert im_end[0] in tokenizer.eos_token_ids
+    ids = tokenizer.encode("<|im_start|>assistant\nHi!<|im_end|>")
+    assert ids[0] == im_start[0] and ids[-1] == im_end[0]
+    assert tokenizer.decode(ids) == "assistant\nHi!"
+
+
+def test_bundled_attributes(tokenizer, hf_tokenizer):
+    assert tokenizer.vocab_size == len(hf_tokenizer) == 49152
+    assert tokenizer.bos_token_id == hf_tokenizer.bos_token_id
+    assert hf_tokenizer.eos_token_id in tokenizer.eos_token_ids
+
+
+def test_add_special_tokens_adds_bos_when_the_file_asks(gguf_metadata):
+    plain = Tokenizer.from_gguf_metadata(gguf_metadata)  # SmolLM2 says add_bos_token = False
+    assert plain.encode("hi", add_special_tokens=True) == plain.encode("hi")
+    with_bos = Tokenizer.from_gguf_metadata({**gguf_metadata, "tokenizer.ggml.add_bos_token": True})
+    ids = with_bos.encode("hi", add_special_tokens=True)
+    assert ids == [with_bos.bos_token_id] + with_bos.encode("hi")
+
+
+def test_unsupported_gguf_tokenizer_is_named(gguf_metadata):
+    with pytest.raises(UnsupportedModelError, match="'bert'"):
+        Tokenizer.from_gguf_metadata({**gguf_metadata, "tokenizer.ggml.model": "bert"})
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "Hi there"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}],
+    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+     {"role": "user", "content": "Und auf Deutsch? 🇩🇪"}],
+])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(tokenizer, hf_tokenizer, messages, add_generation_prompt):
+    ours = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    theirs = hf_tokenizer.apply_chat_template(messages, tokenize=False,
+                                              add_generation_prompt=add_generation_prompt)
+    assert ours == theirs
+    assert ours.endswith("<|im_start|>assistant\n") == add_generation_prompt
+
+
+def make_tokenizer(gguf_metadata, template):
+    return Tokenizer.from_gguf_metadata({**gguf_metadata, "tokenizer.chat_template": template})
+
+
+def test_template_raise_exception_is_a_chat_template_error(gguf_metadata):
+    tok = make_tokenizer(gguf_metadata, "{% if messages[0]['role'] != 'user' %}"
+                                        "{{ raise_exception('first message must be from the user') }}"
+                                        "{% endif %}{{ messages[0]['content'] }}")
+    assert tok.apply_chat_template([{"role": "user", "content": "ok"}]) == "ok"
+    with pytest.raises(ChatTemplateError, match="first message must be from the user"):
+        tok.apply_chat_template([{"role": "assistant", "content": "no"}])
+
+
+@pytest.mark.parametrize("template", [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",  # the classic sandbox escape
+    "{% set _ = messages.append({'role': 'x'}) %}x",  # templates may not mutate the request
+    "{% for %}",  # does not even compile
+])
+def test_hostile_or_broken_templates_are_refused(gguf_metadata, template):
+    tok = make_tokenizer(gguf_metadata, template)
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ChatTemplateError):
+        tok.apply_chat_template(messages)
+    assert messages == [{"role": "user", "content": "hi"}]
+
+
+def test_template_helpers(gguf_metadata):
+    tok = make_tokenizer(gguf_metadata, "{{ bos_token }}{{ messages | tojson }}"
+                                        "{% for m in messages %}{% if loop.index > 1 %}{% break %}"
+                                        "{% endif %}{{ m.role }}{% endfor %}{{ strftime_now('%Y') | length }}")
+    out = tok.apply_chat_template([{"role": "user", "content": "é"}, {"role": "assistant", "content": "b"}])
+    assert out.startswith('<|im_start|>[{"role": "user", "content": "é"}')
+    assert out.endswith("user4")
+
+
+def test_model_without_template_says_so(gguf_metadata):
+    tok = make_tokenizer(gguf_metadata, None)
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_incremental_detokenizer_never_splits_a_character(tokenizer):
+    text = "Llamas 🦙 and flags 🇯🇵, math ∑ x², CJK 漢字, then plain words again."
+    ids = tokenizer.encode(text)
+    # The premise: some character spans several byte-level tokens.
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.push(i) for i in ids]
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces) == detok.text == text
+    # The llama's first byte-level token alone yields nothing rather than half a character.
+    llama = tokenizer.encode("🦙")
+    assert len(llama) > 1
+    fresh = IncrementalDetokenizer(tokenizer)
+    assert [fresh.push(i) for i in llama] == [""] * (len(llama) - 1) + ["🦙"]
+
+
+def test_incremental_detokenizer_skips_special_tokens(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer)
+    out = "".join(detok.push(i) for i in tokenizer.encode("Sure!<|im_end|>"))
+    assert out == "Sure!"
+
+
+def test_hf_folder_tokenizer_and_templates(tiny_model_dir, tmp_path):
+    import shutil
+
+    folder = tiny_model_dir("qwen2")
+    tok = Tokenizer.from_hf_folder(folder)
+    im_end = tok.encode("<|im_end|>")
+    assert len(im_end) == 1 and im_end[0] in tok.eos_token_ids
+    text = "Hello there! Numbers like 12345."
+    assert tok.decode(tok.encode(text)) == text
+    hf = transformers.AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": "user", "content": "Hello there!"}]
+    assert tok.apply_chat_template(messages) == hf.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    # transformers 5 keeps the template in chat_template.jinja, which wins.
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    (copy / "chat_template.jinja").write_text("{{ messages[0]['content'] | upper }}")
+    assert Tokenizer.from_hf_folder(copy).apply_chat_template(messages) == "HELLO THERE!"
