@@ -15,6 +15,8 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.handlers.asgi import ASGIRequest
 from django.http import StreamingHttpResponse
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import exceptions as drf_exceptions
 from rest_framework.authentication import SessionAuthentication
 from rest_framework.response import Response
@@ -30,6 +32,13 @@ from . import selectors, serializers, services
 from .errors import BillingError
 
 EXPORT_CHUNK_ROWS = 2000
+
+_PERIOD = [
+    OpenApiParameter("start", OpenApiTypes.DATE, description="first day, UTC (default: 29 days before end)"),
+    OpenApiParameter("end", OpenApiTypes.DATE, description="last day, inclusive, UTC (default: today); at most 366 days"),
+]
+_ERROR = OpenApiResponse(description='{"error": {"message", "type", "param", "code"}}')
+_ERRORS = {400: _ERROR, 401: _ERROR, 403: _ERROR}
 
 _STATUS_TYPES = {
     400: "invalid_request_error",
@@ -97,6 +106,10 @@ class BillingAPIView(APIView):
 class UsageReportView(BillingAPIView):
     """``GET /v1/usage?start=YYYY-MM-DD&end=YYYY-MM-DD&group_by=day|hour|model|deployment|api_key``"""
 
+    @extend_schema(
+        parameters=[*_PERIOD, OpenApiParameter("group_by", str, enum=list(selectors.GROUP_BYS), default="day")],
+        responses={200: serializers.UsageReportSerializer, **_ERRORS},
+    )
     def get(self, request):
         start, end = serializers.parse_period(request.query_params)
         group_by = serializers.parse_group_by(request.query_params)
@@ -145,6 +158,10 @@ async def _async_chunks(lines: Iterator[str], size: int):
 class UsageExportView(BillingAPIView):
     """``GET /v1/usage/export.csv?start&end``: the raw usage records, streamed as CSV."""
 
+    @extend_schema(parameters=_PERIOD, responses={
+        (200, "text/csv"): OpenApiResponse(OpenApiTypes.STR, description="columns: " + ", ".join(selectors.EXPORT_COLUMNS)),
+        **_ERRORS,
+    })
     def get(self, request):
         start, end = serializers.parse_period(request.query_params)
         rows = selectors.usage_export_rows(organization=self.organization(request), start=start, end=end,
@@ -162,6 +179,7 @@ class UsageExportView(BillingAPIView):
 class BalanceView(BillingAPIView):
     """``GET /v1/billing/balance``"""
 
+    @extend_schema(responses={200: serializers.BalanceSerializer, **_ERRORS})
     def get(self, request):
         organization = self.organization(request)
         limit = selectors.organization_monthly_limit(organization=organization)
@@ -177,6 +195,11 @@ class BalanceView(BillingAPIView):
 class LedgerView(BillingAPIView):
     """``GET /v1/billing/ledger?limit=20&after=<entry id>``: newest first, cursor-paginated."""
 
+    @extend_schema(
+        parameters=[OpenApiParameter("limit", int, description="1-100, default 20"),
+                    OpenApiParameter("after", int, description="the last_id of the previous page")],
+        responses={200: serializers.LedgerPageSerializer, **_ERRORS},
+    )
     def get(self, request):
         limit, after = serializers.parse_ledger_page(request.query_params)
         entries, has_more = selectors.ledger_page(organization=self.organization(request), limit=limit, after=after)
@@ -195,6 +218,8 @@ class TopUpView(BillingAPIView):
 
     permission_classes = [require_scope("manage")]
 
+    @extend_schema(request=serializers.TopUpRequestSerializer,
+                   responses={201: serializers.TopUpSerializer, 502: _ERROR, 503: _ERROR, **_ERRORS})
     def post(self, request):
         body = serializers.TopUpRequestSerializer(data=request.data)
         body.is_valid(raise_exception=True)

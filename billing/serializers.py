@@ -131,3 +131,60 @@ class TopUpRequestSerializer(serializers.Serializer):
     """``{"amount": "20.00"}``: USD as a string (a JSON number is accepted, never as a float)."""
 
     amount = serializers.CharField()
+
+
+# --- response shapes (documentation for the OpenAPI document) -------------------------------------
+
+
+class UsageFiguresSerializer(serializers.Serializer):
+    requests = serializers.IntegerField()
+    prompt_tokens = serializers.IntegerField()
+    cached_prompt_tokens = serializers.IntegerField()
+    completion_tokens = serializers.IntegerField()
+    total_tokens = serializers.IntegerField()
+    cost = serializers.CharField(help_text="USD, 6 decimal places")
+    latency_ms_p50 = serializers.IntegerField(allow_null=True)
+    latency_ms_p99 = serializers.IntegerField(allow_null=True)
+
+
+class UsageBucketSerializer(UsageFiguresSerializer):
+    bucket = serializers.CharField(
+        allow_null=True,
+        help_text="YYYY-MM-DD (day), YYYY-MM-DDTHH:00:00Z (hour), model slug, deployment name or API key id",
+    )
+    api_key = serializers.DictField(required=False, allow_null=True, help_text="group_by=api_key: id, name, prefix")
+
+
+class UsageReportSerializer(serializers.Serializer):
+    object = serializers.CharField(default="usage.report")
+    start = serializers.DateField()
+    end = serializers.DateField()
+    group_by = serializers.ChoiceField(choices=GROUP_BYS)
+    currency = serializers.CharField(default="usd")
+    data = UsageBucketSerializer(many=True)
+    totals = UsageFiguresSerializer()
+
+
+class BalanceSerializer(serializers.Serializer):
+    object = serializers.CharField(default="billing.balance")
+    balance = serializers.CharField(help_text="USD")
+    currency = serializers.CharField(default="usd")
+    monthly_spend = serializers.CharField(help_text="USD spent this calendar month (UTC)")
+    monthly_limit = serializers.CharField(allow_null=True)
+
+
+class LedgerPageSerializer(serializers.Serializer):
+    object = serializers.CharField(default="list")
+    data = LedgerEntrySerializer(many=True)
+    has_more = serializers.BooleanField()
+    first_id = serializers.IntegerField(allow_null=True)
+    last_id = serializers.IntegerField(allow_null=True)
+
+
+class TopUpSerializer(serializers.Serializer):
+    object = serializers.CharField(default="billing.topup")
+    id = serializers.CharField(help_text="the Stripe PaymentIntent id")
+    client_secret = serializers.CharField()
+    amount = serializers.CharField()
+    currency = serializers.CharField()
+    publishable_key = serializers.CharField()

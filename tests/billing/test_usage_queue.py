@@ -115,3 +115,50 @@ def test_a_malformed_event_is_refused_before_publishing():
     with pytest.raises(InvalidUsageEvent) as caught:
         emit_usage_event({"request_id": "req-bad"})
     assert caught.value.field == "organization_id"
+
+
+def test_the_task_acks_late_and_retries_database_errors_with_backoff():
+    from django.db import InterfaceError, OperationalError
+
+    from billing.tasks import record_usage_event
+
+    assert record_usage_event.acks_late and record_usage_event.reject_on_worker_lost
+    assert {OperationalError, InterfaceError} <= set(record_usage_event.autoretry_for)
+    assert record_usage_event.retry_backoff and record_usage_event.max_retries is None
+    assert record_usage_event.name == "billing.tasks.record_usage_event"
+
+
+@pytest.mark.django_db
+def test_a_database_error_is_retried_and_then_recorded_once(monkeypatch):
+    from django.db import OperationalError
+
+    from billing import services
+    from billing.tasks import record_usage_event
+
+    organization = make_organization("Flaky")
+    make_catalog_model()
+    event = usage_event(organization)
+    real, calls = services.record_usage, []
+
+    def database_down_once(*, event):
+        calls.append(event["request_id"])
+        if len(calls) == 1:
+            raise OperationalError("the database restarted")
+        return real(event=event)
+
+    monkeypatch.setattr(services, "record_usage", database_down_once)
+    result = record_usage_event.apply(args=[event], task_id=usage_task_id(event["request_id"]))
+    assert result.successful(), result.traceback
+    assert len(calls) == 2
+    assert UsageRecord.objects.filter(request_id=event["request_id"]).count() == 1
+
+
+@pytest.mark.django_db
+def test_a_permanently_bad_event_is_logged_not_retried(caplog):
+    from billing.tasks import record_usage_event
+
+    organization = make_organization("Unknown model")
+    result = record_usage_event.apply(args=[usage_event(organization, model="no-such-model")])
+    assert result.successful() and result.result is None
+    assert "usage event refused" in caplog.text
+    assert not UsageRecord.objects.exists()
