@@ -31,3 +31,9 @@ def models_root(tmp_path, settings) -> Path:
     root.mkdir()
     settings.MODELS_ROOT = root.resolve()
     return root
+
+
+@pytest.fixture(autouse=True)
+def fast_password_hashing(settings):
+    """Passwords here are test data: a fast hasher keeps each test fast (the real one is PBKDF2)."""
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]

@@ -1,0 +1,50 @@
+"""The operator's admin pages for users, organizations and keys render, and keys can be revoked there."""
+
+from __future__ import annotations
+
+import pytest
+
+from accounts.models import ApiKey, User
+from accounts.selectors import authenticate_api_key
+from accounts.errors import RevokedApiKey
+from accounts.services import create_api_key, create_organization
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def operator(client):
+    admin = User.objects.create_superuser(email="root@example.com", password="a-long-pass-phrase-42")
+    client.force_login(admin)
+    return admin
+
+
+def test_admin_pages_render_and_never_show_the_hash(client, operator):
+    org = create_organization(name="Acme", owner=operator)
+    api_key, _ = create_api_key(organization=org, name="ci", scopes=["inference"], created_by=operator)
+    for url in ["/admin/accounts/user/", f"/admin/accounts/user/{operator.pk}/change/", "/admin/accounts/user/add/",
+                "/admin/accounts/organization/", f"/admin/accounts/organization/{org.pk}/change/",
+                "/admin/accounts/membership/", "/admin/accounts/apikey/", f"/admin/accounts/apikey/{api_key.pk}/change/"]:
+        response = client.get(url)
+        assert response.status_code == 200, url
+        assert api_key.secret_hash not in response.content.decode()
+    assert client.get("/admin/accounts/apikey/add/").status_code == 403
+
+
+def test_the_admin_creates_users_by_email(client, operator):
+    response = client.post("/admin/accounts/user/add/", {
+        "email": "New@Example.com", "usable_password": "true",
+        "password1": "another-long-phrase-77", "password2": "another-long-phrase-77",
+    })
+    assert response.status_code == 302, response.content.decode()[:2000]
+    assert User.objects.get(email="new@example.com").check_password("another-long-phrase-77")
+
+
+def test_the_admin_revokes_keys(client, operator):
+    org = create_organization(name="Acme", owner=operator)
+    api_key, raw = create_api_key(organization=org, name="ci", scopes=["inference"])
+    response = client.post("/admin/accounts/apikey/", {"action": "revoke_keys", "_selected_action": [api_key.pk]})
+    assert response.status_code == 302
+    assert ApiKey.objects.get(pk=api_key.pk).revoked_at is not None
+    with pytest.raises(RevokedApiKey):
+        authenticate_api_key(raw)
