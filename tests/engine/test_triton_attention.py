@@ -217,6 +217,7 @@ DECODE_CASES = [
     (4, 64, torch.bfloat16, 5),
     (8, 128, torch.bfloat16, 3),
     (1, 128, torch.float32, 5),
+    (2, 96, torch.float16, 2),  # a head_dim that is not a power of two (padded to 128)
 ]
 
 
@@ -268,6 +269,7 @@ PREFILL_CASES = [
     (8, 64, torch.float16, None),
     (4, 64, torch.float32, (32, 16)),
     (1, 128, torch.float16, (16, 32)),
+    (2, 96, torch.bfloat16, None),
 ]
 
 

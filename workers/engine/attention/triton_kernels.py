@@ -13,14 +13,17 @@ Softmax is online, in float32, in base 2 (the scale is pre-multiplied by log2(e)
 bfloat16, float16 or float32; matmuls run in the input dtype with float32 accumulation (float32
 inputs use full IEEE precision, not TF32, so results match the reference closely).
 
-Under ``TRITON_INTERPRET=1`` (read by Triton when this module is imported, at decoration time) the
-same kernels run on CPU tensors; num_warps/num_stages are then ignored.
+Launches ask for FMA contraction explicitly (``enable_fp_fusion=True``): Triton 3.9 warns that
+its default will change, and the kernels should not change speed or rounding with it.
+
+With ``TRITON_INTERPRET=1`` set while this module is imported (Triton reads it when ``@triton.jit``
+decorates), the same kernels run on CPU tensors in Triton's interpreter; num_warps/num_stages are
+then ignored.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -71,18 +74,24 @@ def _load_paged_tile(
     token_mask,  # [BLOCK_N] which positions to load (others read as 0)
     kv_head,
     dims,  # [BLOCK_D]
-    dim_mask,
     stride_block,
     stride_offset,
     stride_head,
     BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """[BLOCK_N, BLOCK_D] of K or V for the given positions, gathered through the block table."""
     block = tl.load(block_table_ptr + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
     offset = tokens % BLOCK_SIZE
     ptrs = (cache_ptr + block[:, None] * stride_block + offset[:, None] * stride_offset
             + kv_head * stride_head + dims[None, :])
-    return tl.load(ptrs, mask=token_mask[:, None] & dim_mask[None, :], other=0.0)
+    # Mask the head dimension only when it is padded, so whole rows stay vector loads.
+    if BLOCK_D == HEAD_DIM:
+        mask = token_mask[:, None]
+    else:
+        mask = token_mask[:, None] & (dims < HEAD_DIM)[None, :]
+    return tl.load(ptrs, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -205,10 +214,10 @@ def _paged_decode_kernel(
     for tile in range(start, end, BLOCK_N):
         tokens = tile + tl.arange(0, BLOCK_N)
         token_mask = tokens < end
-        k = _load_paged_tile(k_cache_ptr, table, tokens, token_mask, kv_head, dims, dim_mask,
-                             stride_k_b, stride_k_o, stride_k_h, BLOCK_SIZE)
-        v = _load_paged_tile(v_cache_ptr, table, tokens, token_mask, kv_head, dims, dim_mask,
-                             stride_v_b, stride_v_o, stride_v_h, BLOCK_SIZE)
+        k = _load_paged_tile(k_cache_ptr, table, tokens, token_mask, kv_head, dims,
+                             stride_k_b, stride_k_o, stride_k_h, BLOCK_SIZE, HEAD_DIM, BLOCK_D)
+        v = _load_paged_tile(v_cache_ptr, table, tokens, token_mask, kv_head, dims,
+                             stride_v_b, stride_v_o, stride_v_h, BLOCK_SIZE, HEAD_DIM, BLOCK_D)
         acc, m_i, l_i = _online_softmax_step(q, k, v, token_mask[None, :], acc, m_i, l_i,
                                              scale_log2, DOT_F32, PRECISION)
 
@@ -322,10 +331,10 @@ def _paged_prefill_kernel(
     all_keys = tl.full([BLOCK_N], 1, dtype=tl.int1)
     for tile in range(0, full_end, BLOCK_N):
         tokens = tile + tl.arange(0, BLOCK_N)
-        k = _load_paged_tile(k_cache_ptr, table, tokens, all_keys, kv_head, dims, dim_mask,
-                             stride_k_b, stride_k_o, stride_k_h, BLOCK_SIZE)
-        v = _load_paged_tile(v_cache_ptr, table, tokens, all_keys, kv_head, dims, dim_mask,
-                             stride_v_b, stride_v_o, stride_v_h, BLOCK_SIZE)
+        k = _load_paged_tile(k_cache_ptr, table, tokens, all_keys, kv_head, dims,
+                             stride_k_b, stride_k_o, stride_k_h, BLOCK_SIZE, HEAD_DIM, BLOCK_D)
+        v = _load_paged_tile(v_cache_ptr, table, tokens, all_keys, kv_head, dims,
+                             stride_v_b, stride_v_o, stride_v_h, BLOCK_SIZE, HEAD_DIM, BLOCK_D)
         acc, m_i, l_i = _online_softmax_step(q, k, v, all_keys[None, :], acc, m_i, l_i,
                                              scale_log2, DOT_F32, PRECISION)
 
@@ -334,10 +343,10 @@ def _paged_prefill_kernel(
     for tile in range(full_end, causal_end, BLOCK_N):
         tokens = tile + tl.arange(0, BLOCK_N)
         token_mask = tokens < causal_end
-        k = _load_paged_tile(k_cache_ptr, table, tokens, token_mask, kv_head, dims, dim_mask,
-                             stride_k_b, stride_k_o, stride_k_h, BLOCK_SIZE)
-        v = _load_paged_tile(v_cache_ptr, table, tokens, token_mask, kv_head, dims, dim_mask,
-                             stride_v_b, stride_v_o, stride_v_h, BLOCK_SIZE)
+        k = _load_paged_tile(k_cache_ptr, table, tokens, token_mask, kv_head, dims,
+                             stride_k_b, stride_k_o, stride_k_h, BLOCK_SIZE, HEAD_DIM, BLOCK_D)
+        v = _load_paged_tile(v_cache_ptr, table, tokens, token_mask, kv_head, dims,
+                             stride_v_b, stride_v_o, stride_v_h, BLOCK_SIZE, HEAD_DIM, BLOCK_D)
         mask = token_mask[None, :] & (tokens[None, :] <= positions[:, None])
         acc, m_i, l_i = _online_softmax_step(q, k, v, mask, acc, m_i, l_i, scale_log2, DOT_F32,
                                              PRECISION)
@@ -358,6 +367,9 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
 
+    def __post_init__(self) -> None:
+        _check_tile("block_n", self.block_n)
+
 
 @dataclass(frozen=True)
 class PrefillConfig:
@@ -365,6 +377,16 @@ class PrefillConfig:
     block_n: int  # keys per loop iteration
     num_warps: int = 4
     num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        _check_tile("block_m", self.block_m)
+        _check_tile("block_n", self.block_n)
+
+
+def _check_tile(name: str, size: int) -> None:
+    # tl.dot needs every side >= 16, tl.arange a power of two.
+    if size < 16 or size & (size - 1):
+        raise AttentionInputError(f"{name} must be a power of two >= 16, got {size}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -379,8 +401,8 @@ def default_decode_config(head_dim: int, dtype: torch.dtype, device: torch.devic
         # The interpreter: small tiles keep it quick and make small test contexts span tiles.
         return DecodeConfig(block_n=16)
     capability, _ = _device_traits(device)
-    # Decode is a memory stream: tiles of ~16 KB of K (and of V) per iteration, deep pipelining
-    # where shared memory allows it (Hopper: 228 KB per SM).
+    # Decode is a memory stream: tiles of ~16 KB of K (and of V) per iteration. More stages let
+    # the pipeliner run the block-table lookup and the K/V copies (cp.async) ahead of the math.
     block_n = max(16, min(128, 16384 // (_padded_dim(head_dim) * dtype.itemsize)))
     stages = 4 if capability >= (9, 0) else (3 if capability == (8, 0) else 2)
     return DecodeConfig(block_n=block_n, num_warps=4, num_stages=stages)
@@ -471,6 +493,7 @@ def write_kv_cache(
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=_padded_dim(head_dim),
         num_warps=1 if num_kv_heads * head_dim <= 512 else 4,
+        enable_fp_fusion=True,
     )
 
 
@@ -540,6 +563,7 @@ def paged_decode_attention(
         PRECISION=_precision(query.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        enable_fp_fusion=True,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
@@ -552,6 +576,7 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             BLOCK_D=_padded_dim(head_dim),
             num_warps=4 if num_splits * head_dim >= 4096 else 1,
+            enable_fp_fusion=True,
         )
     return out
 
@@ -601,6 +626,7 @@ def paged_prefill_attention(
         PRECISION=_precision(query.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        enable_fp_fusion=True,
     )
     return out
 
