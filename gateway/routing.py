@@ -1,3 +1,7 @@
-"""WebSocket routes of the public API (the consumer arrives with the inference API)."""
+"""WebSocket routes of the public API."""
 
-websocket_urlpatterns: list = []
+from django.urls import path
+
+from .consumers import InferenceConsumer
+
+websocket_urlpatterns = [path("v1/ws", InferenceConsumer.as_asgi())]

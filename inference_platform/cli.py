@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.request
 
+from .celery import deployment_queue
 from .processes import StartError, child_env, spawn, start_embedded_redis, stop_all, web_command, worker_command
 
 DEFAULT_QUEUES = ["default", "billing"]
@@ -175,6 +176,13 @@ def seed(settings) -> None:
         call_command("seed_catalog")
 
 
+def served_deployments() -> list[str]:
+    """The deployments the embedded worker serves: every public one seeded so far."""
+    from models_catalog.models import Deployment
+
+    return list(Deployment.objects.filter(is_public=True).order_by("name").values_list("name", flat=True))
+
+
 def wait_ready(url: str, procs: list[subprocess.Popen], *, deadline_s: float) -> None:
     give_up = time.monotonic() + deadline_s
     last = ""
@@ -248,13 +256,15 @@ def cmd_up(args) -> int:
         password = ensure_admin(settings)
         api_key = ensure_api_key(settings)
         say(f"[4/5] starting the web server on http://{args.host}:{args.port} and a worker")
-        env = child_env(DATA_DIR=str(settings.DATA_DIR))
+        served = served_deployments()
+        env = child_env(DATA_DIR=str(settings.DATA_DIR), INFERENCE_PRELOAD=",".join(served))
         logs = settings.DATA_DIR / "logs"
         logs.mkdir(exist_ok=True)
         procs.append(spawn(web_command(host=args.host, port=args.port), env=env, log=logs / "web.log"))
         procs.append(
             spawn(
-                worker_command(queues=DEFAULT_QUEUES, concurrency=args.concurrency, name=f"worker@{socket.gethostname()}"),
+                worker_command(queues=DEFAULT_QUEUES + [deployment_queue(d) for d in served],
+                               concurrency=args.concurrency, name=f"worker@{socket.gethostname()}"),
                 env=env,
                 log=logs / "worker.log",
             )
@@ -299,7 +309,9 @@ def cmd_worker(args) -> int:
     ensure_redis(settings, procs)
     require_database(settings)
     name = args.name or f"worker-{os.getpid()}@{socket.gethostname()}"
-    procs.append(spawn(worker_command(queues=args.queues, concurrency=args.concurrency, name=name), env=child_env()))
+    queues = args.queues + [deployment_queue(d) for d in args.deployments]
+    env = child_env(INFERENCE_PRELOAD=",".join(args.deployments))
+    procs.append(spawn(worker_command(queues=queues, concurrency=args.concurrency, name=name), env=env))
     return supervise(procs)
 
 
@@ -326,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Start the whole platform on its embedded defaults; Ctrl-C stops it all.")
     up.add_argument("--host", default="127.0.0.1", help="address the web server listens on (default 127.0.0.1)")
     up.add_argument("--port", type=int, default=8000, help="web server port (default 8000)")
-    up.add_argument("--concurrency", type=int, default=8, help="worker threads (default 8)")
+    up.add_argument("--concurrency", type=int, default=64, help="worker threads (default 64)")
     up.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for /readyz (default 180)")
     up.set_defaults(func=cmd_up)
 
@@ -339,7 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="start one Celery worker", description="Start one Celery worker process (thread pool, prefetch 1, late acks).")
     worker.add_argument("--queues", type=lambda s: [q for q in s.split(",") if q], default=DEFAULT_QUEUES,
                         help="comma-separated queues to consume (default: default,billing)")
-    worker.add_argument("--concurrency", type=int, default=8, help="worker threads (default 8)")
+    worker.add_argument("--deployments", type=lambda s: [d for d in s.split(",") if d], default=[],
+                        help="comma-separated deployments to serve: their queues are consumed and their models loaded at start")
+    worker.add_argument("--concurrency", type=int, default=64,
+                        help="worker threads; at least the engine's max batch size (default 64)")
     worker.add_argument("--name", default="", help="Celery node name (default worker-PID@HOST)")
     worker.set_defaults(func=cmd_worker)
 

@@ -98,7 +98,8 @@ CACHES = {
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL], "capacity": 1000, "expiry": 120},
+        # The socket timeout must outlast channels_redis's 5 s blocking pops (redis-py's default is 5 s).
+        "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}], "capacity": 1000, "expiry": 120},
     }
 }
 
@@ -143,6 +144,17 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "OpenAI-compatible inference, deployments and usage.",
     "VERSION": "1.0.0",
 }
+
+# The inference gateway.
+GATEWAY_MAX_BODY_BYTES = env_int("GATEWAY_MAX_BODY_BYTES", 1 << 20)
+DATA_UPLOAD_MAX_MEMORY_SIZE = GATEWAY_MAX_BODY_BYTES + 1
+GATEWAY_QUEUE_TIMEOUT = float(env_str("GATEWAY_QUEUE_TIMEOUT", "30"))  # no worker took it: 503
+GATEWAY_START_TIMEOUT = float(env_str("GATEWAY_START_TIMEOUT", "300"))  # model load + admission: 504
+GATEWAY_STALL_TIMEOUT = float(env_str("GATEWAY_STALL_TIMEOUT", "120"))  # no token for this long: 504
+RATE_LIMIT_KEY_RPM = env_int("RATE_LIMIT_KEY_RPM", 600)
+RATE_LIMIT_ORG_RPM = env_int("RATE_LIMIT_ORG_RPM", 3000)
+RATE_LIMIT_KEY_TPM = env_int("RATE_LIMIT_KEY_TPM", 2_000_000)
+RATE_LIMIT_ORG_TPM = env_int("RATE_LIMIT_ORG_TPM", 10_000_000)
 
 # Where operators keep model weights; catalog imports may only read below it.
 MODELS_ROOT = Path(env_str("MODELS_ROOT", str(DATA_DIR / "models"))).resolve()

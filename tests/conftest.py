@@ -29,6 +29,19 @@ def child_env(**extra) -> dict:
 
 
 @pytest.fixture(scope="session")
+def django_db_setup(django_test_environment, django_db_blocker):
+    """Always create the test database, also for runs whose tests reach it only through child
+    processes (pytest-django would otherwise create it only for tests marked django_db)."""
+    from django.test.utils import setup_databases, teardown_databases
+
+    with django_db_blocker.unblock():
+        config = setup_databases(verbosity=0, interactive=False, aliases={"default"}, serialized_aliases=set())
+    yield
+    with django_db_blocker.unblock():
+        teardown_databases(config, verbosity=0)
+
+
+@pytest.fixture(scope="session")
 def celery_worker(django_db_setup, django_db_blocker):
     """One real Celery worker (thread pool, prefetch 1) consuming the default and billing queues."""
     from inference_platform.readiness import check_workers

@@ -1,0 +1,110 @@
+"""The WebSocket API at ``/v1/ws``: the HTTP API's JSON bodies in, the same stream chunks out.
+
+Client frames:
+    {"request_id": "r1", "endpoint": "chat.completions" | "completions", ...the HTTP body...}
+    {"type": "cancel", "request_id": "r1"}
+Server frames: each OpenAI chunk with the client's ``request_id`` added, then
+``{"type": "done", "request_id": ...}``; or ``{"type": "error", "request_id": ..., "error": {...}}``.
+Several requests can run at once on one connection. Closing the socket aborts them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+from channels.generic.websocket import AsyncWebsocketConsumer
+
+from . import calls, formatting
+from .errors import ApiError
+from .protocol import parse_chat, parse_completion
+from .views import stream_chunks
+
+PARSERS = {"chat.completions": parse_chat, "completions": parse_completion}
+
+
+class InferenceConsumer(AsyncWebsocketConsumer):
+    async def connect(self):
+        self.running: dict[str, tuple[asyncio.Task, list]] = {}
+        await self.accept()
+        error = self._auth_error()
+        if error:
+            await self._send(error.body() | {"type": "error", "request_id": None})
+            await self.close(code=4000 + error.status)
+            return
+        user = self.scope.get("user")
+        self.caller = calls.Caller(api_key=self.scope["api_key"], organization=self.scope["organization"],
+                                   user_id=getattr(user, "pk", None))
+
+    def _auth_error(self) -> ApiError | None:
+        if self.scope.get("auth_error") or self.scope.get("organization") is None:
+            return ApiError(401, self.scope.get("auth_error") or "Authentication required.", code="invalid_api_key")
+        api_key = self.scope.get("api_key")
+        if api_key is not None and not api_key.has_scope("inference"):
+            return ApiError(403, "This API key is missing the 'inference' scope.", code="missing_scope")
+        return None
+
+    async def receive(self, text_data=None, bytes_data=None):
+        try:
+            message = json.loads(text_data if text_data is not None else bytes_data)
+        except (TypeError, ValueError):
+            return await self._error(None, ApiError(400, "Frames must be JSON objects.", code="invalid_json"))
+        if not isinstance(message, dict):
+            return await self._error(None, ApiError(400, "Frames must be JSON objects.", code="invalid_json"))
+        request_id = message.pop("request_id", None) or uuid.uuid4().hex
+        if message.get("type") == "cancel":
+            return await self._cancel(str(request_id))
+        message.pop("type", None)
+        endpoint = message.pop("endpoint", "chat.completions")
+        if endpoint not in PARSERS:
+            return await self._error(request_id, ApiError(400, "endpoint must be chat.completions or completions",
+                                                          param="endpoint"))
+        if request_id in self.running:
+            return await self._error(request_id, ApiError(400, "request_id is already running", param="request_id"))
+        try:
+            inference = PARSERS[endpoint](message)
+        except ApiError as exc:
+            return await self._error(request_id, exc)
+        holder: list = []  # the Call, once dispatched
+        task = asyncio.create_task(self._run(request_id, inference, holder))
+        self.running[request_id] = (task, holder)
+
+    async def _run(self, request_id: str, inference, holder: list):
+        call = None
+        try:
+            call, _ = await calls.begin(self.caller, inference)
+            holder.append(call)
+            ctx = formatting.Context(kind=inference.kind, id=call.request_id, created=call.created, model=inference.model)
+            async for chunk in stream_chunks(call, ctx, inference.include_usage):
+                await self._send({**chunk, "request_id": request_id})
+            await self._send({"type": "done", "request_id": request_id})
+        except ApiError as exc:
+            await self._error(request_id, exc)
+        finally:
+            if call is not None:
+                await asyncio.shield(call.cancel())
+            self.running.pop(request_id, None)
+
+    async def _cancel(self, request_id: str):
+        entry = self.running.get(request_id)
+        if entry is None:
+            return await self._error(request_id, ApiError(404, "No running request with that request_id.",
+                                                          param="request_id"))
+        task, holder = entry
+        if holder:
+            await holder[0].cancel()  # the stream then ends with finish_reason "stop" and usage
+        else:
+            task.cancel()  # still being admitted: nothing ran, nothing is billed
+
+    async def disconnect(self, code):
+        for task, holder in list(getattr(self, "running", {}).values()):
+            if holder:
+                await holder[0].cancel()
+            task.cancel()
+
+    async def _error(self, request_id, exc: ApiError):
+        await self._send({"type": "error", "request_id": request_id, **exc.body()})
+
+    async def _send(self, frame: dict):
+        await self.send(text_data=json.dumps(frame, ensure_ascii=False))

@@ -1,0 +1,46 @@
+"""Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+from django.http import JsonResponse
+
+# OpenAI's error types by status code.
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+class ApiError(Exception):
+    """Raised anywhere in the gateway; rendered once, in OpenAI's shape, with its status."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ERROR_TYPES.get(status, "server_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JsonResponse:
+        response = JsonResponse(self.body(), status=self.status)
+        for name, value in self.headers.items():
+            response[name] = value
+        return response
+
+
+def invalid(param: str | None, message: str, *, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code or ("invalid_value" if param else None))

@@ -1,0 +1,112 @@
+"""The one place that turns worker events into OpenAI JSON: responses, stream chunks, usage.
+
+Workers send neutral events (see ``workers.inference``): ``delta`` events carry new text, token
+ids and per-token logprobs as ``{"token", "bytes", "logprob", "top": [[token, logprob, bytes]]}``;
+``finished`` carries the finish reason and the token counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SYSTEM_FINGERPRINT = "fp_inference_platform_1"
+
+
+@dataclass(frozen=True)
+class Context:
+    kind: str  # "chat" | "completion"
+    id: str
+    created: int
+    model: str
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.kind == "chat" else "text_completion"
+
+    def envelope(self, *, chunk: bool) -> dict:
+        obj = "chat.completion.chunk" if chunk and self.kind == "chat" else self.object
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": SYSTEM_FINGERPRINT}
+
+
+def usage_json(usage: dict) -> dict:
+    prompt, completion = usage["prompt_tokens"], usage["completion_tokens"]
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": usage.get("cached_prompt_tokens", 0)},
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
+
+
+def chat_logprobs(entries: list[dict]) -> dict:
+    def one(token, logprob, raw):
+        return {"token": token, "logprob": logprob, "bytes": raw}
+
+    return {
+        "content": [
+            {**one(e["token"], e["logprob"], e["bytes"]), "top_logprobs": [one(*alt) for alt in e["top"]]}
+            for e in entries
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(entries: list[dict], *, text_offset: int) -> dict:
+    offsets, at = [], text_offset
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{token: logprob for token, logprob, _ in e["top"]} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def _logprobs(ctx: Context, entries: list[dict] | None, text_offset: int) -> dict | None:
+    if entries is None:
+        return None
+    return chat_logprobs(entries) if ctx.kind == "chat" else completion_logprobs(entries, text_offset=text_offset)
+
+
+def chunk(ctx: Context, *, text: str | None, logprobs: list[dict] | None = None, finish_reason: str | None = None,
+          first: bool = False, text_offset: int = 0, include_usage: bool = False) -> dict:
+    """One streamed chunk carrying new text (or, with ``finish_reason``, the end of the choice)."""
+    if ctx.kind == "chat":
+        delta: dict = {}
+        if first:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": _logprobs(ctx, logprobs, text_offset),
+                  "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": _logprobs(ctx, logprobs, text_offset),
+                  "finish_reason": finish_reason}
+    body = {**ctx.envelope(chunk=True), "choices": [choice]}
+    if include_usage:
+        body["usage"] = None
+    return body
+
+
+def usage_chunk(ctx: Context, usage: dict) -> dict:
+    """The last chunk before ``[DONE]`` when the client asked for ``include_usage``."""
+    return {**ctx.envelope(chunk=True), "choices": [], "usage": usage_json(usage)}
+
+
+def response(ctx: Context, *, text: str, finish_reason: str, logprobs: list[dict] | None, usage: dict) -> dict:
+    """A whole non-streamed response."""
+    if ctx.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                  "logprobs": _logprobs(ctx, logprobs, 0), "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": _logprobs(ctx, logprobs, 0), "finish_reason": finish_reason}
+    return {**ctx.envelope(chunk=False), "choices": [choice], "usage": usage_json(usage)}
+
+
+def openai_finish_reason(reason: str) -> str:
+    """The engine's reasons mapped onto OpenAI's vocabulary."""
+    return {"stop": "stop", "length": "length"}.get(reason, "stop")

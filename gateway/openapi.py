@@ -1,0 +1,121 @@
+"""``GET /v1/openapi.json``: the public API's OpenAPI 3 document.
+
+The inference endpoints are async views outside DRF, so their request bodies are described here,
+next to ``protocol.py`` whose limits they restate; the DRF endpoints (usage, billing, deployments)
+come from drf-spectacular and are merged in.
+"""
+
+from __future__ import annotations
+
+from django.http import JsonResponse
+from django.views.decorators.http import require_GET
+
+NUMBER = {"type": "number"}
+ERROR = {
+    "type": "object",
+    "properties": {"error": {"type": "object", "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+}
+COMMON = {
+    "model": {"type": "string", "description": "A deployment name from GET /v1/models."},
+    "stream": {"type": "boolean", "default": False},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}},
+                       "additionalProperties": False},
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {**NUMBER, "minimum": 0, "maximum": 2},
+    "top_p": {**NUMBER, "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"type": "integer", "minimum": -1},
+    "min_p": {**NUMBER, "minimum": 0, "maximum": 1},
+    "repetition_penalty": {**NUMBER, "exclusiveMinimum": 0, "maximum": 10},
+    "n": {"type": "integer", "enum": [1]},
+    "stop": {"oneOf": [{"type": "string", "minLength": 1},
+                       {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4}]},
+    "seed": {"type": "integer"},
+    "presence_penalty": {**NUMBER, "minimum": -2, "maximum": 2},
+    "frequency_penalty": {**NUMBER, "minimum": -2, "maximum": 2},
+    "logit_bias": {"type": "object", "additionalProperties": {**NUMBER, "minimum": -100, "maximum": 100}},
+    "user": {"type": "string"},
+}
+CHAT_REQUEST = {
+    "type": "object",
+    "required": ["model", "messages"],
+    "additionalProperties": False,
+    "properties": {
+        **COMMON,
+        "messages": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["role", "content"],
+            "properties": {"role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+                           "content": {"type": "string"}, "name": {"type": "string"}}}},
+        "max_completion_tokens": {"type": "integer", "minimum": 1},
+        "logprobs": {"type": "boolean"},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+    },
+}
+COMPLETION_REQUEST = {
+    "type": "object",
+    "required": ["model", "prompt"],
+    "additionalProperties": False,
+    "properties": {
+        **COMMON,
+        "prompt": {"oneOf": [{"type": "string", "minLength": 1},
+                             {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]},
+        "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
+        "echo": {"type": "boolean", "enum": [False]},
+    },
+}
+USAGE = {"type": "object", "properties": {
+    "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"},
+    "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}}
+RESPONSE = {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
+    "id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
+    "model": {"type": "string"}, "system_fingerprint": {"type": "string"},
+    "choices": {"type": "array", "items": {"type": "object"}}, "usage": USAGE}}
+ERRORS = {str(code): {"description": text, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+          for code, text in [(400, "Invalid request"), (401, "Bad API key"), (403, "Missing scope"),
+                             (404, "Unknown model"), (413, "Body too large"), (429, "Rate limit or quota"),
+                             (503, "No worker serves the model"), (504, "Timed out")]}
+
+
+def _inference_path(summary: str, schema: str) -> dict:
+    return {"post": {
+        "summary": summary,
+        "security": [{"bearer": []}],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}},
+        "responses": {"200": {"description": "The completion, or an SSE stream of chunks ending with `data: [DONE]`",
+                              "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Completion"}},
+                                          "text/event-stream": {"schema": {"type": "string"}}}},
+                      **ERRORS},
+    }}
+
+
+def build() -> dict:
+    from drf_spectacular.generators import SchemaGenerator
+
+    document = SchemaGenerator(title="Inference Platform API", version="1.0.0").get_schema(request=None, public=True)
+    document.setdefault("paths", {})
+    document.setdefault("components", {}).setdefault("schemas", {})
+    document["components"].setdefault("securitySchemes", {})["bearer"] = {"type": "http", "scheme": "bearer"}
+    document["components"]["schemas"].update(
+        {"ChatCompletionRequest": CHAT_REQUEST, "CompletionRequest": COMPLETION_REQUEST, "Completion": RESPONSE, "Error": ERROR}
+    )
+    model = {"type": "object", "properties": {"id": {"type": "string"}, "object": {"type": "string"},
+                                              "created": {"type": "integer"}, "owned_by": {"type": "string"}}}
+    document["paths"].update({
+        "/v1/chat/completions": _inference_path("Create a chat completion", "ChatCompletionRequest"),
+        "/v1/completions": _inference_path("Create a completion", "CompletionRequest"),
+        "/v1/models": {"get": {"summary": "List the models (deployments) you can call", "security": [{"bearer": []}],
+                               "responses": {"200": {"description": "Models", "content": {"application/json": {"schema": {
+                                   "type": "object", "properties": {"data": {"type": "array", "items": model}}}}}},
+                                   "401": ERRORS["401"]}}},
+        "/v1/models/{name}": {"get": {"summary": "Retrieve a model", "security": [{"bearer": []}],
+                                      "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
+                                      "responses": {"200": {"description": "The model", "content": {"application/json": {"schema": model}}},
+                                                    "401": ERRORS["401"], "404": ERRORS["404"]}}},
+    })
+    return document
+
+
+@require_GET
+def schema(request):
+    return JsonResponse(build(), json_dumps_params={"indent": 1})

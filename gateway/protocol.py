@@ -1,0 +1,254 @@
+"""Parse and validate OpenAI-style request bodies into one neutral request for the workers.
+
+Each endpoint keeps OpenAI's own spelling (chat's ``logprobs: true`` + ``top_logprobs``, the
+legacy completions' integer ``logprobs``); both become the same ``sampling`` dict. Every
+rejection names the offending parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import invalid
+
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+MAX_STOP = 4  # OpenAI allows up to four stop sequences
+COMMON_FIELDS = {
+    "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop", "seed",
+    "presence_penalty", "frequency_penalty", "logit_bias", "user",
+    # Common open-model extensions (vLLM, Together): accepted, passed to the sampler.
+    "top_k", "min_p", "repetition_penalty",
+}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+
+
+@dataclass
+class InferenceRequest:
+    kind: str  # "chat" | "completion"
+    model: str
+    stream: bool
+    include_usage: bool
+    sampling: dict
+    messages: list[dict] | None = None
+    prompt: str | list[int] | None = None
+    user: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def payload(self) -> dict:
+        """The JSON-safe part the worker needs."""
+        return {
+            "kind": self.kind,
+            "messages": self.messages,
+            "prompt": self.prompt,
+            "sampling": self.sampling,
+        }
+
+
+def parse_chat(body: Any) -> InferenceRequest:
+    body = _object(body)
+    _no_unknown(body, CHAT_FIELDS)
+    messages = _messages(body.get("messages"))
+    sampling = _sampling(body)
+    if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
+        sampling["max_tokens"] = _int(body, "max_completion_tokens", minimum=1)
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise invalid("logprobs", "logprobs must be a boolean")
+    top = body.get("top_logprobs")
+    if top is not None:
+        top = _int(body, "top_logprobs", minimum=0, maximum=20)
+        if not logprobs:
+            raise invalid("top_logprobs", "top_logprobs requires logprobs to be true")
+    sampling["logprobs"] = bool(logprobs)
+    sampling["top_logprobs"] = top or 0
+    return _request("chat", body, sampling, messages=messages)
+
+
+def parse_completion(body: Any) -> InferenceRequest:
+    body = _object(body)
+    _no_unknown(body, COMPLETION_FIELDS)
+    prompt = _prompt(body.get("prompt"))
+    sampling = _sampling(body)
+    sampling.setdefault("max_tokens", 16)  # the legacy endpoint's documented default
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        if isinstance(logprobs, bool):
+            raise invalid("logprobs", "logprobs must be an integer between 0 and 5 on /v1/completions")
+        count = _int(body, "logprobs", minimum=0, maximum=5)
+        sampling["logprobs"], sampling["top_logprobs"] = True, count
+    else:
+        sampling["logprobs"], sampling["top_logprobs"] = False, 0
+    for name, allowed in (("echo", (None, False)), ("suffix", (None,)), ("best_of", (None, 1))):
+        if body.get(name) not in allowed:
+            raise invalid(name, f"{name} is not supported")
+    return _request("completion", body, sampling, prompt=prompt)
+
+
+def _request(kind: str, body: dict, sampling: dict, **content) -> InferenceRequest:
+    model = body.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise invalid("model", "model is required: the name of a deployment (see GET /v1/models)",
+                      code="missing_required_parameter" if model is None else None)
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise invalid("stream", "stream must be a boolean")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise invalid("stream_options", "stream_options is only allowed when stream is true")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise invalid("stream_options", "stream_options accepts only include_usage")
+        include_usage = options.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise invalid("stream_options.include_usage", "include_usage must be a boolean")
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise invalid("n", "only n=1 is supported")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise invalid("user", "user must be a string")
+    return InferenceRequest(kind=kind, model=model, stream=stream, include_usage=include_usage,
+                            sampling=sampling, user=user, **content)
+
+
+def _sampling(body: dict) -> dict:
+    sampling: dict = {}
+    if body.get("max_tokens") is not None:
+        sampling["max_tokens"] = _int(body, "max_tokens", minimum=1)
+    for name, low, high, default in (
+        ("temperature", 0.0, 2.0, 1.0),
+        ("top_p", 0.0, 1.0, 1.0),
+        ("presence_penalty", -2.0, 2.0, 0.0),
+        ("frequency_penalty", -2.0, 2.0, 0.0),
+        ("min_p", 0.0, 1.0, 0.0),
+    ):
+        sampling[name] = default if body.get(name) is None else _number(body, name, low, high)
+    if sampling["top_p"] == 0:
+        raise invalid("top_p", "top_p must be greater than 0")
+    if body.get("repetition_penalty") is not None:
+        value = _number(body, "repetition_penalty", 0.0, 10.0)
+        if value == 0:
+            raise invalid("repetition_penalty", "repetition_penalty must be greater than 0")
+        sampling["repetition_penalty"] = value
+    if body.get("top_k") is not None:
+        sampling["top_k"] = _int(body, "top_k", minimum=-1)
+    if body.get("seed") is not None:
+        sampling["seed"] = _int(body, "seed", minimum=-(2**63), maximum=2**63 - 1)
+    sampling["stop"] = _stop(body.get("stop"))
+    if body.get("logit_bias") is not None:
+        sampling["logit_bias"] = _logit_bias(body["logit_bias"])
+    return sampling
+
+
+def _messages(messages: Any) -> list[dict]:
+    if messages is None:
+        raise invalid("messages", "messages is required", code="missing_required_parameter")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "messages must be a non-empty array")
+    clean = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise invalid(where, f"{where} must be an object")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise invalid(f"{where}.role", f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))}")
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise invalid(f"{where}.content[{j}]", "only text content parts are supported")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise invalid(f"{where}.content", f"{where}.content must be a string or an array of text parts")
+        clean.append({"role": "system" if role == "developer" else role, "content": content})
+    return clean
+
+
+def _prompt(prompt: Any) -> str | list[int]:
+    if prompt is None:
+        raise invalid("prompt", "prompt is required", code="missing_required_parameter")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid("prompt", "prompt must not be empty")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+        return prompt
+    raise invalid("prompt", "prompt must be a non-empty string or an array of token ids (one prompt per request)")
+
+
+def _stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise invalid("stop", "stop must be a non-empty string or an array of non-empty strings")
+    if len(stop) > MAX_STOP:
+        raise invalid("stop", f"at most {MAX_STOP} stop sequences are allowed")
+    return stop
+
+
+def _logit_bias(bias: Any) -> dict[str, float]:
+    if not isinstance(bias, dict):
+        raise invalid("logit_bias", "logit_bias must be an object mapping token ids to numbers")
+    clean = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise invalid("logit_bias", f"logit_bias key {key!r} is not a token id")
+        if not _is_number(value) or not -100 <= value <= 100:
+            raise invalid("logit_bias", f"logit_bias for token {key} must be between -100 and 100")
+        clean[key] = float(value)
+    return clean
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise invalid(None, "the request body must be a JSON object")
+    return body
+
+
+def _no_unknown(body: dict, known: set[str]) -> None:
+    for name in body:
+        if name not in known:
+            raise invalid(name, f"Unrecognized request argument supplied: {name}", code="unknown_parameter")
+
+
+def _int(body: dict, name: str, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    value = body.get(name)
+    if not _is_int(value):
+        raise invalid(name, f"{name} must be an integer")
+    if minimum is not None and value < minimum:
+        raise invalid(name, f"{name} must be at least {minimum}")
+    if maximum is not None and value > maximum:
+        raise invalid(name, f"{name} must be at most {maximum}")
+    return value
+
+
+def _number(body: dict, name: str, low: float, high: float) -> float:
+    value = body.get(name)
+    if not _is_number(value) or not math.isfinite(value):
+        raise invalid(name, f"{name} must be a number")
+    if not low <= value <= high:
+        raise invalid(name, f"{name} must be between {low:g} and {high:g}")
+    return float(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

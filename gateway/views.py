@@ -1,0 +1,160 @@
+"""The OpenAI-compatible HTTP API. Thin: parse, call ``gateway.calls``, render with
+``gateway.formatting``. Async, so that a stream holds no thread."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
+from django.http import JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from . import calls, formatting
+from .errors import ApiError
+from .protocol import parse_chat, parse_completion
+
+
+def _read_json(request) -> object:
+    length = request.headers.get("Content-Length")
+    if length and length.isdigit() and int(length) > settings.GATEWAY_MAX_BODY_BYTES:
+        raise ApiError(413, f"The request body is larger than {settings.GATEWAY_MAX_BODY_BYTES} bytes.",
+                       code="request_too_large")
+    try:
+        body = request.body
+    except RequestDataTooBig:
+        body = b"x" * (settings.GATEWAY_MAX_BODY_BYTES + 1)
+    if len(body) > settings.GATEWAY_MAX_BODY_BYTES:
+        raise ApiError(413, f"The request body is larger than {settings.GATEWAY_MAX_BODY_BYTES} bytes.",
+                       code="request_too_large")
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(400, "The request body is not valid JSON.", code="invalid_json") from None
+
+
+def _with_headers(response, headers: dict):
+    for name, value in headers.items():
+        response[name] = value
+    return response
+
+
+async def _inference(request, parse):
+    if request.method != "POST":
+        return ApiError(405, f"Use POST for {request.path}.", code="method_not_allowed").response()
+    try:
+        caller = await calls.authenticate(request.headers.get("Authorization"))
+        inference = parse(_read_json(request))
+        call, headers = await calls.begin(caller, inference)
+    except ApiError as exc:
+        return exc.response()
+    ctx = formatting.Context(kind=inference.kind, id=call.request_id, created=call.created, model=inference.model)
+    if inference.stream:
+        response = StreamingHttpResponse(_sse(call, ctx, inference.include_usage), content_type="text/event-stream")
+        response["Cache-Control"] = "no-cache"
+        response["X-Accel-Buffering"] = "no"
+        return _with_headers(response, headers)
+    try:
+        body = await _collect(call, ctx)
+    except ApiError as exc:
+        return _with_headers(exc.response(), headers)
+    except asyncio.CancelledError:  # the client went away: stop generating
+        await call.cancel()
+        raise
+    return _with_headers(JsonResponse(body), headers)
+
+
+async def _collect(call: calls.Call, ctx: formatting.Context) -> dict:
+    text, logprobs = [], []
+    wants_logprobs = call.request.sampling.get("logprobs")
+    async for event in call.events():
+        if event["type"] == "inference.delta":
+            text.append(event["text"])
+            logprobs.extend(event["logprobs"] or [])
+        else:
+            return formatting.response(
+                ctx, text="".join(text), finish_reason=formatting.openai_finish_reason(event["finish_reason"]),
+                logprobs=logprobs if wants_logprobs else None, usage=event["usage"],
+            )
+    raise ApiError(500, "The worker ended the request without finishing it.")
+
+
+async def stream_chunks(call: calls.Call, ctx: formatting.Context, include_usage: bool):
+    """OpenAI chunk dicts for a started call; shared by SSE and the WebSocket."""
+    yield formatting.chunk(ctx, text="", first=True, include_usage=include_usage)
+    offset = 0
+    async for event in call.events():
+        if event["type"] == "inference.delta":
+            yield formatting.chunk(ctx, text=event["text"], logprobs=event["logprobs"], text_offset=offset,
+                                   include_usage=include_usage)
+            offset += len(event["text"])
+        else:
+            reason = formatting.openai_finish_reason(event["finish_reason"])
+            yield formatting.chunk(ctx, text=None if ctx.kind == "chat" else "", finish_reason=reason,
+                                   include_usage=include_usage)
+            if include_usage:
+                yield formatting.usage_chunk(ctx, event["usage"])
+
+
+async def _sse(call: calls.Call, ctx: formatting.Context, include_usage: bool):
+    try:
+        async for chunk in stream_chunks(call, ctx, include_usage):
+            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        yield "data: [DONE]\n\n"
+    except ApiError as exc:  # after the first byte the status is sent: report in-band
+        yield f"data: {json.dumps(exc.body())}\n\n"
+    finally:  # normal end, error, or the client disconnected (CancelledError / GeneratorExit)
+        await asyncio.shield(call.cancel())
+
+
+@csrf_exempt
+async def chat_completions(request):
+    return await _inference(request, parse_chat)
+
+
+@csrf_exempt
+async def completions(request):
+    return await _inference(request, parse_completion)
+
+
+def _model_json(deployment) -> dict:
+    return {
+        "id": deployment.name,
+        "object": "model",
+        "created": int(deployment.created_at.timestamp()),
+        "owned_by": deployment.organization.slug if deployment.organization_id else "system",
+    }
+
+
+def _list_models(header) -> dict:
+    from models_catalog.selectors import deployments_visible_to
+
+    caller = calls.authenticate_sync(header, scope=None)
+    return {"object": "list", "data": [_model_json(d) for d in deployments_visible_to(organization=caller.organization)]}
+
+
+def _get_model(header, name: str) -> dict:
+    from models_catalog.errors import DeploymentNotFound
+    from models_catalog.selectors import resolve_deployment
+
+    caller = calls.authenticate_sync(header, scope=None)
+    try:
+        return _model_json(resolve_deployment(organization=caller.organization, name=name))
+    except DeploymentNotFound as exc:
+        raise ApiError(404, exc.message, param="model", code="model_not_found") from None
+
+
+async def models(request):
+    try:
+        return JsonResponse(await sync_to_async(_list_models)(request.headers.get("Authorization")))
+    except ApiError as exc:
+        return exc.response()
+
+
+async def model_detail(request, name: str):
+    try:
+        return JsonResponse(await sync_to_async(_get_model)(request.headers.get("Authorization"), name))
+    except ApiError as exc:
+        return exc.response()

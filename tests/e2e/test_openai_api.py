@@ -1,0 +1,109 @@
+"""The official ``openai`` client against the real stack: ASGI server, Redis, Celery worker, model."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.engine import SamplingParams
+
+from .conftest import DEPLOYMENT
+
+pytestmark = pytest.mark.slow
+QUESTION = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+
+def test_chat_greedy_equals_the_engine_run_directly(openai_client, reference_engine):
+    reply = openai_client.chat.completions.create(model=DEPLOYMENT, messages=QUESTION, temperature=0, max_tokens=24)
+    direct = reference_engine.submit_chat(QUESTION, SamplingParams(temperature=0, max_tokens=24)).result(timeout=120)
+
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == direct.text
+    assert choice.finish_reason == ("length" if direct.finish_reason == "length" else "stop")
+    assert reply.object == "chat.completion" and reply.model == DEPLOYMENT and reply.id.startswith("chatcmpl-")
+    assert reply.system_fingerprint
+    assert reply.usage.prompt_tokens == direct.prompt_tokens
+    assert reply.usage.completion_tokens == direct.completion_tokens
+    assert reply.usage.total_tokens == direct.prompt_tokens + direct.completion_tokens
+    assert reply.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_chat_stream_with_usage_matches_the_non_streamed_reply(openai_client):
+    whole = openai_client.chat.completions.create(model=DEPLOYMENT, messages=QUESTION, temperature=0, max_tokens=20)
+    chunks = list(openai_client.chat.completions.create(
+        model=DEPLOYMENT, messages=QUESTION, temperature=0, max_tokens=20, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == whole.choices[0].finish_reason
+    # Usage only on the last chunk, which has no choices.
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stream_without_include_usage_sends_no_usage_chunk(openai_client):
+    chunks = list(openai_client.chat.completions.create(
+        model=DEPLOYMENT, messages=QUESTION, temperature=0, max_tokens=5, stream=True))
+    assert all(c.choices for c in chunks)
+    assert all(getattr(c, "usage", None) is None for c in chunks)
+
+
+def test_chat_logprobs_in_the_chat_shape(openai_client):
+    reply = openai_client.chat.completions.create(
+        model=DEPLOYMENT, messages=QUESTION, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    assert "".join(entry.token for entry in content) == reply.choices[0].message.content
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        # Greedy: the chosen token is the most likely one.
+        assert entry.logprob == pytest.approx(max(alt.logprob for alt in entry.top_logprobs), abs=1e-4)
+
+
+def test_logprobs_true_alone_is_valid(openai_client):
+    reply = openai_client.chat.completions.create(
+        model=DEPLOYMENT, messages=QUESTION, temperature=0, max_tokens=4, logprobs=True)
+    assert all(entry.top_logprobs == [] for entry in reply.choices[0].logprobs.content)
+
+
+def test_completions_with_stop_and_logprobs(openai_client, reference_engine):
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    direct = reference_engine.submit(prompt, SamplingParams(temperature=0, max_tokens=12)).result(timeout=120)
+    assert len(direct.text) > 3
+    stop = direct.text[2:4]  # a stop string from inside the greedy continuation
+    reply = openai_client.completions.create(model=DEPLOYMENT, prompt=prompt, temperature=0, max_tokens=12,
+                                             stop=[stop], logprobs=2)
+    choice = reply.choices[0]
+    assert reply.object == "text_completion"
+    assert choice.text == direct.text[: direct.text.index(stop)]
+    assert stop not in choice.text and choice.finish_reason == "stop"
+    assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs) == len(choice.logprobs.top_logprobs)
+    assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
+
+
+def test_completions_stream(openai_client):
+    prompt = "One, two, three,"
+    whole = openai_client.completions.create(model=DEPLOYMENT, prompt=prompt, temperature=0, max_tokens=10)
+    chunks = list(openai_client.completions.create(model=DEPLOYMENT, prompt=prompt, temperature=0, max_tokens=10,
+                                                   stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
+def test_seeded_sampling_reproduces_through_the_api(openai_client):
+    def ask():
+        return openai_client.chat.completions.create(
+            model=DEPLOYMENT, messages=QUESTION, temperature=0.9, top_p=0.95, seed=1234, max_tokens=16,
+        ).choices[0].message.content
+
+    assert ask() == ask()
+
+
+def test_models_lists_the_public_deployment(openai_client):
+    ids = [m.id for m in openai_client.models.list().data]
+    assert DEPLOYMENT in ids
+    assert openai_client.models.retrieve(DEPLOYMENT).id == DEPLOYMENT

@@ -1,0 +1,170 @@
+"""Run one request on this worker's engine and relay what it produces to the waiting gateway.
+
+Events sent to the reply channel, in order:
+    inference.accepted  a worker took the request (it may still have to load the model)
+    inference.started   prompt_tokens, cached_prompt_tokens (the request was accepted)
+    inference.delta     text, token_ids, logprobs (per token: token, bytes, logprob, top)
+    inference.finished  finish_reason, usage, timings, error
+or, instead of all of them, inference.error (status, message, param, code) when the request is
+refused before it starts. Whatever happens after the engine accepted the request, a usage event
+leaves for billing before this returns, i.e. before Celery acknowledges the task.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timezone
+
+from channels.exceptions import ChannelFull
+
+from inference_platform.celery import app
+
+log = logging.getLogger(__name__)
+RECORD_USAGE = "billing.tasks.record_usage_event"
+STALL_TIMEOUT_S = 300.0  # an engine that yields nothing for this long has failed the request
+STATUS_BY_FINISH = {"stop": "completed", "length": "completed", "abort": "cancelled", "error": "failed"}
+
+
+def run(payload: dict, *, host, send, cancels, worker_name: str = "") -> dict | None:
+    """Serve one request. Returns the usage event it emitted (None if the engine never took it)."""
+    from workers.engine import InvalidRequestError, SamplingParams
+
+    request_id, reply = payload["request_id"], payload["reply_channel"]
+    if cancels.is_cancelled(request_id):
+        return None  # the client gave up while the request was queued: nothing ran
+    _send_quietly(send, reply, {"type": "inference.accepted", "worker": worker_name})
+    try:
+        engine = host.engine_for(payload["deployment"])
+    except Exception as exc:
+        log.exception("deployment %s failed to load", payload["deployment"]["name"])
+        _send_quietly(send, reply, _error(503, f"the model failed to load: {exc}", code="model_load_failed"))
+        return None
+    try:
+        params = SamplingParams(**_engine_sampling(payload["sampling"]))
+        if payload["kind"] == "chat":
+            handle = engine.submit_chat(payload["messages"], params, request_id=request_id)
+        else:
+            handle = engine.submit(payload["prompt"], params, request_id=request_id)
+    except InvalidRequestError as exc:
+        _send_quietly(send, reply, _refusal(exc, payload["kind"]))
+        return None
+
+    cancels.watch(request_id, handle.abort)
+    last = None
+    try:
+        _send_or_abort(send, reply, {"type": "inference.started", "prompt_tokens": handle.prompt_tokens,
+                                     "worker": worker_name}, handle)
+        for out in handle.outputs(timeout=STALL_TIMEOUT_S):
+            last = out
+            if out.token_ids or out.text:
+                _send_or_abort(send, reply, {
+                    "type": "inference.delta", "text": out.text, "token_ids": out.token_ids,
+                    "logprobs": _logprobs(engine.tokenizer, out.logprobs, payload["sampling"]),
+                }, handle)
+        _send_quietly(send, reply, {
+            "type": "inference.finished", "finish_reason": last.finish_reason, "error": last.error,
+            "usage": _usage(last), "timings": _timings_ms(last.timings),
+        })
+    except TimeoutError:
+        handle.abort()
+        _send_quietly(send, reply, _error(504, "the engine produced nothing for too long", code="timeout"))
+    finally:
+        cancels.unwatch(request_id)
+        event = _usage_event(payload, last, handle)
+        emit_usage(event)
+    return event
+
+
+def emit_usage(event: dict) -> None:
+    """Publish the usage event to the billing queue; keyed by request id, so billing records it once."""
+    app.send_task(RECORD_USAGE, args=[event], queue="billing", task_id=f"usage-{event['request_id']}",
+                  ignore_result=True)
+
+
+def _engine_sampling(sampling: dict) -> dict:
+    out = dict(sampling)
+    if "logit_bias" in out:
+        out["logit_bias"] = {int(k): v for k, v in out["logit_bias"].items()}
+    return out
+
+
+def _refusal(exc, kind: str) -> dict:
+    message = str(exc)
+    param = exc.param or ("messages" if kind == "chat" else "prompt")
+    code = "context_length_exceeded" if "context" in message.lower() else "invalid_value"
+    return _error(400, message, param=param, code=code)
+
+
+def _error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
+    return {"type": "inference.error", "status": status, "message": message, "param": param, "code": code}
+
+
+def _send_or_abort(send, reply: str, message: dict, handle) -> None:
+    """A reply channel that overflows means the gateway is gone: stop generating for nobody."""
+    try:
+        send(reply, message)
+    except ChannelFull:
+        handle.abort()
+
+
+def _send_quietly(send, reply: str, message: dict) -> None:
+    try:
+        send(reply, message)
+    except Exception as exc:  # the gateway may be gone; billing must still happen
+        log.warning("could not deliver %s to %s: %s", message["type"], reply, exc)
+
+
+def _token(tokenizer, token_id: int) -> tuple[str, list[int]]:
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    return text, list(text.encode("utf-8"))
+
+
+def _logprobs(tokenizer, entries, sampling: dict) -> list[dict] | None:
+    if entries is None or not sampling.get("logprobs"):
+        return None
+    out = []
+    for entry in entries:
+        text, raw = _token(tokenizer, entry.token_id)
+        top = [[alt_text, lp, alt_raw] for tid, lp in entry.top_logprobs for alt_text, alt_raw in [_token(tokenizer, tid)]]
+        out.append({"token": text, "bytes": raw, "logprob": entry.logprob,
+                    "top": top[: sampling.get("top_logprobs", 0)]})
+    return out
+
+
+def _usage(out) -> dict:
+    return {"prompt_tokens": out.prompt_tokens, "cached_prompt_tokens": out.cached_prompt_tokens,
+            "completion_tokens": out.completion_tokens}
+
+
+def _timings_ms(timings) -> dict:
+    def ms(seconds):
+        return None if seconds is None else round(seconds * 1000, 3)
+
+    return {"queue_ms": ms(timings.queue_time), "ttft_ms": ms(timings.time_to_first_token),
+            "tpot_ms": ms(timings.time_per_output_token), "latency_ms": ms(timings.e2e_latency)}
+
+
+def _usage_event(payload: dict, last, handle) -> dict:
+    """What billing records. Without a final output (the worker failed mid-stream), the tokens
+    counted are the prompt alone and the request is marked failed."""
+    deployment = payload["deployment"]
+    if last is not None and last.finished:
+        usage, timings, status = _usage(last), _timings_ms(last.timings), STATUS_BY_FINISH.get(last.finish_reason, "failed")
+    else:
+        usage = {"prompt_tokens": handle.prompt_tokens, "cached_prompt_tokens": 0,
+                 "completion_tokens": last.completion_tokens if last else 0}
+        timings, status = {"queue_ms": None, "ttft_ms": None, "latency_ms": None}, "failed"
+    return {
+        "request_id": payload["request_id"],
+        "organization_id": payload["organization_id"],
+        "api_key_id": payload.get("api_key_id"),
+        "deployment_id": deployment["id"],
+        "deployment": deployment["name"],
+        "model": deployment["model"],
+        **usage,
+        "status": status,
+        "queue_ms": timings.get("queue_ms"),
+        "ttft_ms": timings.get("ttft_ms"),
+        "latency_ms": timings.get("latency_ms"),
+        "finished_at": datetime.now(timezone.utc).isoformat(),
+    }

@@ -1,0 +1,51 @@
+"""Celery tasks of the GPU workers: thin wrappers around ``workers.inference``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from celery import shared_task
+from celery.signals import worker_ready
+from celery.worker.control import inspect_command
+
+from . import inference
+from .cancellation import listener
+from .relay import sender
+from .runtime import host
+
+log = logging.getLogger(__name__)
+
+
+@shared_task(name="workers.run_inference", bind=True, acks_late=True, ignore_result=True)
+def run_inference(self, payload: dict) -> None:
+    inference.run(payload, host=host, send=sender().send, cancels=listener(),
+                  worker_name=self.request.hostname or "")
+
+
+@worker_ready.connect
+def preload_engines(sender=None, **kwargs) -> None:
+    """Load the deployments named in INFERENCE_PRELOAD in the background as the worker starts, so
+    the first request does not pay for it (requests arriving meanwhile wait for the load)."""
+    names = [n for n in os.environ.get("INFERENCE_PRELOAD", "").split(",") if n]
+    if names:
+        threading.Thread(target=_preload, args=(names,), name="engine-preload", daemon=True).start()
+
+
+def _preload(names: list[str]) -> None:
+    from models_catalog.models import Deployment
+
+    from .dispatch import engine_spec
+
+    for deployment in Deployment.objects.filter(name__in=names).select_related("model"):
+        try:
+            host.engine_for(engine_spec(deployment))
+        except Exception:
+            log.exception("could not preload %s", deployment.name)
+
+
+@inspect_command()
+def engine_stats(state) -> dict:
+    """``app.control.broadcast("engine_stats", reply=True)``: each worker's engines' statistics."""
+    return {"engines": host.stats(), "load_seconds": dict(host.load_seconds)}
