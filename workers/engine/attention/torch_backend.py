@@ -75,9 +75,11 @@ class TorchBackend:
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """[num_seqs, num_blocks * block_size, num_kv_heads, head_dim] of each sequence's blocks."""
-    blocks = cache[block_tables[:, :num_blocks].to(cache.device, torch.long)]
-    s, n, bs, h, d = blocks.shape
-    return blocks.view(s, n * bs, h, d)
+    total, block_size, heads, dim = cache.shape
+    index = block_tables[:, :num_blocks].to(cache.device, torch.long)
+    # index_select copies whole blocks as rows; plain advanced indexing is several times slower.
+    rows = cache.view(total, -1).index_select(0, index.reshape(-1))
+    return rows.view(index.shape[0], num_blocks * block_size, heads, dim)
 
 
 def _decode(query, k_cache, v_cache, block_tables, context_lens, max_context_len, scale):
