@@ -172,3 +172,64 @@ def test_hf_folder_tokenizer_and_templates(tiny_model_dir, tmp_path):
     shutil.copytree(folder, copy)
     (copy / "chat_template.jinja").write_text("{{ messages[0]['content'] | upper }}")
     assert Tokenizer.from_hf_folder(copy).apply_chat_template(messages) == "HELLO THERE!"
+
+
+@pytest.mark.parametrize("pre,expected", [
+    ("smollm", ["Ġ", "1", "2", "3", "4", "5", "Ġapples"]),  # every digit its own word
+    ("llama-bpe", ["Ġ", "123", "45", "Ġapples"]),  # digits in threes
+    ("qwen2", ["Ġ", "1", "2", "3", "4", "5", "Ġapples"]),
+    ("gpt2", ["Ġ12345", "Ġapples"]),
+])
+def test_gguf_pre_tokenizer_follows_the_files_pre_name(gguf_metadata, pre, expected):
+    tok = Tokenizer.from_gguf_metadata({**gguf_metadata, "tokenizer.ggml.pre": pre})
+    words = [w for w, _ in tok.backend.pre_tokenizer.pre_tokenize_str(" 12345 apples")]
+    assert words == expected
+
+
+def write_sentencepiece_gguf(path):
+    """A small Llama-2-style vocabulary: specials, 256 byte tokens, scored pieces, no merges."""
+    import gguf
+    import numpy as np
+
+    merged = ["▁t", "he", "▁the", "in", "▁a", "er", "▁w", "or", "ld", "▁wor", "▁world", "ll",
+              "el", "▁H", "▁He", "llo", "▁Hello", "ing", "▁th", "is", "▁is", "▁T", "▁This", "▁▁"]
+    chars = list("▁abcdefghijklmnopqrstuvwxyzTHW,.!?'0123456789")
+    tokens = ([("<unk>", 2), ("<s>", 3), ("</s>", 3)] + [(f"<0x{b:02X}>", 6) for b in range(256)]
+              + [(piece, 1) for piece in merged + chars])
+    scores = [0.0] * 259 + [-float(i) for i in range(len(merged) + len(chars))]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([t for t, _ in tokens])
+    writer.add_token_scores(scores)
+    writer.add_token_types([kind for _, kind in tokens])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path):
+    import gguf
+
+    path = write_sentencepiece_gguf(tmp_path / "spm.gguf")
+    metadata = {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()}
+    tok = Tokenizer.from_gguf_metadata(metadata)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in ["Hello world", "This is the thing!", "two  spaces   here", "ünïcode ✓ 日本",
+                 "Hello\nworld", "1234", "</s> tail <s>"]:
+        ids = tok.encode(text, add_special_tokens=True)
+        assert ids == hf.encode(text), text
+        assert ids[0] == tok.bos_token_id  # sentencepiece vocabularies want BOS by default
+        assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+    # Byte fallback for unseen characters, reassembled whole by the incremental detokenizer; the
+    # spaces that "▁" stands for survive the windowed decoding.
+    text = "Hello world ✓ is the 日本"
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.push(i) for i in tok.encode(text)]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text

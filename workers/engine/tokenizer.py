@@ -76,38 +76,30 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> "Tokenizer":
         kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise UnsupportedModelError(
-                f"unsupported GGUF tokenizer {kind!r} (only byte-level BPE, 'gpt2', is supported)")
         tokens = list(metadata.get("tokenizer.ggml.tokens") or ())
-        merges = list(metadata.get("tokenizer.ggml.merges") or ())
-        if not tokens or not merges:
-            raise WeightsError("GGUF metadata lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
-        pre = metadata.get("tokenizer.ggml.pre")
-        if pre not in _GPT2_NAMES:
-            log.warning("unknown GGUF pre-tokenizer %r; splitting words the GPT-2 way", pre)
-
-        vocab = {token: index for index, token in enumerate(tokens)}
-        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
-                         fuse_unk=False, ignore_merges=pre in _IGNORE_MERGES)
-        backend = BackendTokenizer(bpe)
-        backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
-        backend.decoder = decoders.ByteLevel()
+        if kind == "gpt2":
+            backend = _byte_level_bpe(metadata, tokens)
+            add_bos_default = False
+        elif kind == "llama":
+            backend = _sentencepiece_bpe(metadata, tokens)
+            add_bos_default = True  # llama.cpp's default for sentencepiece vocabularies
+        else:
+            raise UnsupportedModelError(
+                f"unsupported GGUF tokenizer {kind!r} (supported: byte-level BPE 'gpt2', "
+                f"sentencepiece BPE 'llama')")
 
         types = list(metadata.get("tokenizer.ggml.token_type") or ())
-        special = [AddedToken(tokens[i], special=True, normalized=False)
-                   for i, t in enumerate(types) if t == _CONTROL]
-        user = [AddedToken(tokens[i], special=False, normalized=False)
-                for i, t in enumerate(types) if t == _USER_DEFINED]
-        backend.add_special_tokens(special)
-        backend.add_tokens(user)
+        backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                    for i, t in enumerate(types) if t == _CONTROL])
+        backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                            for i, t in enumerate(types) if t == _USER_DEFINED])
 
         def token(key: str) -> str | None:
             index = metadata.get(f"tokenizer.ggml.{key}")
             return tokens[index] if index is not None and 0 <= index < len(tokens) else None
 
         bos_id = metadata.get("tokenizer.ggml.bos_token_id")
-        if metadata.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
+        if metadata.get("tokenizer.ggml.add_bos_token", add_bos_default) and bos_id is not None:
             backend.post_processor = processors.TemplateProcessing(
                 single=f"{tokens[bos_id]} $A", pair=f"{tokens[bos_id]} $A $B",
                 special_tokens=[(tokens[bos_id], bos_id)])
@@ -208,6 +200,56 @@ class IncrementalDetokenizer:
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str]) -> BackendTokenizer:
+    """GPT-2 style: byte-level alphabet, merges stored in the file, a split regex by pre name."""
+    merges = list(metadata.get("tokenizer.ggml.merges") or ())
+    if not tokens or not merges:
+        raise WeightsError("GGUF metadata lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
+    pre = metadata.get("tokenizer.ggml.pre")
+    if pre not in _GPT2_NAMES:
+        log.warning("unknown GGUF pre-tokenizer %r; splitting words the GPT-2 way", pre)
+    vocab = {token: index for index, token in enumerate(tokens)}
+    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+                     fuse_unk=False, ignore_merges=pre in _IGNORE_MERGES)
+    backend = BackendTokenizer(bpe)
+    backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(metadata: Mapping[str, Any], tokens: list[str]) -> BackendTokenizer:
+    """Llama 2 / Mistral style: "▁" for spaces, <0xNN> byte tokens for anything unknown, and
+    merges implied by the pieces' scores (the file stores scores, not merges)."""
+    scores = list(metadata.get("tokenizer.ggml.scores") or ())
+    if not tokens or len(scores) != len(tokens):
+        raise WeightsError("GGUF metadata lacks tokenizer.ggml.tokens or tokenizer.ggml.scores")
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merges = _merges_from_scores(vocab, scores)
+    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
+                     unk_token=tokens[unk_id] if unk_id is not None else None)
+    backend = BackendTokenizer(bpe)
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first",
+                                                     split=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(content=" ", left=1)])
+    return backend
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
+    """Every way to build a piece from two others, best-scored pieces first (then longer left
+    halves), which is the order sentencepiece's BPE merges them in."""
+    candidates = []
+    for piece, index in vocab.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                candidates.append((-scores[index], -len(left), -len(right), index, vocab[left],
+                                   left, right))
+    candidates.sort()
+    return [(left, right) for *_, left, right in candidates]
+
 
 def _byte_level_pre_tokenizer(pre: str | None):
     if pre in _SPLITS:
