@@ -54,6 +54,7 @@ class RequestHandle:
         self.prompt_tokens = prompt_tokens
         self._engine = engine
         self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        self._parts: list[RequestOutput] = []  # everything handed out so far
         self._done = False
 
     @property
@@ -66,48 +67,35 @@ class RequestHandle:
     def outputs(self, timeout: float | None = None) -> Iterator[RequestOutput]:
         """Outputs as they come; the last has ``finished`` set. ``timeout`` bounds each wait."""
         while not self._done:
-            try:
-                out = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(
-                    f"request {self.request_id}: no output within {timeout} s") from None
-            if out.finished:
-                self._done = True
-            yield out
+            yield self._next(timeout)
 
     def result(self, timeout: float | None = None) -> RequestOutput:
-        """Wait for the end and return one output holding every token, all text and logprobs."""
+        """Wait for the end; one output holding every token, all text and logprobs (including
+        any already read through ``outputs()``)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        parts: list[RequestOutput] = []
         while not self._done:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                out = self._queue.get(timeout=left)
-            except queue.Empty:
-                raise TimeoutError(
-                    f"request {self.request_id}: not finished within {timeout} s") from None
-            parts.append(out)
-            self._done = out.finished
-        if not parts:
-            raise RuntimeError(f"request {self.request_id}: its outputs were already consumed")
-        last = parts[-1]
+            self._next(None if deadline is None else max(0.0, deadline - time.monotonic()),
+                       whole=timeout)
+        last = self._parts[-1]
         logprobs = None
-        if any(p.logprobs is not None for p in parts):
-            logprobs = [lp for p in parts for lp in (p.logprobs or [])]
-        return RequestOutput(
-            request_id=self.request_id,
-            token_ids=[t for p in parts for t in p.token_ids],
-            text="".join(p.text for p in parts),
+        if any(p.logprobs is not None for p in self._parts):
+            logprobs = [lp for p in self._parts for lp in (p.logprobs or [])]
+        return replace(
+            last,
+            token_ids=[t for p in self._parts for t in p.token_ids],
+            text="".join(p.text for p in self._parts),
             logprobs=logprobs,
-            finished=True,
-            finish_reason=last.finish_reason,
-            prompt_tokens=last.prompt_tokens,
-            cached_prompt_tokens=last.cached_prompt_tokens,
-            completion_tokens=last.completion_tokens,
-            timings=last.timings,
-            stop_reason=last.stop_reason,
-            error=last.error,
         )
+
+    def _next(self, timeout: float | None, whole: float | None = None) -> RequestOutput:
+        try:
+            out = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"request {self.request_id}: no output within "
+                               f"{timeout if whole is None else whole} s") from None
+        self._parts.append(out)
+        self._done = out.finished
+        return out
 
     def abort(self) -> bool:
         return self._engine.abort(self.request_id)

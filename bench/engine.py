@@ -1,0 +1,413 @@
+"""Benchmark the engine's serving throughput against Hugging Face transformers, in the same run.
+
+The workload: ``--requests`` (64) prompts of 128–512 tokens, each generating exactly
+``--output-tokens`` (128) tokens, all submitted at once. Measured on the same token ids:
+
+- our engine, all requests at once: output tokens/s, TTFT and TPOT p50/p99;
+- our engine, one request at a time (single stream): decode tokens/s;
+- transformers ``generate``, all requests in one left-padded batch, in float32 and bfloat16;
+- transformers ``generate``, one request at a time, in float32 and bfloat16.
+
+The headline figure is ``ratio_vs_transformers_batched``: the engine's output tokens/s divided
+by the faster of the transformers batched runs. On CPUs without native bfloat16 matmuls (no AMX
+or AVX512-BF16) bfloat16 is emulated and far slower; a quick matmul probe detects that, and the
+bfloat16 transformers runs then shrink to a reduced workload that is reported but cannot be the
+faster baseline (``--full-bf16`` runs them in full anyway).
+
+Writes bench/results/engine-<device>.json. Not part of the test suite; it takes minutes.
+
+    python bench/engine.py
+    python bench/engine.py --requests 16 --output-tokens 32 --skip-transformers-single
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "bench" / "results"
+TARGET_RATIO_BATCHED = 3.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Engine throughput vs transformers generate on the bundled model.")
+    parser.add_argument("--requests", type=int, default=64, help="concurrent requests (64)")
+    parser.add_argument("--min-prompt", type=int, default=128, help="shortest prompt (128)")
+    parser.add_argument("--max-prompt", type=int, default=512, help="longest prompt (512)")
+    parser.add_argument("--output-tokens", type=int, default=128, help="tokens per request")
+    parser.add_argument("--single-requests", type=int, default=4,
+                        help="requests run one at a time for the single-stream figures (4)")
+    parser.add_argument("--engine-dtype", default="auto",
+                        help="auto (measured), float32 or bfloat16")
+    parser.add_argument("--max-batched-tokens", type=int, default=2048)
+    parser.add_argument("--batch-window-ms", type=float, default=0.0)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument("--transformers-dtypes", default="float32,bfloat16")
+    parser.add_argument("--full-bf16", action="store_true",
+                        help="run transformers in bfloat16 in full even where it is emulated")
+    parser.add_argument("--reduced-requests", type=int, default=8,
+                        help="requests in a reduced (emulated-bfloat16) transformers run")
+    parser.add_argument("--reduced-output-tokens", type=int, default=16)
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--skip-transformers-batched", action="store_true")
+    parser.add_argument("--skip-transformers-single", action="store_true")
+    parser.add_argument("--skip-engine-single", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, default=None,
+                        help="JSON path (default bench/results/engine-<device>.json)")
+    return parser.parse_args(argv)
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    index = min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))
+    return values[index]
+
+
+def machine_info(torch) -> dict:
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    flags = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "native_bf16": bool(flags & {"amx_bf16", "avx512_bf16"}),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def make_prompts(tokenizer, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    """n prompts of token ids, lengths uniform in [lo, hi], from varied (nonsense) English."""
+    rng = random.Random(seed)
+    words = ("time person year way day thing man world life hand part child eye woman place "
+             "work week case point government company number group problem fact river stone "
+             "garden little north window bright copper silent morning engine paper orange "
+             "valley winter whisper market candle forest silver thunder harbor question answer "
+             "because although however during without under between always never often "
+             "quickly slowly carefully build write read think grow open close follow").split()
+    prompts = []
+    for _ in range(n):
+        length = rng.randint(lo, hi)
+        ids: list[int] = []
+        while len(ids) < length:
+            sentence = " ".join(rng.choice(words) for _ in range(rng.randint(6, 18)))
+            ids += tokenizer.encode(sentence.capitalize() + ". ")
+        prompts.append(ids[:length])
+    return prompts
+
+
+class Progress:
+    """Prints a progress line every few seconds from a background thread."""
+
+    def __init__(self, describe, every: float = 5.0):
+        self.describe, self.every = describe, every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.wait(self.every):
+            log("  " + self.describe())
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+# ----------------------------------------------------------------------------- our engine
+
+
+def run_engine_batched(engine, prompts, output_tokens) -> dict:
+    from workers.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=output_tokens, temperature=0, ignore_eos=True)
+    engine.generate(prompts[0][:16], SamplingParams(max_tokens=2, temperature=0))  # warm up
+    start = time.perf_counter()
+    handles = [engine.submit(p, params) for p in prompts]
+
+    def describe():
+        s = engine.stats()
+        return (f"engine: running {s['running']}, waiting {s['waiting']}, "
+                f"{s['generated_tokens']} tokens generated, step {s['steps']}")
+
+    with Progress(describe):
+        results = [h.result() for h in handles]
+    wall = time.perf_counter() - start
+    tokens = sum(r.completion_tokens for r in results)
+    ttft = [r.timings.time_to_first_token for r in results]
+    tpot = [r.timings.time_per_output_token for r in results if r.timings.time_per_output_token]
+    stats = engine.stats()
+    return {
+        "requests": len(prompts),
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "output_tokens_per_s": tokens / wall,
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+        "steps": stats["steps"], "batch_size_max": stats["batch_size_max"],
+        "preemptions": stats["preemptions"],
+    }
+
+
+def run_engine_single(engine, prompts, output_tokens) -> dict:
+    from workers.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=output_tokens, temperature=0, ignore_eos=True)
+    walls, tokens, tpots = [], 0, []
+    for i, prompt in enumerate(prompts):
+        start = time.perf_counter()
+        result = engine.generate(prompt, params)
+        walls.append(time.perf_counter() - start)
+        tokens += result.completion_tokens
+        tpots.append(result.timings.time_per_output_token)
+        log(f"  engine single {i + 1}/{len(prompts)}: {result.completion_tokens / walls[-1]:.1f} "
+            f"tok/s end to end, decode {1 / tpots[-1]:.1f} tok/s")
+    return {
+        "requests": len(prompts),
+        "output_tokens": tokens,
+        "wall_s": sum(walls),
+        "output_tokens_per_s": tokens / sum(walls),
+        "decode_tokens_per_s": 1 / statistics.median(tpots),
+    }
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+def load_transformers(path: Path, dtype):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=dtype)
+    return model.eval()
+
+
+def run_transformers_batched(model, prompts, output_tokens, pad_id: int, torch) -> dict:
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding
+        input_ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    steps = {"n": 0, "first": None}
+    start = time.perf_counter()
+
+    class Count(StoppingCriteria):
+        def __call__(self, ids, scores, **kw):
+            steps["n"] += 1
+            if steps["first"] is None:
+                steps["first"] = time.perf_counter() - start
+            return torch.zeros(ids.shape[0], dtype=torch.bool)
+
+    with Progress(lambda: f"transformers batched: {steps['n']}/{output_tokens} steps"), \
+            torch.inference_mode():
+        out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
+                             max_new_tokens=output_tokens, min_new_tokens=output_tokens,
+                             pad_token_id=pad_id, stopping_criteria=StoppingCriteriaList([Count()]))
+    wall = time.perf_counter() - start
+    tokens = (out.shape[1] - width) * len(prompts)
+    return {"requests": len(prompts), "output_tokens": tokens, "wall_s": wall,
+            "output_tokens_per_s": tokens / wall, "time_to_first_token_s": steps["first"]}
+
+
+def run_transformers_single(model, prompts, output_tokens, torch) -> dict:
+    walls, tokens, decode_rates = [], 0, []
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p])
+        with torch.inference_mode():
+            start = time.perf_counter()
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                           max_new_tokens=1, min_new_tokens=1, pad_token_id=0)
+            first = time.perf_counter() - start
+            start = time.perf_counter()
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 do_sample=False, max_new_tokens=output_tokens,
+                                 min_new_tokens=output_tokens, pad_token_id=0)
+            wall = time.perf_counter() - start
+        n = out.shape[1] - ids.shape[1]
+        walls.append(wall)
+        tokens += n
+        decode_rates.append((n - 1) / max(wall - first, 1e-9))
+        log(f"  transformers single {i + 1}/{len(prompts)}: {n / wall:.1f} tok/s end to end")
+    return {"requests": len(prompts), "output_tokens": tokens, "wall_s": sum(walls),
+            "output_tokens_per_s": tokens / sum(walls),
+            "decode_tokens_per_s": statistics.median(decode_rates)}
+
+
+def bf16_is_emulated(torch) -> tuple[bool, dict]:
+    """Whether bfloat16 matmuls are much slower than float32 here (no native support)."""
+    timings = {}
+    for name in ("float32", "bfloat16"):
+        dtype = getattr(torch, name)
+        a, b = torch.randn(64, 576, dtype=dtype), torch.randn(1536, 576, dtype=dtype)
+        torch.nn.functional.linear(a, b)
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            torch.nn.functional.linear(a, b)
+            best = min(best, time.perf_counter() - start)
+        timings[name] = best
+    return timings["bfloat16"] > 2 * timings["float32"], timings
+
+
+# ----------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, str(REPO_ROOT))
+    import torch
+
+    from workers.engine import Engine
+    from workers.engine.loader import bundled_model_path
+
+    if not (0 < args.min_prompt <= args.max_prompt):
+        print("need 0 < --min-prompt <= --max-prompt", file=sys.stderr)
+        return 2
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    path = bundled_model_path()
+    report: dict = {"benchmark": "engine", "model": path.name, "machine": machine_info(torch),
+                    "note": "Measured on a shared machine: other work on the same cores during "
+                            "the run slows every figure; compare the ratios, which come from the "
+                            "same run, rather than the absolute numbers.",
+                    "workload": {"requests": args.requests, "prompt_tokens": [args.min_prompt,
+                                                                              args.max_prompt],
+                                 "output_tokens": args.output_tokens, "greedy": True,
+                                 "single_stream_requests": args.single_requests}}
+    log(f"machine: {report['machine']['cpu']}, {report['machine']['logical_cpus']} CPUs, "
+        f"torch {torch.__version__}, device {device}")
+
+    log("loading the engine")
+    engine_dtype = None if args.engine_dtype == "auto" else getattr(torch, args.engine_dtype)
+    max_len = args.max_prompt + args.output_tokens
+    blocks = args.requests * -(-max_len // 16) + 16
+    engine = Engine(path, dtype=engine_dtype, device=device, max_batch_size=args.requests,
+                    max_batched_tokens=args.max_batched_tokens, num_kv_blocks=blocks,
+                    batch_window_ms=args.batch_window_ms)
+    prompts = make_prompts(engine.tokenizer, args.requests, args.min_prompt, args.max_prompt,
+                           args.seed)
+    singles = prompts[:args.single_requests]
+    report["engine_config"] = {"dtype": str(engine.dtype).removeprefix("torch."),
+                               "device": device, "max_batch_size": args.requests,
+                               "max_batched_tokens": args.max_batched_tokens,
+                               "num_kv_blocks": blocks, "block_size": 16,
+                               "prefix_caching": True}
+    with engine:
+        log(f"engine ({report['engine_config']['dtype']}): {args.requests} requests at once")
+        report["engine_batched"] = run_engine_batched(engine, prompts, args.output_tokens)
+        log(f"  → {report['engine_batched']['output_tokens_per_s']:.1f} output tok/s")
+        if not args.skip_engine_single and singles:
+            log(f"engine: {len(singles)} requests one at a time")
+            report["engine_single"] = run_engine_single(engine, singles, args.output_tokens)
+            log(f"  → {report['engine_single']['decode_tokens_per_s']:.1f} decode tok/s")
+    del engine
+
+    if not args.skip_transformers:
+        emulated, probe = bf16_is_emulated(torch) if device == "cpu" else (False, {})
+        report["bf16_probe_s"] = probe
+        report["transformers"] = {}
+        pad_id = 0
+        for name in [d.strip() for d in args.transformers_dtypes.split(",") if d.strip()]:
+            dtype = getattr(torch, name)
+            reduced = name == "bfloat16" and emulated and not args.full_bf16
+            log(f"loading transformers ({name})")
+            model = load_transformers(path, dtype).to(device)
+            runs: dict = {}
+            if reduced:
+                runs["reduced"] = (
+                    f"bfloat16 matmuls are emulated on this CPU ({probe['bfloat16'] * 1e3:.1f} ms "
+                    f"vs {probe['float32'] * 1e3:.1f} ms for float32 in the probe), so this run "
+                    f"uses {args.reduced_requests} requests x {args.reduced_output_tokens} "
+                    f"tokens and is not a candidate for the faster baseline")
+            batch_prompts = prompts[:args.reduced_requests] if reduced else prompts
+            out_tokens = args.reduced_output_tokens if reduced else args.output_tokens
+            if not args.skip_transformers_batched:
+                log(f"transformers {name}: {len(batch_prompts)} requests in one padded batch")
+                runs["batched"] = run_transformers_batched(model, batch_prompts, out_tokens,
+                                                           pad_id, torch)
+                log(f"  → {runs['batched']['output_tokens_per_s']:.1f} output tok/s")
+            if not args.skip_transformers_single and singles:
+                single_prompts = singles[:1] if reduced else singles
+                log(f"transformers {name}: {len(single_prompts)} requests one at a time")
+                runs["single"] = run_transformers_single(model, single_prompts, out_tokens,
+                                                         torch)
+                log(f"  → {runs['single']['decode_tokens_per_s']:.1f} decode tok/s")
+            report["transformers"][name] = runs
+            del model
+
+    # Ratios against the faster full-size transformers runs.
+    full = {k: v for k, v in report.get("transformers", {}).items() if "reduced" not in v}
+    batched = [v["batched"]["output_tokens_per_s"] for v in full.values() if "batched" in v]
+    if batched:
+        report["transformers_batched_best_tokens_per_s"] = max(batched)
+        report["ratio_vs_transformers_batched"] = (
+            report["engine_batched"]["output_tokens_per_s"] / max(batched))
+        report["target_ratio_vs_transformers_batched"] = TARGET_RATIO_BATCHED
+    single = [v["single"]["decode_tokens_per_s"] for v in full.values() if "single" in v]
+    if single and "engine_single" in report:
+        report["transformers_single_best_decode_tokens_per_s"] = max(single)
+        report["ratio_single_stream_decode"] = (
+            report["engine_single"]["decode_tokens_per_s"] / max(single))
+    report["machine"]["load_average_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") \
+        else None
+
+    output = args.output or RESULTS_DIR / f"engine-{'cuda' if device.startswith('cuda') else 'cpu'}.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2) + "\n")
+    log(f"wrote {output.relative_to(REPO_ROOT) if output.is_relative_to(REPO_ROOT) else output}")
+    for key in ("ratio_vs_transformers_batched", "ratio_single_stream_decode"):
+        if key in report:
+            log(f"{key}: {report[key]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

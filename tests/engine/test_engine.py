@@ -1,0 +1,365 @@
+"""The engine end to end on the real bundled model (float32, so that outputs can be compared
+exactly): batching, prefix caching, preemption, abort, stop strings, seeds, streaming text, the
+batch window, bad input and failing steps."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+
+from workers.engine import Engine, InvalidRequestError, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+_WORDS = ("river stone garden little north window bright copper silent morning engine paper "
+          "orange valley winter whisper market candle forest silver thunder harbor").split()
+
+
+def make_prompts(n=32):
+    """Distinct prompts of lengths spread from a few tokens to a couple of hundred."""
+    prompts = []
+    for i in range(n):
+        length = 3 + (i * 37) % 90
+        words = [_WORDS[(i * 7 + j * (i % 5 + 1)) % len(_WORDS)] for j in range(length)]
+        prompts.append(f"Story {i}: " + " ".join(words))
+    return prompts
+
+
+PROMPTS = make_prompts()
+
+
+def wait_until(predicate, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def make_engine(model, **kwargs):
+    settings = dict(max_batch_size=32, max_batched_tokens=256, num_kv_blocks=512,
+                    enable_prefix_caching=False)
+    settings.update(kwargs)
+    return Engine(model, **settings)
+
+
+@pytest.fixture(scope="module")
+def model(bundled_model_fp32):
+    return bundled_model_fp32
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    with make_engine(model, enable_prefix_caching=True) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def batched_outputs(model):
+    """Greedy outputs of all prompts, submitted in three waves that join a running batch."""
+    with make_engine(model) as eng:
+        handles = []
+        for wave in (PROMPTS[:10], PROMPTS[10:21], PROMPTS[21:]):
+            new = [eng.submit(p, GREEDY) for p in wave]
+            handles += new
+            next(iter(new[0]))  # the wave is decoding; the next one joins mid-flight
+        results = [h.result(timeout=300) for h in handles]
+        first_steps = {r.timings.first_scheduled_step for r in results}
+        assert len(first_steps) >= 3, "the waves were meant to join at different steps"
+        assert eng.stats()["batch_size_max"] > 10
+    return [r.token_ids for r in results]
+
+
+# ---------------------------------------------------------------------------- batching
+
+
+def test_greedy_output_is_the_same_alone_and_in_a_batch(model, batched_outputs):
+    with make_engine(model) as eng:
+        for index in (0, 5, 12, 20, 27, 31):  # short and long prompts, from every wave
+            alone = eng.generate(PROMPTS[index], GREEDY, timeout=120)
+            assert alone.token_ids == batched_outputs[index], f"prompt {index}"
+
+
+def test_prefix_caching_reuses_blocks_and_changes_nothing(model):
+    system = "You are a careful assistant. " + " ".join(_WORDS * 3)
+    prompts = [f"{system} Question {i}: tell me about the {w}." for i, w in
+               enumerate(["river", "forest", "market"])]
+    outputs = {}
+    for caching in (False, True):
+        with make_engine(model, enable_prefix_caching=caching) as eng:
+            # One after another, so that each later prompt can find the earlier ones' blocks.
+            results = [eng.generate(p, GREEDY, timeout=120) for p in prompts]
+            outputs[caching] = [r.token_ids for r in results]
+            cached = [r.cached_prompt_tokens for r in results]
+            stats = eng.stats()
+        if caching:
+            assert cached[0] == 0
+            assert all(c >= 16 * 4 for c in cached[1:]), cached
+            assert stats["prefix_cache_hit_tokens"] == sum(cached)
+            assert stats["prefix_cache_hit_rate"] > 0
+        else:
+            assert cached == [0, 0, 0]
+            assert stats["prefix_cache_hit_tokens"] == 0
+    assert outputs[True] == outputs[False]
+
+
+def test_identical_prompts_in_one_batch_share_the_prompt(model):
+    prompt = PROMPTS[31]
+    with make_engine(model, enable_prefix_caching=True) as eng:
+        results = eng.generate([prompt] * 4, GREEDY, timeout=120)
+    assert all(r.token_ids == results[0].token_ids for r in results)
+    assert sum(r.cached_prompt_tokens > 0 for r in results) == 3
+
+
+def test_tiny_block_pool_preempts_and_gives_the_same_outputs(model, batched_outputs):
+    # 24 blocks (384 tokens) for 32 requests needing ~1,800: constant preemption.
+    with make_engine(model, num_kv_blocks=24) as eng:
+        results = eng.generate(PROMPTS, GREEDY, timeout=600)
+        stats = eng.stats()
+    assert stats["preemptions"] > 0
+    assert stats["kv_blocks_used"] == 0
+    assert [r.finish_reason for r in results] == ["length"] * len(PROMPTS)
+    assert [r.token_ids for r in results] == batched_outputs
+
+
+# ------------------------------------------------------------------------ request control
+
+
+def test_abort_ends_the_request_and_frees_every_block(engine):
+    handle = engine.submit(PROMPTS[30], SamplingParams(max_tokens=500, ignore_eos=True))
+    stream = iter(handle)
+    first = next(stream)
+    assert not first.finished
+    assert handle.abort()
+    last = list(stream)[-1]
+    assert last.finished and last.finish_reason == "abort"
+    assert last.completion_tokens < 500
+    wait_until(lambda: engine.stats()["kv_blocks_used"] == 0 and engine.stats()["running"] == 0,
+               what="blocks to be freed")
+    assert not engine.abort(handle.request_id)  # already gone
+    # A waiting request can be aborted too, and the engine keeps serving.
+    assert engine.generate("Hello", GREEDY, timeout=60).finish_reason == "length"
+
+
+def test_stop_string_across_tokens_stops_and_is_left_out(engine, model):
+    tokenizer = model.tokenizer
+    prompt = PROMPTS[4]
+    free = engine.generate(prompt, SamplingParams(max_tokens=24, temperature=0,
+                                                  ignore_eos=True), timeout=60)
+    # A stop string made of the end of one token's text and the start of the next one's.
+    pieces = [tokenizer.decode(free.token_ids[:i]) for i in range(len(free.token_ids) + 1)]
+    boundary = next(i for i in range(3, len(pieces) - 1)
+                    if len(pieces[i]) - len(pieces[i - 1]) >= 2
+                    and len(pieces[i + 1]) - len(pieces[i]) >= 2
+                    and pieces[i].count(pieces[i][-2:]) == 1)
+    stop = pieces[boundary][-2:] + pieces[boundary + 1][len(pieces[boundary]):][:2]
+    assert stop in free.text
+    stopped = engine.generate(prompt, SamplingParams(max_tokens=24, temperature=0,
+                                                     ignore_eos=True, stop=[stop, "zzzz"]),
+                              timeout=60)
+    assert stopped.finish_reason == "stop"
+    assert stopped.stop_reason == stop
+    assert stop not in stopped.text
+    assert stopped.text == free.text[:free.text.index(stop)]
+    assert stopped.token_ids == free.token_ids[:boundary + 1]
+
+
+def test_stop_token_ids_and_eos(engine, model):
+    free = engine.generate(PROMPTS[2], GREEDY, timeout=60)
+    target = free.token_ids[3]
+    stopped = engine.generate(PROMPTS[2], SamplingParams(max_tokens=8, temperature=0,
+                                                         ignore_eos=True,
+                                                         stop_token_ids=[target]), timeout=60)
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == target
+    assert stopped.token_ids == free.token_ids[:free.token_ids.index(target) + 1]
+    # EOS forced by logit bias ends the request unless ignore_eos.
+    eos = next(iter(model.tokenizer.eos_token_ids))
+    ended = engine.generate("Hi", SamplingParams(max_tokens=8, logit_bias={eos: 100}),
+                            timeout=60)
+    assert ended.finish_reason == "stop" and ended.token_ids == [eos] and ended.text == ""
+    kept = engine.generate("Hi", SamplingParams(max_tokens=3, logit_bias={eos: 100},
+                                                ignore_eos=True), timeout=60)
+    assert kept.finish_reason == "length" and kept.token_ids == [eos] * 3
+
+
+def test_seeded_sampling_repeats_whatever_runs_beside_it(engine):
+    seeded = SamplingParams(max_tokens=8, temperature=1.5, top_p=0.98, seed=1234,
+                            ignore_eos=True)
+    alone = engine.generate(PROMPTS[7], seeded, timeout=60)
+    again = engine.generate(PROMPTS[7], seeded, timeout=60)
+    assert again.token_ids == alone.token_ids
+    noisy = SamplingParams(max_tokens=8, temperature=1.3, ignore_eos=True)
+    companions = [engine.submit(p, noisy) for p in PROMPTS[8:12]]
+    in_batch = engine.submit(PROMPTS[7], seeded)
+    companions += [engine.submit(p, noisy) for p in PROMPTS[12:15]]
+    assert in_batch.result(timeout=120).token_ids == alone.token_ids
+    for c in companions:
+        c.result(timeout=120)
+    other_seed = engine.generate(PROMPTS[7], replace(seeded, seed=4321), timeout=60)
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_multibyte_character_split_over_tokens_arrives_whole(engine, model):
+    emoji = "😀"
+    assert len(model.tokenizer.encode(emoji)) > 1  # byte-level pieces
+    handle = engine.submit(emoji * 12, SamplingParams(max_tokens=9, temperature=0))
+    outputs = list(handle)
+    texts = [o.text for o in outputs]
+    assert all("\ufffd" not in t for t in texts)
+    assert emoji in "".join(texts)
+    # Tokens that end mid-character deliver no text; the character comes whole later.
+    assert any(o.token_ids and o.text == "" for o in outputs)
+
+
+def test_streamed_pieces_add_up_to_the_result(engine):
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=True, top_logprobs=3,
+                            ignore_eos=True)
+    outputs = list(engine.submit(PROMPTS[9], params))
+    whole = engine.generate(PROMPTS[9], params, timeout=60)
+    assert [t for o in outputs for t in o.token_ids] == whole.token_ids
+    assert "".join(o.text for o in outputs) == whole.text
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    assert outputs[-1].completion_tokens == 10
+    assert len(whole.logprobs) == 10
+    for lp, token in zip(whole.logprobs, whole.token_ids):
+        assert lp.token_id == token and lp.logprob <= 0
+        assert len(lp.top_logprobs) == 3
+        assert lp.top_logprobs[0][0] == token  # greedy picks the most likely token
+        assert [v for _, v in lp.top_logprobs] == sorted((v for _, v in lp.top_logprobs),
+                                                         reverse=True)
+    timings = whole.timings
+    assert timings.queue_time >= 0 and timings.time_to_first_token > 0
+    assert timings.time_per_output_token > 0 and timings.e2e_latency >= timings.time_to_first_token
+
+
+def test_chat_messages_use_the_models_template(engine, model):
+    messages = [{"role": "user", "content": "Say hello."}]
+    result = engine.submit_chat(messages, SamplingParams(max_tokens=6, temperature=0)).result(60)
+    expected = model.tokenizer.encode(model.tokenizer.apply_chat_template(messages),
+                                      add_special_tokens=True)
+    assert result.prompt_tokens == len(expected)
+    assert result.completion_tokens >= 1
+
+
+def test_requests_from_many_threads(engine):
+    results = {}
+
+    def worker(i):
+        results[i] = engine.generate(PROMPTS[i], GREEDY, timeout=120)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(130)
+    assert sorted(results) == list(range(6))
+    assert all(r.completion_tokens == 8 for r in results.values())
+
+
+# --------------------------------------------------------------------------- batch window
+
+
+def test_requests_within_the_batch_window_share_the_first_prefill(model):
+    with make_engine(model, batch_window_ms=1000) as eng:
+        handles = [eng.submit(p, GREEDY) for p in PROMPTS[:5]]
+        results = [h.result(timeout=120) for h in handles]
+    assert len({r.timings.first_scheduled_step for r in results}) == 1
+
+
+def test_a_full_batch_does_not_wait_for_the_window(model):
+    # A minute-long window would time the results out if a full batch still waited for it.
+    with make_engine(model, batch_window_ms=60_000, max_batch_size=3) as eng:
+        handles = [eng.submit(p, GREEDY) for p in PROMPTS[:3]]
+        results = [h.result(timeout=30) for h in handles]
+    assert len({r.timings.first_scheduled_step for r in results}) == 1
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("prompt, param", [
+    ("", "prompt"), ([], "prompt"), ([1, -1], "prompt"), ([10 ** 9], "prompt"),
+    (42, "prompt"), ("word " * 200, "prompt"),
+])
+def test_bad_prompts_are_refused_and_the_engine_keeps_working(model, prompt, param):
+    with make_engine(model, max_model_len=128) as eng:
+        with pytest.raises(InvalidRequestError) as info:
+            eng.submit(prompt, GREEDY)
+        assert info.value.param == param
+        assert eng.generate("Hello", GREEDY, timeout=60).completion_tokens == 8
+
+
+def test_bad_parameters_are_refused_at_submit(engine, model):
+    vocab = model.config.vocab_size
+    for params, param in [
+        (SamplingParams(logit_bias={vocab + 5: 1.0}), "logit_bias"),
+        (SamplingParams(stop_token_ids=[vocab]), "stop_token_ids"),
+    ]:
+        with pytest.raises(InvalidRequestError) as info:
+            engine.submit("Hello", params)
+        assert info.value.param == param
+    with pytest.raises(InvalidRequestError) as info:
+        engine.submit_chat([{"content": "no role"}])
+    assert info.value.param == "messages"
+    handle = engine.submit("Hello", SamplingParams(max_tokens=50, ignore_eos=True),
+                           request_id="dup")
+    with pytest.raises(InvalidRequestError) as info:
+        engine.submit("Hello", GREEDY, request_id="dup")
+    assert info.value.param == "request_id"
+    handle.abort()
+    assert engine.generate("Hello", GREEDY, timeout=60).completion_tokens == 8
+
+
+def test_max_tokens_is_clamped_to_the_context(model):
+    with make_engine(model, max_model_len=40) as eng:
+        prompt = model.tokenizer.encode(PROMPTS[3])[:30]
+        result = eng.generate(prompt, SamplingParams(max_tokens=100, temperature=0,
+                                                     ignore_eos=True), timeout=60)
+    assert result.finish_reason == "length"
+    assert result.prompt_tokens + result.completion_tokens == 40
+
+
+# ------------------------------------------------------------------------- failing steps
+
+
+class _PoisonedModel:
+    """The real model, except that any step containing the poison token raises."""
+
+    def __init__(self, model, poison):
+        self.model, self.poison = model, poison
+
+    def __call__(self, input_ids, *args):
+        if bool((input_ids == self.poison).any()):
+            raise RuntimeError("poisoned step")
+        return self.model(input_ids, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(model):
+    with make_engine(model, enable_prefix_caching=True) as eng:
+        poison = 31337
+        eng.runner.model = _PoisonedModel(eng.runner.model, poison)
+        bad = eng.submit([1, 2, poison, 3], GREEDY).result(timeout=60)
+        assert bad.finish_reason == "error"
+        assert "poisoned step" in bad.error
+        good = eng.generate(PROMPTS[1], GREEDY, timeout=60)
+        assert good.finish_reason == "length" and good.completion_tokens == 8
+        wait_until(lambda: eng.stats()["kv_blocks_used"] == 0, what="blocks to be freed")
+        stats = eng.stats()
+        assert stats["step_errors"] == 1 and stats["requests_failed"] == 1
+
+
+def test_stopping_aborts_what_is_in_flight(model):
+    eng = make_engine(model).start()
+    handle = eng.submit(PROMPTS[0], SamplingParams(max_tokens=1000, ignore_eos=True))
+    next(iter(handle))
+    eng.stop()
+    last = handle.result(timeout=30)
+    assert last.finish_reason == "abort"
+    with pytest.raises(Exception):
+        eng.submit("Hello", GREEDY)
