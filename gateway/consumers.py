@@ -56,6 +56,7 @@ class InferenceConsumer(AsyncWebsocketConsumer):
         if message.get("type") == "cancel":
             return await self._cancel(str(request_id))
         message.pop("type", None)
+        message["stream"] = True  # a WebSocket always streams
         endpoint = message.pop("endpoint", "chat.completions")
         if endpoint not in PARSERS:
             return await self._error(request_id, ApiError(400, "endpoint must be chat.completions or completions",

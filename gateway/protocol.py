@@ -15,6 +15,7 @@ from .errors import invalid
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_STOP = 4  # OpenAI allows up to four stop sequences
+MAX_MODEL_NAME = 200
 COMMON_FIELDS = {
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop", "seed",
     "presence_penalty", "frequency_penalty", "logit_bias", "user",
@@ -92,6 +93,8 @@ def _request(kind: str, body: dict, sampling: dict, **content) -> InferenceReque
     if not isinstance(model, str) or not model.strip():
         raise invalid("model", "model is required: the name of a deployment (see GET /v1/models)",
                       code="missing_required_parameter" if model is None else None)
+    if len(model) > MAX_MODEL_NAME or not model.isprintable():
+        raise invalid("model", "model must be a deployment name (see GET /v1/models)")
     stream = body.get("stream", False)
     if stream is None:
         stream = False

@@ -14,7 +14,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from . import calls, formatting
 from .errors import ApiError
-from .protocol import parse_chat, parse_completion
+from .protocol import MAX_MODEL_NAME, parse_chat, parse_completion
 
 
 def _read_json(request) -> object:
@@ -141,6 +141,8 @@ def _get_model(header, name: str) -> dict:
 
     caller = calls.authenticate_sync(header, scope=None)
     try:
+        if len(name) > MAX_MODEL_NAME or not name.isprintable():
+            raise DeploymentNotFound(name[:MAX_MODEL_NAME])
         return _model_json(resolve_deployment(organization=caller.organization, name=name))
     except DeploymentNotFound as exc:
         raise ApiError(404, exc.message, param="model", code="model_not_found") from None

@@ -11,14 +11,27 @@ from django.core.asgi import get_asgi_application  # noqa: E402
 django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from channels.security.websocket import OriginValidator  # noqa: E402
+from django.conf import settings  # noqa: E402
+from django.http.request import validate_host  # noqa: E402
 
 from accounts.middleware import ApiKeyAuthMiddlewareStack  # noqa: E402
 from gateway.routing import websocket_urlpatterns  # noqa: E402
 
+
+class BrowserOriginValidator(OriginValidator):
+    """Browsers always send Origin on a WebSocket handshake, so a cross-site page riding on the
+    dashboard's session cookie is refused; API clients (no Origin, a Bearer key) pass."""
+
+    def valid_origin(self, parsed_origin):
+        if parsed_origin is None:
+            return True
+        return bool(parsed_origin.hostname) and validate_host(parsed_origin.hostname, settings.ALLOWED_HOSTS)
+
+
 application = ProtocolTypeRouter(
     {
         "http": django_asgi_app,
-        "websocket": AllowedHostsOriginValidator(ApiKeyAuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+        "websocket": BrowserOriginValidator(ApiKeyAuthMiddlewareStack(URLRouter(websocket_urlpatterns)), []),
     }
 )

@@ -17,10 +17,7 @@ from datetime import datetime, timezone
 
 from channels.exceptions import ChannelFull
 
-from inference_platform.celery import app
-
 log = logging.getLogger(__name__)
-RECORD_USAGE = "billing.tasks.record_usage_event"
 STALL_TIMEOUT_S = 300.0  # an engine that yields nothing for this long has failed the request
 STATUS_BY_FINISH = {"stop": "completed", "length": "completed", "abort": "cancelled", "error": "failed"}
 
@@ -76,9 +73,10 @@ def run(payload: dict, *, host, send, cancels, worker_name: str = "") -> dict | 
 
 
 def emit_usage(event: dict) -> None:
-    """Publish the usage event to the billing queue; keyed by request id, so billing records it once."""
-    app.send_task(RECORD_USAGE, args=[event], queue="billing", task_id=f"usage-{event['request_id']}",
-                  ignore_result=True)
+    """Publish the usage event on the billing queue (validated; billing records it once per id)."""
+    from billing.dispatch import emit_usage_event
+
+    emit_usage_event(event)
 
 
 def _engine_sampling(sampling: dict) -> dict:
@@ -90,7 +88,9 @@ def _engine_sampling(sampling: dict) -> dict:
 
 def _refusal(exc, kind: str) -> dict:
     message = str(exc)
-    param = exc.param or ("messages" if kind == "chat" else "prompt")
+    param = exc.param or "prompt"
+    if kind == "chat" and param == "prompt":  # the prompt a chat request has is its rendered messages
+        param = "messages"
     code = "context_length_exceeded" if "context" in message.lower() else "invalid_value"
     return _error(400, message, param=param, code=code)
 

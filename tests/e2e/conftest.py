@@ -48,7 +48,7 @@ def server_env(django_db_setup, django_db_blocker, tmp_path_factory):
 
         call_command("seed_catalog", verbosity=0)
     return child_env(
-        GATEWAY_QUEUE_TIMEOUT="20", DATA_DIR=str(tmp_path_factory.mktemp("data")),
+        GATEWAY_QUEUE_TIMEOUT="6", DATA_DIR=str(tmp_path_factory.mktemp("data")),
         RATE_LIMIT_KEY_RPM="100000", RATE_LIMIT_ORG_RPM="100000",
     )
 

@@ -1,0 +1,153 @@
+"""Every refusal before dispatch, through the real URL routing and views, in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+pytestmark = pytest.mark.django_db
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def post(client, path, body, key=None, **extra):
+    headers = {"HTTP_AUTHORIZATION": f"Bearer {key}"} if key else {}
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return client.post(path, data=data, content_type="application/json", **headers, **extra)
+
+
+def assert_error(response, status, *, type_=None, param=None, code=None):
+    assert response.status_code == status, response.content
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if type_:
+        assert error["type"] == type_
+    assert error["param"] == param
+    if code:
+        assert error["code"] == code
+    return error
+
+
+def no_usage(org):
+    from billing.models import UsageRecord
+
+    return not UsageRecord.objects.filter(organization=org).exists()
+
+
+def chat(model="smollm2-135m-instruct", **extra):
+    return {"model": model, "messages": [{"role": "user", "content": "Hi"}], **extra}
+
+
+def test_missing_and_bad_keys_are_401(client, seeded):
+    assert_error(post(client, CHAT, chat()), 401, type_="authentication_error", code="invalid_api_key")
+    assert_error(post(client, CHAT, chat(), key="sk-not-a-real-key"), 401, code="invalid_api_key")
+
+
+def test_revoked_and_expired_keys_fail_at_once(client, seeded, org_key):
+    from accounts.services import revoke_api_key
+
+    org, key, plaintext = org_key()
+    revoke_api_key(api_key=key)
+    assert "revoked" in assert_error(post(client, CHAT, chat(), key=plaintext), 401)["message"].lower()
+    org, key, plaintext = org_key(expires_at=timezone.now() + timedelta(days=1))
+    type(key).objects.filter(pk=key.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    assert "expired" in assert_error(post(client, CHAT, chat(), key=plaintext), 401)["message"].lower()
+
+
+def test_a_key_without_the_inference_scope_is_403(client, seeded, org_key):
+    org, key, plaintext = org_key(scopes=["read_usage"])
+    assert_error(post(client, CHAT, chat(), key=plaintext), 403, type_="permission_error", code="missing_scope")
+    assert no_usage(org)
+
+
+def test_unknown_model_is_404(client, seeded, broke_org_key):
+    org, key, plaintext = broke_org_key
+    assert_error(post(client, CHAT, chat(model="no-such-model"), key=plaintext), 404, param="model",
+                 code="model_not_found")
+
+
+def test_another_organizations_dedicated_deployment_is_404(client, seeded, org_key):
+    from models_catalog.models import CatalogModel
+    from models_catalog.services import create_deployment
+
+    owner_org, _, _ = org_key()
+    create_deployment(organization=owner_org, model=CatalogModel.objects.get(slug=seeded), name="private-one",
+                      kind="dedicated", min_replicas=1, max_replicas=1)
+    org, key, plaintext = org_key()
+    error = assert_error(post(client, CHAT, chat(model="private-one"), key=plaintext), 404, param="model")
+    assert "private-one" in error["message"]
+    listed = client.get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {plaintext}").json()["data"]
+    assert "private-one" not in [m["id"] for m in listed]
+    assert client.get("/v1/models/private-one", HTTP_AUTHORIZATION=f"Bearer {plaintext}").status_code == 404
+
+
+@pytest.mark.parametrize("path,body,param", [
+    (CHAT, {"messages": [{"role": "user", "content": "x"}]}, "model"),
+    (CHAT, {"model": "smollm2-135m-instruct"}, "messages"),
+    (CHAT, chat(messages=[]), "messages"),
+    (CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role"),
+    (CHAT, chat(temperature=2.5), "temperature"),
+    (CHAT, chat(temperature="hot"), "temperature"),
+    (CHAT, chat(top_p=0), "top_p"),
+    (CHAT, chat(max_tokens=0), "max_tokens"),
+    (CHAT, chat(max_completion_tokens=-3), "max_completion_tokens"),
+    (CHAT, chat(n=2), "n"),
+    (CHAT, chat(stop=["a", "b", "c", "d", "e"]), "stop"),
+    (CHAT, chat(presence_penalty=3), "presence_penalty"),
+    (CHAT, chat(logit_bias={"abc": 1}), "logit_bias"),
+    (CHAT, chat(logit_bias={"5": 101}), "logit_bias"),
+    (CHAT, chat(top_logprobs=2), "top_logprobs"),
+    (CHAT, chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (CHAT, chat(stream_options={"include_usage": True}), "stream_options"),
+    (CHAT, chat(tools=[{"type": "function"}]), "tools"),
+    (CHAT, chat(stream="yes"), "stream"),
+    (COMPLETIONS, {"model": "smollm2-135m-instruct"}, "prompt"),
+    (COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": ""}, "prompt"),
+    (COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": ["a", "b"]}, "prompt"),
+    (COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "x", "logprobs": True}, "logprobs"),
+    (COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "x", "logprobs": 6}, "logprobs"),
+    (COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "x", "echo": True}, "echo"),
+])
+def test_invalid_parameters_are_400_naming_the_parameter(client, seeded, org_key, path, body, param):
+    org, key, plaintext = org_key()
+    assert_error(post(client, path, body, key=plaintext), 400, type_="invalid_request_error", param=param)
+    assert no_usage(org)
+
+
+def test_a_body_that_is_not_json_is_400(client, seeded, org_key):
+    org, key, plaintext = org_key()
+    assert_error(post(client, CHAT, b"{not json", key=plaintext), 400, code="invalid_json")
+    assert_error(post(client, CHAT, b"[1, 2]", key=plaintext), 400)
+
+
+def test_an_oversized_body_is_413(client, seeded, org_key, settings):
+    settings.GATEWAY_MAX_BODY_BYTES = 10_000
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 10_001
+    org, key, plaintext = org_key()
+    body = chat(messages=[{"role": "user", "content": "x" * 20_000}])
+    assert_error(post(client, CHAT, body, key=plaintext), 413, code="request_too_large")
+    assert no_usage(org)
+
+
+def test_zero_balance_is_refused_with_insufficient_quota(client, seeded, broke_org_key):
+    org, key, plaintext = broke_org_key
+    error = assert_error(post(client, CHAT, chat(), key=plaintext), 429, code="insufficient_quota")
+    assert error["type"] == "insufficient_quota"
+    assert no_usage(org)
+
+
+def test_get_on_an_inference_endpoint_is_405(client, seeded, org_key):
+    org, key, plaintext = org_key()
+    assert_error(client.get(CHAT, HTTP_AUTHORIZATION=f"Bearer {plaintext}"), 405)
+
+
+def test_the_openapi_document_describes_the_inference_api(client):
+    document = client.get("/v1/openapi.json").json()
+    assert document["openapi"].startswith("3.")
+    chat_schema = document["components"]["schemas"]["ChatCompletionRequest"]
+    assert {"model", "messages"} <= set(chat_schema["required"])
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models"):
+        assert path in document["paths"]
