@@ -1,0 +1,267 @@
+"""Serving benchmark: the full stack (gateway → Redis → Celery worker → engine → SSE) against the
+engine called directly, on the same prompts, in the same run.
+
+For each concurrency level (default 1, 8, 32, 64 streaming clients; each client sends
+``--rounds`` requests back to back) it measures TTFT, TPOT and inter-token latency p50/p99,
+requests/s and output tokens/s. The full stack is what `inference-platform up` starts (SQLite
+and a private Redis in a temporary folder, one worker); the direct run uses an Engine in this
+process with the same deployment settings (dtype, max batch size, batch window).
+
+Targets (issue): at 32 clients the full stack keeps >= 80% of the engine's direct output
+tokens/s and adds <= 15 ms to p50 TTFT. Writes bench/results/serving-cpu.json and a PNG plot
+(matplotlib, from the `bench` extra: pip install -e '.[bench]'). Not part of the tests.
+
+    python bench/serving.py
+    python bench/serving.py --concurrency 1,8 --rounds 1 --max-tokens 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+RESULTS = REPO_ROOT / "bench" / "results"
+DEPLOYMENT = "smollm2-135m-instruct"
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", default="1,8,32,64", help="comma-separated client counts (1,8,32,64)")
+    parser.add_argument("--rounds", type=int, default=2, help="requests each client sends in turn (2)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (64)")
+    parser.add_argument("--prompt-words", type=int, default=60, help="words per prompt (60)")
+    parser.add_argument("--port", type=int, default=8765, help="web port of the stack under test (8765)")
+    parser.add_argument("--out", default=str(RESULTS / "serving-cpu.json"))
+    return parser.parse_args(argv)
+
+
+def prompts(count: int, words: int) -> list[str]:
+    rng = random.Random(0)
+    vocabulary = "river stone light market engine garden winter paper signal orange forest letter".split()
+    return [f"Story {i}: " + " ".join(rng.choice(vocabulary) for _ in range(words)) + ". Continue the story."
+            for i in range(count)]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def summarize(samples: list[dict], wall: float) -> dict:
+    ttft = [s["ttft"] * 1000 for s in samples]
+    tpot = [(s["end"] - s["first"]) / (s["tokens"] - 1) * 1000 for s in samples if s["tokens"] > 1]
+    itl = [gap * 1000 for s in samples for gap in s["gaps"]]
+    tokens = sum(s["tokens"] for s in samples)
+    return {
+        "requests": len(samples), "output_tokens": tokens, "wall_s": round(wall, 3),
+        "requests_per_s": round(len(samples) / wall, 3), "output_tokens_per_s": round(tokens / wall, 2),
+        **{f"ttft_ms_p{q}": round(percentile(ttft, q), 2) for q in (50, 99)},
+        **{f"tpot_ms_p{q}": round(percentile(tpot, q), 2) for q in (50, 99) if tpot},
+        **{f"itl_ms_p{q}": round(percentile(itl, q), 2) for q in (50, 99) if itl},
+    }
+
+
+# ----------------------------------------------------------------------------- the full stack
+
+class Stack:
+    """`inference-platform up` on a temporary data folder, stopped with Ctrl-C's signal."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.dir = tempfile.mkdtemp(prefix="ip-bench-")
+        env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+        env.update(DATA_DIR=self.dir, RATE_LIMIT_KEY_RPM="1000000", RATE_LIMIT_ORG_RPM="1000000")
+        self.log = open(Path(self.dir) / "up.log", "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "inference_platform.cli", "up", "--port", str(port)],
+                                     cwd=REPO_ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 300) -> str:
+        deadline = time.monotonic() + timeout
+        log = Path(self.dir) / "up.log"
+        while time.monotonic() < deadline:
+            if "Ready." in log.read_text():
+                return (Path(self.dir) / "api-key.txt").read_text().strip()
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the stack exited:\n{log.read_text()}")
+            time.sleep(0.5)
+        raise SystemExit("the stack did not become ready")
+
+    def deployment_settings(self) -> dict:
+        env = {**os.environ, "DATA_DIR": self.dir}
+        env.pop("DATABASE_URL", None)
+        out = subprocess.run(
+            [sys.executable, "-c", "import django, json; django.setup(); from models_catalog.models import Deployment; "
+             f"d = Deployment.objects.get(name='{DEPLOYMENT}'); "
+             "print(json.dumps({'dtype': d.dtype, 'max_batch_size': d.max_batch_size, 'batch_window_ms': d.batch_window_ms}))"],
+            cwd=REPO_ROOT, env={**env, "DJANGO_SETTINGS_MODULE": "inference_platform.settings"},
+            capture_output=True, text=True, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(timeout=60)
+
+
+async def stream_once(client, base: str, key: str, prompt: str, max_tokens: int) -> dict:
+    started = time.perf_counter()
+    stamps = []
+    body = {"model": DEPLOYMENT, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    tokens = 0
+    async with client.stream("POST", f"{base}/v1/completions", json=body,
+                             headers={"Authorization": f"Bearer {key}"}) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    stamps.append(time.perf_counter())
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    return {"ttft": stamps[0] - started, "first": stamps[0], "end": stamps[-1], "tokens": tokens,
+            "gaps": [b - a for a, b in zip(stamps, stamps[1:])]}
+
+
+async def run_stack_level(base: str, key: str, texts: list[str], clients: int, rounds: int, max_tokens: int):
+    import httpx
+
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def one_client(i):
+            return [await stream_once(client, base, key, texts[(i * rounds + r) % len(texts)], max_tokens)
+                    for r in range(rounds)]
+
+        started = time.perf_counter()
+        results = await asyncio.gather(*(one_client(i) for i in range(clients)))
+        return [s for per in results for s in per], time.perf_counter() - started
+
+
+# ----------------------------------------------------------------------------- the engine alone
+
+def run_engine_level(engine, texts: list[str], clients: int, rounds: int, max_tokens: int):
+    from workers.engine import SamplingParams
+
+    samples, lock = [], threading.Lock()
+
+    def one_client(i):
+        for r in range(rounds):
+            started = time.perf_counter()
+            stamps, tokens = [], 0
+            handle = engine.submit(texts[(i * rounds + r) % len(texts)], SamplingParams(temperature=0, max_tokens=max_tokens))
+            for out in handle:
+                if out.text:
+                    stamps.append(time.perf_counter())
+                tokens = out.completion_tokens
+            with lock:
+                samples.append({"ttft": stamps[0] - started, "first": stamps[0], "end": stamps[-1],
+                                "tokens": tokens, "gaps": [b - a for a, b in zip(stamps, stamps[1:])]})
+
+    threads = [threading.Thread(target=one_client, args=(i,)) for i in range(clients)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return samples, time.perf_counter() - started
+
+
+def plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+        return
+    levels = [row["concurrency"] for row in result["levels"]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for side, label in (("stack", "full stack"), ("engine", "engine direct")):
+        left.plot(levels, [row[side]["output_tokens_per_s"] for row in result["levels"]], marker="o", label=label)
+        right.plot(levels, [row[side]["ttft_ms_p50"] for row in result["levels"]], marker="o", label=label)
+    left.set(xlabel="concurrent streaming clients", ylabel="output tokens/s", title="Throughput", xscale="log")
+    right.set(xlabel="concurrent streaming clients", ylabel="p50 TTFT (ms)", title="Time to first token", xscale="log")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"Serving {DEPLOYMENT} on {result['machine']['processor'] or result['machine']['machine']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    texts = prompts(max(levels) * args.rounds, args.prompt_words)
+    print(f"starting the full stack on port {args.port} ...", flush=True)
+    stack = Stack(args.port)
+    rows = []
+    try:
+        key = stack.wait_ready()
+        deployment = stack.deployment_settings()
+        base = f"http://127.0.0.1:{args.port}"
+        asyncio.run(run_stack_level(base, key, texts, 1, 1, 4))  # warm-up
+        for clients in levels:
+            samples, wall = asyncio.run(run_stack_level(base, key, texts, clients, args.rounds, args.max_tokens))
+            rows.append({"concurrency": clients, "stack": summarize(samples, wall)})
+            print(f"  stack  {clients:>3} clients: {rows[-1]['stack']['output_tokens_per_s']:8.1f} tok/s, "
+                  f"p50 TTFT {rows[-1]['stack']['ttft_ms_p50']} ms", flush=True)
+    finally:
+        stack.stop()
+
+    from workers.engine import Engine, bundled_model_path
+
+    dtype = None if deployment["dtype"] in ("", "auto") else deployment["dtype"]
+    engine = Engine(bundled_model_path(), dtype=dtype, max_batch_size=deployment["max_batch_size"],
+                    batch_window_ms=deployment["batch_window_ms"]).start()
+    try:
+        run_engine_level(engine, texts, 1, 1, 4)  # warm-up
+        for row in rows:
+            samples, wall = run_engine_level(engine, texts, row["concurrency"], args.rounds, args.max_tokens)
+            row["engine"] = summarize(samples, wall)
+            row["throughput_ratio"] = round(row["stack"]["output_tokens_per_s"] / row["engine"]["output_tokens_per_s"], 3)
+            row["added_ttft_p50_ms"] = round(row["stack"]["ttft_ms_p50"] - row["engine"]["ttft_ms_p50"], 2)
+            print(f"  engine {row['concurrency']:>3} clients: {row['engine']['output_tokens_per_s']:8.1f} tok/s, "
+                  f"p50 TTFT {row['engine']['ttft_ms_p50']} ms -> stack keeps {row['throughput_ratio']:.0%}, "
+                  f"adds {row['added_ttft_p50_ms']} ms TTFT", flush=True)
+        engine_dtype = str(engine.dtype).removeprefix("torch.")
+    finally:
+        engine.stop()
+
+    at32 = next((r for r in rows if r["concurrency"] == 32), None)
+    result = {
+        "benchmark": "serving",
+        "machine": {"machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count()},
+        "deployment": {**deployment, "engine_dtype": engine_dtype},
+        "workload": {"rounds": args.rounds, "max_tokens": args.max_tokens, "prompt_words": args.prompt_words},
+        "levels": rows,
+        "targets": {"throughput_ratio_at_32": 0.8, "added_ttft_p50_ms_at_32": 15},
+        "at_32": at32 and {"throughput_ratio": at32["throughput_ratio"], "added_ttft_p50_ms": at32["added_ttft_p50_ms"]},
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    plot(result, out.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
