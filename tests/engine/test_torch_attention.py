@@ -151,3 +151,14 @@ def test_write_kv_converts_to_cache_dtype():
     key = torch.randn(1, 1, 4)
     backend.write_kv(key, key, k_cache, v_cache, torch.tensor([3]))
     assert torch.equal(k_cache.view(-1, 1, 4)[3], key[0].to(torch.bfloat16))
+
+
+def test_cache_dtype_may_differ_from_the_query_dtype():
+    # A float32 model over a bfloat16 cache: the output stays float32 and close to the reference.
+    q_lens, context_lens = [1, 4, 1], [6, 9, 12]
+    case = build_case(q_lens, context_lens, num_heads=4, num_kv_heads=2)
+    case["k_cache"] = case["k_cache"].to(torch.bfloat16)
+    case["v_cache"] = case["v_cache"].to(torch.bfloat16)
+    case["dense_k"] = [k.to(torch.bfloat16).float() for k in case["dense_k"]]
+    case["dense_v"] = [v.to(torch.bfloat16).float() for v in case["dense_v"]]
+    run_and_compare(case, q_lens, atol=1e-5)

@@ -88,8 +88,8 @@ def _decode(query, k_cache, v_cache, block_tables, context_lens, max_context_len
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     num_blocks = -(-max_context_len // block_size)
-    keys = _gather(k_cache, block_tables, num_blocks)  # [S, L, KV, D]
-    values = _gather(v_cache, block_tables, num_blocks)
+    keys = _gather(k_cache, block_tables, num_blocks).to(query.dtype)  # [S, L, KV, D]
+    values = _gather(v_cache, block_tables, num_blocks).to(query.dtype)
     length = keys.shape[1]
 
     positions = torch.arange(length, device=query.device)
