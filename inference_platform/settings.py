@@ -48,6 +48,7 @@ INSTALLED_APPS = [
     "gateway",
     "workers",
     "billing",
+    "dashboard",
 ]
 
 MIDDLEWARE = [
@@ -73,6 +74,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "dashboard.context_processors.dashboard",
             ],
         },
     },

@@ -1,0 +1,222 @@
+"""The dashboard's forms: they parse and bound the input; the services decide."""
+
+from __future__ import annotations
+
+from datetime import date, timedelta
+from decimal import Decimal
+
+from django import forms
+from django.contrib.auth.forms import AuthenticationForm
+from django.utils import timezone
+
+from accounts.models import SCOPES, Membership
+from models_catalog.models import CatalogModel, Deployment
+from models_catalog.services import INT_SETTINGS
+
+MAX_USAGE_DAYS = 366
+
+SCOPE_CHOICES = [
+    ("inference", "Inference — call the chat and completions API"),
+    ("read_usage", "Read usage — usage reports and the CSV export"),
+    ("manage", "Manage — deployments and top-ups through the API"),
+]
+assert {value for value, _ in SCOPE_CHOICES} == set(SCOPES)
+
+EXPIRY_CHOICES = [("", "Never"), ("30", "In 30 days"), ("90", "In 90 days"), ("365", "In one year")]
+
+
+class EmailLoginForm(AuthenticationForm):
+    """Django's login form, labelled for an email address."""
+
+    username = forms.EmailField(label="Email", widget=forms.EmailInput(attrs={"autofocus": True, "autocomplete": "email"}))
+    password = forms.CharField(label="Password", strip=False,
+                               widget=forms.PasswordInput(attrs={"autocomplete": "current-password"}))
+
+    error_messages = {
+        **AuthenticationForm.error_messages,
+        "invalid_login": "That email and password don't match an account. Check them and try again.",
+    }
+
+
+class SignUpForm(forms.Form):
+    name = forms.CharField(label="Your name", max_length=150, required=False,
+                           widget=forms.TextInput(attrs={"autocomplete": "name", "placeholder": "Ada Lovelace"}))
+    email = forms.EmailField(label="Work email", max_length=254,
+                             widget=forms.EmailInput(attrs={"autocomplete": "email", "placeholder": "you@company.com"}))
+    password = forms.CharField(label="Password", strip=False, min_length=8,
+                               widget=forms.PasswordInput(attrs={"autocomplete": "new-password"}),
+                               help_text="At least 8 characters; not a common password.")
+    organization_name = forms.CharField(label="Organization", max_length=150, required=False,
+                                        widget=forms.TextInput(attrs={"placeholder": "Acme Research"}),
+                                        help_text="Your team's workspace. You can invite others later.")
+    invitation = forms.CharField(required=False, widget=forms.HiddenInput)
+
+
+class OrganizationForm(forms.Form):
+    name = forms.CharField(label="Organization name", max_length=150,
+                           widget=forms.TextInput(attrs={"placeholder": "Acme Research", "autofocus": True}))
+
+
+class InviteForm(forms.Form):
+    email = forms.EmailField(label="Email address", widget=forms.EmailInput(attrs={"placeholder": "teammate@company.com"}))
+    role = forms.ChoiceField(label="Role", choices=[("member", "Member"), ("admin", "Admin"), ("owner", "Owner")],
+                             initial="member")
+
+    def __init__(self, *args, actor_role: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if actor_role != Membership.Role.OWNER:
+            self.fields["role"].choices = [("member", "Member"), ("admin", "Admin")]
+
+
+class RoleForm(forms.Form):
+    role = forms.ChoiceField(choices=Membership.Role.choices)
+
+
+def _int_field(name: str, label: str, help_text: str = "", **attrs) -> forms.IntegerField:
+    low, high = INT_SETTINGS[name]
+    return forms.IntegerField(label=label, min_value=low, max_value=high, help_text=help_text,
+                              widget=forms.NumberInput(attrs=attrs))
+
+
+class DeploymentSettingsForm(forms.Form):
+    """The settings of a deployment that can change over its life."""
+
+    kind = forms.ChoiceField(choices=Deployment.Kind.choices, initial=Deployment.Kind.SERVERLESS,
+                             widget=forms.RadioSelect)
+    batch_window_ms = _int_field("batch_window_ms", "Batch window (ms)",
+                                 "How long an idle engine waits for more requests before it starts a batch.")
+    max_batch_size = _int_field("max_batch_size", "Max batch size", "Requests decoded together at most.")
+    min_replicas = _int_field("min_replicas", "Min replicas", "Workers kept loaded even when idle.")
+    max_replicas = _int_field("max_replicas", "Max replicas", "Workers it may scale out to under load.")
+    scale_to_zero = forms.BooleanField(label="Scale to zero when idle", required=False, initial=True)
+    scale_to_zero_seconds = _int_field("scale_to_zero_seconds", "Idle time before scaling to zero (s)")
+    queue_limit = _int_field("queue_limit", "Queue limit", "Requests waiting at most; more are answered 429.")
+    dtype = forms.ChoiceField(label="Precision", choices=Deployment.Dtype.choices, initial=Deployment.Dtype.AUTO,
+                              help_text="auto: the best the worker's device supports.")
+
+    INITIAL = {"kind": "serverless", "batch_window_ms": 20, "max_batch_size": 32, "min_replicas": 0,
+               "max_replicas": 1, "scale_to_zero": True, "scale_to_zero_seconds": 300, "queue_limit": 256,
+               "dtype": "auto"}
+
+    def clean(self):
+        data = super().clean()
+        if self.errors:
+            return data
+        low, high = data["min_replicas"], data["max_replicas"]
+        if data["kind"] == Deployment.Kind.DEDICATED:
+            data["scale_to_zero"] = False
+            if low < 1:
+                self.add_error("min_replicas", "A dedicated deployment keeps at least one replica.")
+        if high < low:
+            self.add_error("max_replicas", "Max replicas must be at least min replicas.")
+        if data.get("scale_to_zero") and data["scale_to_zero_seconds"] < 1:
+            self.add_error("scale_to_zero_seconds", "Give the idle time in seconds (at least 1).")
+        return data
+
+    def settings(self) -> dict:
+        """The cleaned values as models_catalog's deployment settings."""
+        data = self.cleaned_data
+        return {
+            "kind": data["kind"],
+            "batch_window_ms": data["batch_window_ms"],
+            "max_batch_size": data["max_batch_size"],
+            "min_replicas": data["min_replicas"],
+            "max_replicas": data["max_replicas"],
+            "scale_to_zero_seconds": data["scale_to_zero_seconds"] if data.get("scale_to_zero") else 0,
+            "queue_limit": data["queue_limit"],
+            "dtype": data["dtype"],
+        }
+
+    @classmethod
+    def initial_for(cls, deployment: Deployment) -> dict:
+        return {
+            "kind": deployment.kind, "batch_window_ms": deployment.batch_window_ms,
+            "max_batch_size": deployment.max_batch_size, "min_replicas": deployment.min_replicas,
+            "max_replicas": deployment.max_replicas, "scale_to_zero": deployment.scale_to_zero_seconds > 0,
+            "scale_to_zero_seconds": deployment.scale_to_zero_seconds or 300, "queue_limit": deployment.queue_limit,
+            "dtype": deployment.dtype,
+        }
+
+
+class DeploymentForm(DeploymentSettingsForm):
+    """A new deployment: the model and the name, then the settings."""
+
+    model = forms.ModelChoiceField(queryset=CatalogModel.objects.filter(is_active=True), to_field_name="slug",
+                                   empty_label="Choose a model", label="Model")
+    name = forms.RegexField(
+        label="Deployment name", max_length=100, regex=r"^[a-z0-9][a-z0-9._-]{0,99}$",
+        error_messages={"invalid": "Use lowercase letters, digits, '.', '_' or '-', starting with a letter or digit."},
+        help_text="What your code passes as model. Lowercase letters, digits, '.', '_' and '-'.",
+    )
+
+    field_order = ["model", "name", "kind"]
+
+
+class ApiKeyForm(forms.Form):
+    name = forms.CharField(label="Name", max_length=100,
+                           widget=forms.TextInput(attrs={"placeholder": "e.g. production backend"}))
+    scopes = forms.MultipleChoiceField(label="Permissions", choices=SCOPE_CHOICES, initial=["inference"],
+                                       widget=forms.CheckboxSelectMultiple)
+    expires_in_days = forms.ChoiceField(label="Expires", choices=EXPIRY_CHOICES, required=False)
+    spend_limit = forms.DecimalField(label="Spend limit (USD)", required=False, min_value=Decimal("0"),
+                                     max_digits=12, decimal_places=2,
+                                     widget=forms.NumberInput(attrs={"placeholder": "No limit", "step": "0.01"}),
+                                     help_text="Requests are refused once the key has spent this much.")
+
+    def expires_at(self):
+        days = self.cleaned_data.get("expires_in_days")
+        return timezone.now() + timedelta(days=int(days)) if days else None
+
+
+class UsageRangeForm(forms.Form):
+    start = forms.DateField(required=False, widget=forms.DateInput(attrs={"type": "date"}))
+    end = forms.DateField(required=False, widget=forms.DateInput(attrs={"type": "date"}))
+
+    def period(self, today: date) -> tuple[date, date]:
+        """The chosen period (inclusive); defaults to the last 30 days. Call after is_valid()."""
+        data = self.cleaned_data if self.is_bound and self.is_valid() else {}
+        end = data.get("end") or today
+        start = data.get("start") or end - timedelta(days=29)
+        return start, end
+
+    def clean(self):
+        data = super().clean()
+        start, end = data.get("start"), data.get("end")
+        if start and end:
+            if end < start:
+                self.add_error("end", "The end date is before the start date.")
+            elif (end - start).days + 1 > MAX_USAGE_DAYS:
+                self.add_error("end", f"Choose a period of {MAX_USAGE_DAYS} days at most.")
+        return data
+
+
+def _price_field(label: str) -> forms.DecimalField:
+    return forms.DecimalField(label=label, required=False, min_value=Decimal("0"), max_digits=16, decimal_places=6,
+                              widget=forms.NumberInput(attrs={"step": "0.000001", "placeholder": "0.00"}))
+
+
+class ImportModelForm(forms.Form):
+    path = forms.CharField(label="Weights path", max_length=1000,
+                           help_text="A GGUF file or a Hugging Face safetensors folder, relative to MODELS_ROOT.")
+    slug = forms.SlugField(label="Slug", max_length=100, required=False, help_text="Defaults to the file name.")
+    display_name = forms.CharField(label="Display name", max_length=200, required=False,
+                                   help_text="Defaults to the name in the model's metadata.")
+    description = forms.CharField(label="Description", required=False, widget=forms.Textarea(attrs={"rows": 3}))
+    price_input_per_mtok = _price_field("Input, per 1M tokens")
+    price_cached_input_per_mtok = _price_field("Cached input, per 1M tokens")
+    price_output_per_mtok = _price_field("Output, per 1M tokens")
+    price_per_request = _price_field("Per request")
+
+    PRICES = ("price_input_per_mtok", "price_cached_input_per_mtok", "price_output_per_mtok", "price_per_request")
+
+    def import_arguments(self) -> dict:
+        data = self.cleaned_data
+        arguments = {"path": data["path"].strip(), "description": data.get("description", "")}
+        if data.get("slug"):
+            arguments["slug"] = data["slug"]
+        if data.get("display_name"):
+            arguments["display_name"] = data["display_name"]
+        for name in self.PRICES:
+            if data.get(name) is not None:
+                arguments[name] = data[name]
+        return arguments

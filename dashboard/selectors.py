@@ -1,0 +1,413 @@
+"""Reads behind the dashboard's pages. Every function that concerns an organization takes it and
+reads only its rows (or the public deployments every organization may call)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import date, datetime, timedelta, timezone
+from decimal import Decimal
+from pathlib import Path
+
+from django.db import connection
+from django.db.models import Count, F, Q, QuerySet, Sum, Value
+from django.db.models.functions import Coalesce, TruncHour, TruncMinute
+from django.utils import timezone as dj_timezone
+
+from accounts.models import ApiKey, Membership, Organization, User
+from accounts.selectors import api_keys_for_organization, organizations_for_user
+from billing import selectors as billing_selectors
+from billing.models import UsageRecord
+from billing.pricing import COST_QUANTUM, STATUSES, Prices, request_cost
+from models_catalog.models import CatalogModel, Deployment
+from models_catalog.selectors import deployments_of, deployments_visible_to
+
+from .models import Invitation
+
+_MONEY_ZERO = Value(Decimal(0), output_field=UsageRecord._meta.get_field("cost"))
+
+
+# --- the organization switcher ----------------------------------------------------------------------
+
+
+def memberships_of(*, user: User) -> QuerySet[Membership]:
+    """The user's memberships with their organizations, in the order they joined."""
+    return Membership.objects.filter(user=user).select_related("organization").order_by("created_at", "id")
+
+
+def role_in(*, user: User, organization: Organization | None) -> str | None:
+    if organization is None or not getattr(user, "is_authenticated", False):
+        return None
+    return Membership.objects.filter(user=user, organization=organization).values_list("role", flat=True).first()
+
+
+# --- overview ---------------------------------------------------------------------------------------
+
+
+def overview(*, organization: Organization) -> dict:
+    """The home page's figures: balance, this month's spend, the last 7 days of traffic, and what
+    the organization has set up so far (for the getting-started checklist)."""
+    today = dj_timezone.now().astimezone(timezone.utc).date()
+    start = today - timedelta(days=6)
+    report = billing_selectors.usage_report(organization=organization, start=start, end=today, group_by="day")
+    has_usage = UsageRecord.objects.filter(organization=organization).exists()
+    return {
+        "balance": billing_selectors.balance(organization=organization),
+        "monthly_spend": billing_selectors.monthly_spend(organization=organization),
+        "week": report["totals"],
+        "week_series": {
+            "labels": [bucket["key"].date().isoformat() for bucket in report["buckets"]],
+            "requests": [bucket["requests"] for bucket in report["buckets"]],
+            "tokens": [bucket["total_tokens"] for bucket in report["buckets"]],
+        },
+        "deployments": deployments_of(organization=organization)[:6],
+        "deployment_count": deployments_of(organization=organization).count(),
+        "key_count": api_keys_for_organization(organization=organization).count(),
+        "has_usage": has_usage,
+        "has_topup": organization.ledger_entries.filter(kind="topup").exists(),
+    }
+
+
+# --- the catalog --------------------------------------------------------------------------------------
+
+SIZE_FILTERS = {
+    "small": (0, 3_000_000_000, "Under 3B"),
+    "medium": (3_000_000_000, 15_000_000_000, "3B to 15B"),
+    "large": (15_000_000_000, None, "Over 15B"),
+}
+
+
+def catalog(*, search: str = "", architecture: str = "", quantization: str = "", size: str = "") -> QuerySet[CatalogModel]:
+    """Active catalog models matching the filters (each optional)."""
+    models = CatalogModel.objects.filter(is_active=True)
+    search = (search or "").strip()
+    if search:
+        models = models.filter(Q(slug__icontains=search) | Q(display_name__icontains=search)
+                               | Q(description__icontains=search) | Q(architecture__icontains=search))
+    if architecture:
+        models = models.filter(architecture=architecture)
+    if quantization:
+        models = models.filter(quantization=quantization)
+    if size in SIZE_FILTERS:
+        low, high, _ = SIZE_FILTERS[size]
+        models = models.filter(parameter_count__gte=low)
+        if high is not None:
+            models = models.filter(parameter_count__lt=high)
+    return models.order_by("display_name", "slug")
+
+
+def catalog_filter_options() -> dict:
+    active = CatalogModel.objects.filter(is_active=True)
+    return {
+        "architectures": sorted(set(active.exclude(architecture="").values_list("architecture", flat=True))),
+        "quantizations": sorted(set(active.exclude(quantization="").values_list("quantization", flat=True))),
+        "sizes": [(key, label) for key, (_, _, label) in SIZE_FILTERS.items()],
+    }
+
+
+def catalog_model(*, slug: str) -> CatalogModel | None:
+    return CatalogModel.objects.filter(slug=slug, is_active=True).first()
+
+
+def deployments_of_model(*, organization: Organization, model: CatalogModel) -> list[Deployment]:
+    """The deployments of ``model`` the organization may call: its own first, then public ones."""
+    visible = deployments_visible_to(organization=organization).filter(model=model)
+    return sorted(visible, key=lambda d: (d.organization_id != organization.pk, d.name))
+
+
+# --- deployments ----------------------------------------------------------------------------------
+
+
+def deployments_page(*, organization: Organization) -> dict:
+    """The organization's deployments and the public ones it may call, with each one's requests by
+    this organization over the last 24 hours."""
+    since = dj_timezone.now() - timedelta(hours=24)
+    visible = list(deployments_visible_to(organization=organization))
+    counts = dict(
+        UsageRecord.objects.filter(organization=organization, created_at__gte=since,
+                                   deployment_id__in=[d.pk for d in visible])
+        .values("deployment_id").annotate(n=Count("id")).values_list("deployment_id", "n")
+    )
+    for deployment in visible:
+        deployment.requests_24h = counts.get(deployment.pk, 0)
+    return {
+        "own": [d for d in visible if d.organization_id == organization.pk],
+        "public": [d for d in visible if d.organization_id != organization.pk],
+    }
+
+
+def deployment_for(*, organization: Organization, name: str) -> Deployment | None:
+    """A deployment the organization may see: its own, or a public one (None otherwise, whether or
+    not another organization has one of that name)."""
+    return deployments_visible_to(organization=organization).filter(name=name).first()
+
+
+WINDOWS = {
+    "1h": (timedelta(hours=1), 60, TruncMinute),
+    "24h": (timedelta(hours=24), 3600, TruncHour),
+    "7d": (timedelta(days=7), 3600, TruncHour),
+}
+
+
+def _floor(moment: datetime, seconds: int) -> datetime:
+    epoch = int(moment.timestamp())
+    return datetime.fromtimestamp(epoch - epoch % seconds, tz=timezone.utc)
+
+
+def deployment_metrics(*, organization: Organization, deployment: Deployment, window: str = "1h",
+                       now: datetime | None = None) -> dict:
+    """The organization's traffic on ``deployment`` over ``window`` (1h by minute, 24h and 7d by
+    hour), from its usage records: requests per minute, output tokens per second, p50/p99 latency
+    (ms), and the average batch size — the mean number of this organization's requests in flight,
+    i.e. the summed request durations over the bucket's length (Little's law)."""
+    span, bucket_s, trunc = WINDOWS.get(window, WINDOWS["1h"])
+    now = (now or dj_timezone.now()).astimezone(timezone.utc)
+    end = _floor(now, bucket_s) + timedelta(seconds=bucket_s)
+    start = end - span
+    records = UsageRecord.objects.filter(organization=organization, deployment=deployment,
+                                         created_at__gte=start, created_at__lt=end)
+    sums = {
+        "requests": Count("id"),
+        "completion_tokens": Coalesce(Sum("completion_tokens"), Value(0)),
+        "prompt_tokens": Coalesce(Sum("prompt_tokens"), Value(0)),
+        "busy_ms": Coalesce(Sum("latency_ms"), Value(0)),
+    }
+    postgres = connection.vendor == "postgresql"
+    if postgres:
+        sums["p50"] = billing_selectors.PercentileDisc("latency_ms", 0.5)
+        sums["p99"] = billing_selectors.PercentileDisc("latency_ms", 0.99)
+    rows = {
+        row["bucket"]: row
+        for row in records.annotate(bucket=trunc("created_at", tzinfo=timezone.utc)).order_by()
+        .values("bucket").annotate(**sums)
+    }
+    if not postgres:
+        latencies: dict[datetime, list[int]] = {}
+        for moment, latency in records.filter(latency_ms__isnull=False).order_by("latency_ms").values_list(
+                "created_at", "latency_ms"):
+            latencies.setdefault(_floor(moment, bucket_s), []).append(latency)
+        for bucket, values in latencies.items():
+            if bucket not in rows:
+                continue
+            rows[bucket]["p50"] = billing_selectors.percentile_disc(values, 0.5)
+            rows[bucket]["p99"] = billing_selectors.percentile_disc(values, 0.99)
+
+    series = {"labels": [], "requests_per_min": [], "tokens_per_s": [], "p50_ms": [], "p99_ms": [], "batch": []}
+    moment = start
+    while moment < end:
+        row = rows.get(moment)
+        series["labels"].append(moment.isoformat())
+        if row is None:
+            for key in ("requests_per_min", "tokens_per_s", "batch"):
+                series[key].append(0)
+            series["p50_ms"].append(None)
+            series["p99_ms"].append(None)
+        else:
+            series["requests_per_min"].append(round(row["requests"] * 60 / bucket_s, 3))
+            series["tokens_per_s"].append(round(row["completion_tokens"] / bucket_s, 3))
+            series["p50_ms"].append(row.get("p50"))
+            series["p99_ms"].append(row.get("p99"))
+            series["batch"].append(round(row["busy_ms"] / 1000 / bucket_s, 3))
+        moment += timedelta(seconds=bucket_s)
+
+    totals = records.aggregate(
+        requests=Count("id"),
+        completion_tokens=Coalesce(Sum("completion_tokens"), Value(0)),
+        prompt_tokens=Coalesce(Sum("prompt_tokens"), Value(0)),
+        cost=Coalesce(Sum("cost"), _MONEY_ZERO),
+        failed=Count("id", filter=Q(status="failed")),
+        cancelled=Count("id", filter=Q(status="cancelled")),
+    )
+    latencies = sorted(records.filter(latency_ms__isnull=False).values_list("latency_ms", flat=True)) \
+        if totals["requests"] <= 100_000 else []
+    totals["p50_ms"] = billing_selectors.percentile_disc(latencies, 0.5)
+    totals["p99_ms"] = billing_selectors.percentile_disc(latencies, 0.99)
+    ttfts = sorted(records.filter(ttft_ms__isnull=False).values_list("ttft_ms", flat=True)[:100_000])
+    totals["ttft_p50_ms"] = billing_selectors.percentile_disc(ttfts, 0.5)
+    return {"window": window if window in WINDOWS else "1h", "bucket_s": bucket_s, "series": series,
+            "totals": totals}
+
+
+def recent_requests(*, organization: Organization, deployment: Deployment | None = None, limit: int = 20):
+    records = UsageRecord.objects.filter(organization=organization).select_related("api_key")
+    if deployment is not None:
+        records = records.filter(deployment=deployment)
+    return list(records.order_by("-created_at", "-id")[:limit])
+
+
+# --- API keys ---------------------------------------------------------------------------------------
+
+
+def api_keys_with_spend(*, organization: Organization, include_revoked: bool = True) -> list[ApiKey]:
+    """The organization's keys, newest first, each with ``spend`` (USD), ``tokens`` and ``requests``
+    over its lifetime, computed from the usage records in one query."""
+    keys = list(api_keys_for_organization(organization=organization, include_revoked=include_revoked))
+    figures = {
+        row["api_key_id"]: row
+        for row in UsageRecord.objects.filter(organization=organization, api_key_id__in=[k.pk for k in keys])
+        .values("api_key_id").annotate(
+            spend=Coalesce(Sum("cost"), _MONEY_ZERO),
+            tokens=Coalesce(Sum(F("prompt_tokens") + F("completion_tokens")), Value(0)),
+            requests=Count("id"),
+        )
+    }
+    now = dj_timezone.now()
+    for key in keys:
+        row = figures.get(key.pk, {})
+        key.spend = (row.get("spend") or Decimal(0)).quantize(COST_QUANTUM)
+        key.tokens = row.get("tokens", 0)
+        key.requests = row.get("requests", 0)
+        key.state = "revoked" if key.revoked_at else ("expired" if key.is_expired(now) else "active")
+    return keys
+
+
+def api_key_of(*, organization: Organization, key_id: int) -> ApiKey | None:
+    return ApiKey.objects.filter(organization=organization, pk=key_id).first()
+
+
+# --- usage and cost -----------------------------------------------------------------------------------
+
+
+def usage_page(*, organization: Organization, start: date, end: date) -> dict:
+    """The usage page: totals, by day, by model, by API key, and the latest requests."""
+    by_day = billing_selectors.usage_report(organization=organization, start=start, end=end, group_by="day")
+    by_model = billing_selectors.usage_report(organization=organization, start=start, end=end, group_by="model")
+    by_key = billing_selectors.usage_report(organization=organization, start=start, end=end, group_by="api_key")
+    records = billing_selectors.usage_records(organization=organization, start=start, end=end)
+    return {
+        "totals": by_day["totals"],
+        "by_day": by_day["buckets"],
+        "by_model": sorted(by_model["buckets"], key=lambda b: b["cost"], reverse=True),
+        "by_key": sorted(by_key["buckets"], key=lambda b: b["cost"], reverse=True),
+        "recent": list(records.select_related("api_key").order_by("-created_at", "-id")[:50]),
+        "chart": {
+            "labels": [b["key"].date().isoformat() for b in by_day["buckets"]],
+            "requests": [b["requests"] for b in by_day["buckets"]],
+            "prompt_tokens": [b["prompt_tokens"] for b in by_day["buckets"]],
+            "completion_tokens": [b["completion_tokens"] for b in by_day["buckets"]],
+            "cost": [str(b["cost"]) for b in by_day["buckets"]],
+            "models": [b["key"] for b in by_model["buckets"]],
+            "model_cost": [str(b["cost"]) for b in by_model["buckets"]],
+            "model_tokens": [b["total_tokens"] for b in by_model["buckets"]],
+        },
+    }
+
+
+# --- the playground ---------------------------------------------------------------------------------
+
+
+def playground_deployments(*, organization: Organization) -> list[Deployment]:
+    """What the playground can talk to: the organization's deployments first, then public ones."""
+    visible = list(deployments_visible_to(organization=organization))
+    return sorted(visible, key=lambda d: (d.organization_id != organization.pk, d.name))
+
+
+@dataclass(frozen=True)
+class ReplyCost:
+    source: str  # "billed": from the usage record; "estimated": computed with the model's prices
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+    cost: Decimal
+    status: str
+
+
+def reply_cost(*, organization: Organization, request_id: str, deployment: Deployment | None,
+               prompt_tokens: int, cached_prompt_tokens: int, completion_tokens: int,
+               status: str = "completed") -> ReplyCost | None:
+    """The cost of one playground reply: its usage record when billing has recorded it, else the
+    same computation billing will make (``billing.pricing.request_cost``) with the deployment's
+    model prices. None when neither is possible (unknown deployment, bad counts)."""
+    record = UsageRecord.objects.filter(organization=organization, request_id=request_id).first()
+    if record is not None:
+        return ReplyCost("billed", record.prompt_tokens, record.cached_prompt_tokens, record.completion_tokens,
+                         record.cost, record.status)
+    if deployment is None or status not in STATUSES:
+        return None
+    try:
+        cost = request_cost(prices=Prices.of(deployment.model), prompt_tokens=prompt_tokens,
+                            cached_prompt_tokens=cached_prompt_tokens, completion_tokens=completion_tokens,
+                            status=status)
+    except (TypeError, ValueError):
+        return None
+    return ReplyCost("estimated", prompt_tokens, cached_prompt_tokens, completion_tokens, cost, status)
+
+
+# --- members ------------------------------------------------------------------------------------------
+
+
+def members_page(*, organization: Organization) -> dict:
+    now = dj_timezone.now()
+    return {
+        "memberships": list(Membership.objects.filter(organization=organization).select_related("user")
+                            .order_by("created_at", "id")),
+        "invitations": list(Invitation.objects.filter(organization=organization, accepted_at__isnull=True,
+                                                      revoked_at__isnull=True, expires_at__gt=now)
+                            .select_related("invited_by")),
+    }
+
+
+# --- operator pages -------------------------------------------------------------------------------------
+
+
+def all_deployments() -> QuerySet[Deployment]:
+    """Every deployment of every organization (operator only)."""
+    return Deployment.objects.select_related("model", "organization").order_by("organization_id", "name")
+
+
+def fleet_workers(*, timeout: float = 1.0) -> list[dict]:
+    """The Celery workers answering right now, what each consumes and how busy it is, from Celery's
+    remote control (inspect). Each: name, deployments it serves, other queues, pid, concurrency,
+    active requests, tasks processed. Empty when no worker answers within ``timeout``."""
+    from inference_platform.celery import app
+
+    inspect = app.control.inspect(timeout=timeout)
+    queues = inspect.active_queues() or {}
+    stats = inspect.stats() or {} if queues else {}
+    workers = []
+    for name in sorted(set(queues) | set(stats)):
+        names = [q.get("name", "") for q in queues.get(name, [])]
+        info = stats.get(name, {})
+        pool = info.get("pool", {}) if isinstance(info.get("pool"), dict) else {}
+        workers.append({
+            "name": name,
+            "deployments": sorted(q.split(".", 1)[1] for q in names if q.startswith("deployment.")),
+            "queues": sorted(q for q in names if not q.startswith("deployment.")),
+            "pid": info.get("pid"),
+            "concurrency": pool.get("max-concurrency"),
+            "processed": sum((info.get("total") or {}).values()) if isinstance(info.get("total"), dict) else None,
+            "uptime_s": info.get("uptime"),
+        })
+    return workers
+
+
+def importable_weights(*, root: Path, limit: int = 50) -> list[str]:
+    """GGUF files and Hugging Face folders (with config.json) under the models root that are not in
+    the catalog yet, as paths relative to the root."""
+    if not root.is_dir():
+        return []
+    known = set(CatalogModel.objects.values_list("weights_path", flat=True))
+    found = []
+    for path in sorted(root.rglob("*")):
+        if len(found) >= limit:
+            break
+        if path.is_file() and path.suffix.lower() == ".gguf":
+            relative = str(path.relative_to(root))
+        elif path.is_dir() and (path / "config.json").is_file():
+            relative = str(path.relative_to(root))
+        else:
+            continue
+        if relative not in known:
+            found.append(relative)
+    return found
+
+
+def humanize_count(value: int | None) -> str:
+    """135000000 → "135M", 7241732096 → "7.2B"."""
+    if not value:
+        return "—"
+    for threshold, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if value >= threshold:
+            number = value / threshold
+            return f"{number:.1f}".rstrip("0").rstrip(".") + suffix if number < 10 else f"{math.floor(number)}{suffix}"
+    return str(value)

@@ -1,0 +1,251 @@
+"""Every write the dashboard makes beyond other apps' own services. Keyword-only arguments.
+
+Sign-up (a user and their first organization), invitations, member roles with their permission
+rules, and paying a top-up with a card token from Stripe.js.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import stripe
+
+from django.core.exceptions import ValidationError
+from django.core.mail import send_mail
+from django.core.validators import validate_email
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from accounts import services as account_services
+from accounts.errors import InvalidInput
+from accounts.models import Membership, Organization, User
+from billing import services as billing_services
+from billing.errors import PaymentProviderError
+from billing.models import TopUp
+from billing.stripe_api import stripe_client
+
+from .errors import DashboardError, InvalidInvitation, NotAllowed
+from .models import Invitation, hash_token
+
+logger = logging.getLogger(__name__)
+
+INVITATION_TTL = timedelta(days=7)
+OWNER, ADMIN, MEMBER = Membership.Role.OWNER, Membership.Role.ADMIN, Membership.Role.MEMBER
+
+
+def _from_accounts(exc: InvalidInput) -> DashboardError:
+    return DashboardError(exc.message, field=exc.field)
+
+
+def default_organization_name(*, name: str, email: str) -> str:
+    who = (name or "").strip() or email.split("@")[0]
+    return f"{who}'s organization"[:150]
+
+
+@transaction.atomic
+def sign_up(*, email: str, password: str, name: str = "", organization_name: str = "",
+            invitation_token: str | None = None) -> User:
+    """A new user. With an invitation they join its organization; otherwise a new organization is
+    created with them as its owner (billing credits it the sign-up credit). All or nothing."""
+    invitation = _open_invitation(invitation_token) if invitation_token else None
+    try:
+        user = account_services.create_user(email=email, password=password, name=(name or "").strip())
+        if invitation is not None:
+            accept_invitation(raw_token=invitation_token, user=user)
+        else:
+            account_services.create_organization(
+                name=(organization_name or "").strip() or default_organization_name(name=name, email=user.email),
+                owner=user,
+            )
+    except InvalidInput as exc:
+        raise _from_accounts(exc) from None
+    return user
+
+
+def create_organization(*, name: str, owner: User) -> Organization:
+    try:
+        return account_services.create_organization(name=name, owner=owner)
+    except InvalidInput as exc:
+        raise _from_accounts(exc) from None
+
+
+# --- roles ------------------------------------------------------------------------------------------
+
+
+def can_manage_members(role: str | None) -> bool:
+    return role in (OWNER, ADMIN)
+
+
+def _assignable(actor_role: str, role: str) -> None:
+    if role not in Membership.Role.values:
+        raise DashboardError(f"The role must be one of {', '.join(Membership.Role.values)}.", field="role")
+    if not can_manage_members(actor_role):
+        raise NotAllowed("Only owners and admins can manage members.")
+    if role == OWNER and actor_role != OWNER:
+        raise NotAllowed("Only an owner can make someone an owner.", field="role")
+
+
+def _owners(organization: Organization) -> int:
+    return Membership.objects.filter(organization=organization, role=OWNER).count()
+
+
+@transaction.atomic
+def change_member_role(*, organization: Organization, actor: User, member: User, role: str) -> Membership:
+    """Changes ``member``'s role. Owners may assign any role; admins may not touch owners nor make
+    one; the last owner keeps the role."""
+    actor_role = _role_of(organization, actor)
+    _assignable(actor_role, role)
+    membership = Membership.objects.select_for_update().filter(organization=organization, user=member).first()
+    if membership is None:
+        raise DashboardError("This person is not a member of the organization.")
+    if membership.role == OWNER and actor_role != OWNER:
+        raise NotAllowed("Only an owner can change another owner's role.")
+    if membership.role == OWNER and role != OWNER and _owners(organization) <= 1:
+        raise DashboardError("The organization needs at least one owner: make someone else an owner first.",
+                             field="role")
+    return account_services.add_member(organization=organization, user=member, role=role)
+
+
+def remove_member(*, organization: Organization, actor: User, member: User) -> None:
+    """Removes ``member``; anyone may leave, owners and admins may remove others (admins not owners)."""
+    if actor.pk != member.pk:
+        actor_role = _role_of(organization, actor)
+        if not can_manage_members(actor_role):
+            raise NotAllowed("Only owners and admins can remove members.")
+        if _role_of(organization, member) == OWNER and actor_role != OWNER:
+            raise NotAllowed("Only an owner can remove an owner.")
+    try:
+        account_services.remove_member(organization=organization, user=member)
+    except InvalidInput as exc:
+        raise _from_accounts(exc) from None
+
+
+def _role_of(organization: Organization, user: User) -> str | None:
+    return Membership.objects.filter(organization=organization, user=user).values_list("role", flat=True).first()
+
+
+# --- invitations ------------------------------------------------------------------------------------
+
+
+def invite_member(*, organization: Organization, invited_by: User, email: str, role: str,
+                  link_for: Callable[[str], str]) -> Invitation:
+    """Invites ``email`` with ``role`` and mails the link (``link_for(token)``). Refused for members
+    already in, and for a second open invitation to the same address."""
+    email = (email or "").strip().lower()
+    _assignable(_role_of(organization, invited_by), role)
+    try:
+        validate_email(email)
+    except ValidationError:
+        raise DashboardError("Enter a valid email address.", field="email") from None
+    if Membership.objects.filter(organization=organization, user__email__iexact=email).exists():
+        raise DashboardError(f"{email} is already a member of {organization.name}.", field="email")
+    # An expired invitation no longer blocks a new one.
+    Invitation.objects.filter(organization=organization, email__iexact=email, accepted_at__isnull=True,
+                              revoked_at__isnull=True, expires_at__lte=timezone.now()).update(revoked_at=timezone.now())
+    raw = secrets.token_urlsafe(32)
+    try:
+        with transaction.atomic():
+            invitation = Invitation.objects.create(
+                organization=organization, email=email, role=role, token_hash=hash_token(raw),
+                invited_by=invited_by, expires_at=timezone.now() + INVITATION_TTL,
+            )
+    except IntegrityError:
+        raise DashboardError(f"{email} already has a pending invitation.", field="email") from None
+    inviter = invited_by.get_full_name()
+    send_mail(
+        subject=f"{inviter} invited you to {organization.name}",
+        message=(
+            f"{inviter} invited you to join {organization.name} as {invitation.role_label}.\n\n"
+            f"Accept the invitation: {link_for(raw)}\n\n"
+            f"The link works for {INVITATION_TTL.days} days. If you did not expect it, ignore this email."
+        ),
+        from_email=None,
+        recipient_list=[email],
+    )
+    return invitation
+
+
+
+def _open_invitation(raw_token: str | None) -> Invitation:
+    invitation = Invitation.objects.select_related("organization").filter(token_hash=hash_token(raw_token or "")).first()
+    if invitation is None or not invitation.is_open:
+        raise InvalidInvitation("This invitation link is not valid any more: ask for a new one.")
+    return invitation
+
+
+def invitation_for_token(*, raw_token: str) -> Invitation:
+    """The open invitation behind a link; InvalidInvitation otherwise."""
+    return _open_invitation(raw_token)
+
+
+@transaction.atomic
+def accept_invitation(*, raw_token: str, user: User) -> Membership:
+    """Adds ``user`` to the invitation's organization with its role (a member keeps a higher role)."""
+    invitation = _open_invitation(raw_token)
+    invitation = Invitation.objects.select_for_update().get(pk=invitation.pk)
+    if not invitation.is_open:
+        raise InvalidInvitation("This invitation link is not valid any more: ask for a new one.")
+    if invitation.email.lower() != user.email.lower():
+        raise InvalidInvitation(f"This invitation is for {invitation.email}: log in with that address to accept it.")
+    existing = Membership.objects.filter(organization=invitation.organization, user=user).first()
+    if existing is not None:
+        membership = existing
+    else:
+        membership = account_services.add_member(organization=invitation.organization, user=user, role=invitation.role)
+    invitation.accepted_at, invitation.accepted_by = timezone.now(), user
+    invitation.save(update_fields=["accepted_at", "accepted_by"])
+    return membership
+
+
+def revoke_invitation(*, organization: Organization, actor: User, invitation_id: int) -> None:
+    if not can_manage_members(_role_of(organization, actor)):
+        raise NotAllowed("Only owners and admins can manage invitations.")
+    Invitation.objects.filter(pk=invitation_id, organization=organization, accepted_at__isnull=True,
+                              revoked_at__isnull=True).update(revoked_at=timezone.now())
+
+
+# --- paying a top-up --------------------------------------------------------------------------------
+
+_CARD_TOKEN = re.compile(r"^tok_[A-Za-z0-9_]{4,250}$")
+
+
+@dataclass(frozen=True)
+class TopUpPayment:
+    """Where a top-up's payment stands after confirmation: ``succeeded`` / ``processing`` (the
+    webhook credits it), ``requires_action`` (Stripe.js finishes 3-D Secure with the client secret)."""
+
+    status: str
+    client_secret: str
+
+
+def pay_topup_with_card_token(*, organization: Organization, payment_intent_id: str, card_token: str) -> TopUpPayment:
+    """Confirms a pending top-up of ``organization`` (created by ``billing.services.create_topup``)
+    with the card Stripe.js tokenized in the browser (``stripe.createToken(cardElement)``): the card
+    is saved on the organization's Stripe customer, set on the PaymentIntent, and the PaymentIntent
+    confirmed. Credits nothing itself: Stripe's signed ``payment_intent.succeeded`` webhook does,
+    once. Raises DashboardError (unknown or finished top-up, a declined card) or billing's
+    PaymentProviderError / PaymentsNotConfigured."""
+    if not isinstance(card_token, str) or not _CARD_TOKEN.match(card_token):
+        raise DashboardError("The card details could not be read: enter them again.", field="card")
+    topup = TopUp.objects.filter(organization=organization, payment_intent_id=payment_intent_id).first()
+    if topup is None:
+        raise DashboardError("This top-up does not exist.")
+    if topup.status != TopUp.Status.PENDING:
+        raise DashboardError(f"This top-up is already {topup.get_status_display().lower()}.")
+    customer_id = billing_services.ensure_stripe_customer(organization=organization)
+    client = stripe_client()
+    try:
+        card = client.v1.customers.payment_sources.create(customer_id, params={"source": card_token})
+        client.v1.payment_intents.update(payment_intent_id, params={"payment_method": card.id})
+        intent = client.v1.payment_intents.confirm(payment_intent_id)
+    except stripe.CardError as exc:
+        raise DashboardError(exc.user_message or "Your card was declined.", field="card") from None
+    except stripe.StripeError as exc:
+        logger.warning("Stripe refused to confirm %s: %s", payment_intent_id, exc)
+        raise PaymentProviderError(exc.user_message or None) from exc
+    return TopUpPayment(status=intent.status, client_secret=intent.client_secret)

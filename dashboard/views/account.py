@@ -1,0 +1,216 @@
+"""Sign-up, the overview, organizations (create, switch), members and invitations."""
+
+from __future__ import annotations
+
+from django.contrib import messages
+from django.contrib.auth import login
+from django.contrib.auth.decorators import login_required
+from django.http import Http404
+from django.shortcuts import redirect, render
+from django.urls import reverse
+from django.views.decorators.http import require_http_methods, require_POST
+
+from accounts.models import User
+from accounts.selectors import organizations_for_user
+
+from .. import selectors, services
+from ..errors import DashboardError, InvalidInvitation
+from ..forms import InviteForm, OrganizationForm, RoleForm, SignUpForm
+from ..organizations import choose_organization
+from .common import organization_required, safe_next
+
+
+def _form_error(form, exc: DashboardError) -> None:
+    field = exc.field if exc.field in form.fields else None
+    form.add_error(field, exc.message)
+
+
+@require_http_methods(["GET", "POST"])
+def signup(request):
+    if request.user.is_authenticated and request.method == "GET" and not request.GET.get("invitation"):
+        return redirect("home")
+    token = request.POST.get("invitation") or request.GET.get("invitation") or ""
+    invitation = None
+    if token:
+        try:
+            invitation = services.invitation_for_token(raw_token=token)
+        except InvalidInvitation as exc:
+            messages.error(request, exc.message)
+            token = ""
+    if request.method == "POST":
+        form = SignUpForm(request.POST)
+        if form.is_valid():
+            data = form.cleaned_data
+            try:
+                user = services.sign_up(email=data["email"], password=data["password"], name=data["name"],
+                                        organization_name=data["organization_name"], invitation_token=token or None)
+            except DashboardError as exc:
+                _form_error(form, exc)
+            else:
+                login(request, user, backend="django.contrib.auth.backends.ModelBackend")
+                organization = organizations_for_user(user=user).first()
+                if organization is not None:
+                    choose_organization(request, organization)
+                messages.success(request, f"Welcome! {organization.name} is ready"
+                                          + (" with free credit to try it out." if not invitation else "."))
+                return redirect("home")
+    else:
+        form = SignUpForm(initial={"email": invitation.email if invitation else "", "invitation": token})
+    return render(request, "registration/signup.html", {"form": form, "invitation": invitation})
+
+
+@organization_required
+def home(request):
+    data = selectors.overview(organization=request.organization)
+    steps = [
+        {"done": data["key_count"] > 0, "title": "Create an API key", "text": "Your code authenticates with it.",
+         "url": reverse("api-keys"), "action": "Create key"},
+        {"done": data["deployment_count"] > 0, "title": "Deploy a model",
+         "text": "Your own endpoint with its batching and scaling settings.", "url": reverse("deployment-new"),
+         "action": "Deploy"},
+        {"done": data["has_usage"], "title": "Send your first request",
+         "text": "Chat in the playground or call the API.", "url": reverse("playground"), "action": "Open playground"},
+        {"done": data["has_topup"], "title": "Add credit", "text": "Top up with a card when the free credit runs low.",
+         "url": reverse("billing"), "action": "Top up"},
+    ]
+    return render(request, "dashboard/home.html", {**data, "steps": steps,
+                                                   "steps_done": sum(1 for s in steps if s["done"])})
+
+
+@login_required
+@require_http_methods(["GET", "POST"])
+def organization_new(request):
+    form = OrganizationForm(request.POST or None)
+    if request.method == "POST" and form.is_valid():
+        try:
+            organization = services.create_organization(name=form.cleaned_data["name"], owner=request.user)
+        except DashboardError as exc:
+            _form_error(form, exc)
+        else:
+            choose_organization(request, organization)
+            messages.success(request, f"{organization.name} is ready. You are its owner.")
+            return redirect("home")
+    return render(request, "dashboard/organization_new.html", {"form": form})
+
+
+@login_required
+@require_POST
+def organization_switch(request):
+    try:
+        organization = organizations_for_user(user=request.user).filter(pk=int(request.POST.get("organization", ""))).first()
+    except ValueError:
+        organization = None
+    if organization is None:
+        raise Http404("No such organization.")
+    choose_organization(request, organization)
+    messages.info(request, f"Switched to {organization.name}.")
+    # Pages of one organization's objects make no sense in another: go to the section's list.
+    target = safe_next(request, reverse("home"))
+    for section in ("/deployments/", "/api-keys/"):
+        if target.startswith(section):
+            target = section
+    return redirect(target)
+
+
+@organization_required
+@require_http_methods(["GET", "POST"])
+def members(request):
+    organization = request.organization
+    invite_form = InviteForm(request.POST or None, actor_role=request.role)
+    if request.method == "POST":
+        if invite_form.is_valid():
+            try:
+                invitation = services.invite_member(
+                    organization=organization, invited_by=request.user, email=invite_form.cleaned_data["email"],
+                    role=invite_form.cleaned_data["role"],
+                    link_for=lambda token: request.build_absolute_uri(reverse("invitation", args=[token])),
+                )
+            except DashboardError as exc:
+                _form_error(invite_form, exc)
+            else:
+                messages.success(request, f"Invitation sent to {invitation.email}.")
+                return redirect("members")
+    data = selectors.members_page(organization=organization)
+    return render(request, "dashboard/members.html", {
+        **data, "invite_form": invite_form, "role_form": RoleForm(),
+        "can_manage": services.can_manage_members(request.role), "is_owner": request.role == "owner",
+    })
+
+
+def _member(request, user_id: int) -> User:
+    user = User.objects.filter(pk=user_id, memberships__organization=request.organization).first()
+    if user is None:
+        raise Http404("No such member.")
+    return user
+
+
+@organization_required
+@require_POST
+def member_role(request, user_id: int):
+    member = _member(request, user_id)
+    form = RoleForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, "Choose a role.")
+        return redirect("members")
+    try:
+        services.change_member_role(organization=request.organization, actor=request.user, member=member,
+                                    role=form.cleaned_data["role"])
+    except DashboardError as exc:
+        messages.error(request, exc.message)
+    else:
+        messages.success(request, f"{member.email} is now {form.cleaned_data['role']}.")
+    return redirect("members")
+
+
+@organization_required
+@require_POST
+def member_remove(request, user_id: int):
+    member = _member(request, user_id)
+    try:
+        services.remove_member(organization=request.organization, actor=request.user, member=member)
+    except DashboardError as exc:
+        messages.error(request, exc.message)
+        return redirect("members")
+    if member.pk == request.user.pk:
+        messages.success(request, f"You left {request.organization.name}.")
+        return redirect("home")
+    messages.success(request, f"{member.email} was removed from {request.organization.name}.")
+    return redirect("members")
+
+
+@organization_required
+@require_POST
+def invitation_revoke(request, invitation_id: int):
+    try:
+        services.revoke_invitation(organization=request.organization, actor=request.user, invitation_id=invitation_id)
+    except DashboardError as exc:
+        messages.error(request, exc.message)
+    else:
+        messages.success(request, "Invitation revoked.")
+    return redirect("members")
+
+
+@require_http_methods(["GET", "POST"])
+def invitation(request, token: str):
+    """The link in an invitation email: accept it (logged in with the invited address), or sign up
+    / log in first."""
+    try:
+        invitation = services.invitation_for_token(raw_token=token)
+    except InvalidInvitation as exc:
+        return render(request, "registration/invitation.html", {"error": exc.message}, status=404)
+    if request.method == "POST":
+        if not request.user.is_authenticated:
+            return redirect(f"{reverse('login')}?next={request.path}")
+        try:
+            membership = services.accept_invitation(raw_token=token, user=request.user)
+        except InvalidInvitation as exc:
+            messages.error(request, exc.message)
+        else:
+            choose_organization(request, membership.organization)
+            messages.success(request, f"You joined {membership.organization.name}.")
+            return redirect("home")
+    account_exists = User.objects.filter(email__iexact=invitation.email).exists()
+    return render(request, "registration/invitation.html", {
+        "invitation": invitation, "token": token, "account_exists": account_exists,
+        "email_matches": request.user.is_authenticated and request.user.email.lower() == invitation.email.lower(),
+    })

@@ -1,0 +1,57 @@
+"""What every dashboard view shares: the organization requirement and the operator check."""
+
+from __future__ import annotations
+
+from functools import wraps
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.shortcuts import redirect
+from django.utils.http import url_has_allowed_host_and_scheme
+
+from ..organizations import current_organization
+from ..selectors import role_in
+
+
+def organization_required(view):
+    """Login, then a current organization (else the "create your organization" page). Sets
+    ``request.organization`` and ``request.role``."""
+
+    @login_required
+    @wraps(view)
+    def wrapped(request, *args, **kwargs):
+        organization = current_organization(request)
+        if organization is None:
+            messages.info(request, "Create an organization to start: it owns your deployments, keys and credit.")
+            return redirect("organization-new")
+        request.organization = organization
+        request.role = role_in(user=request.user, organization=organization)
+        return view(request, *args, **kwargs)
+
+    return wrapped
+
+
+def staff_required(view):
+    """Operator pages: staff only (others get 403)."""
+
+    @login_required
+    @wraps(view)
+    def wrapped(request, *args, **kwargs):
+        if not request.user.is_staff:
+            raise PermissionDenied("Operators only.")
+        return view(request, *args, **kwargs)
+
+    return wrapped
+
+
+def safe_next(request, fallback: str = "/") -> str:
+    target = request.POST.get("next") or request.GET.get("next") or ""
+    if target and url_has_allowed_host_and_scheme(target, allowed_hosts={request.get_host()},
+                                                    require_https=request.is_secure()):
+        return target
+    return fallback
+
+
+def is_htmx(request) -> bool:
+    return request.headers.get("HX-Request") == "true"

@@ -1,0 +1,47 @@
+"""Operator pages (staff only): the fleet of workers and the catalog import."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.contrib import messages
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_GET, require_http_methods
+
+from models_catalog.errors import ModelImportError
+from models_catalog.services import import_model
+from models_catalog.weights import models_root
+
+from .. import selectors
+from ..forms import ImportModelForm
+from .common import staff_required
+
+
+@staff_required
+def fleet(request):
+    deployments = list(selectors.all_deployments())
+    return render(request, "operator/fleet.html", {"deployments": deployments})
+
+
+@staff_required
+@require_GET
+def fleet_workers(request):
+    """The workers table alone (htmx loads it after the page, then refreshes it)."""
+    return render(request, "operator/_workers.html", {"workers": selectors.fleet_workers(timeout=1.0)})
+
+
+@staff_required
+@require_http_methods(["GET", "POST"])
+def model_import(request):
+    form = ImportModelForm(request.POST or None, initial={"path": request.GET.get("path", "")})
+    if request.method == "POST" and form.is_valid():
+        try:
+            model = import_model(**form.import_arguments())
+        except ModelImportError as exc:
+            form.add_error("path", exc.message)
+        else:
+            messages.success(request, f"{model.display_name} ({model.slug}) is in the catalog.")
+            return redirect("model-detail", slug=model.slug)
+    root = models_root()
+    return render(request, "operator/import.html", {
+        "form": form, "models_root": settings.MODELS_ROOT, "candidates": selectors.importable_weights(root=root),
+    })

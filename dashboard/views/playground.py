@@ -1,0 +1,52 @@
+"""The playground: chat with a deployment over the WebSocket API, with each reply's tokens and cost."""
+
+from __future__ import annotations
+
+from django.http import JsonResponse
+from django.shortcuts import render
+from django.views.decorators.http import require_GET
+
+from .. import selectors, snippets
+from .common import organization_required
+
+
+@organization_required
+def playground(request):
+    deployments = selectors.playground_deployments(organization=request.organization)
+    wanted = request.GET.get("deployment", "")
+    selected = next((d for d in deployments if d.name == wanted), deployments[0] if deployments else None)
+    options = [
+        {"name": d.name, "model": d.model.display_name, "own": d.organization_id == request.organization.pk,
+         "status": d.get_status_display(), "context_length": d.model.context_length,
+         "price_input": str(d.model.price_input_per_mtok), "price_output": str(d.model.price_output_per_mtok)}
+        for d in deployments
+    ]
+    return render(request, "dashboard/playground.html", {
+        "deployments": deployments, "selected": selected, "deployment_options": options,
+        "ws_url": snippets.endpoints(request)["ws_url"],
+    })
+
+
+def _count(request, name: str) -> int | None:
+    raw = request.GET.get(name, "0")
+    return int(raw) if raw.isdigit() and len(raw) < 10 else None
+
+
+@organization_required
+@require_GET
+def reply_cost(request):
+    """``GET /playground/cost/?request_id&deployment&prompt_tokens&cached_prompt_tokens&completion_tokens&status``:
+    one reply's tokens and cost, billed (the usage record) or estimated with the same prices."""
+    counts = {name: _count(request, name) for name in ("prompt_tokens", "cached_prompt_tokens", "completion_tokens")}
+    if any(value is None for value in counts.values()) or counts["cached_prompt_tokens"] > counts["prompt_tokens"]:
+        return JsonResponse({"error": {"message": "Token counts must be whole numbers.", "type": "invalid_request_error",
+                                       "param": None, "code": "invalid_value"}}, status=400)
+    deployment = selectors.deployment_for(organization=request.organization, name=request.GET.get("deployment", ""))
+    cost = selectors.reply_cost(organization=request.organization, request_id=request.GET.get("request_id", ""),
+                                deployment=deployment, status=request.GET.get("status", "completed"), **counts)
+    if cost is None:
+        return JsonResponse({"error": {"message": "Unknown reply.", "type": "not_found_error", "param": None,
+                                       "code": "not_found"}}, status=404)
+    return JsonResponse({"source": cost.source, "prompt_tokens": cost.prompt_tokens,
+                         "cached_prompt_tokens": cost.cached_prompt_tokens,
+                         "completion_tokens": cost.completion_tokens, "cost": str(cost.cost), "status": cost.status})

@@ -1,0 +1,259 @@
+/* The playground: a chat over the WebSocket API (/v1/ws) with the dashboard's session cookie.
+ *
+ * Frames out: {"request_id", "endpoint": "chat.completions", model, messages, stream, ...} and
+ * {"type": "cancel", "request_id"}. Frames in: OpenAI chunks carrying our request_id, then
+ * {"type": "done"}; or {"type": "error", "error": {...}}. Costs are exact: micro-dollars as BigInt.
+ */
+(function () {
+  "use strict";
+  const root = document.getElementById("playground");
+  if (!root) return;
+  const $ = (id) => document.getElementById(id);
+  const pane = $("messages"), input = $("chat-input"), sendButton = $("send-button"), stopButton = $("stop-button");
+  const select = $("deployment-select"), conn = $("conn-state");
+  const wsUrl = root.dataset.wsUrl, costUrl = root.dataset.costUrl;
+
+  let socket = null;
+  let history = [];        // [{role, content}] of finished turns
+  let current = null;      // the reply being streamed
+  let sessionTokens = 0;
+  let sessionMicros = 0n;
+  const queue = [];        // frames waiting for the socket to open
+
+  // ---- money: "0.000123" <-> 123n micro-dollars -------------------------------------------------
+  function micros(text) {
+    const [whole, frac = ""] = String(text).split(".");
+    return BigInt(whole || "0") * 1000000n + BigInt((frac + "000000").slice(0, 6));
+  }
+  function formatUsd(value) {
+    const negative = value < 0n;
+    if (negative) value = -value;
+    const whole = value / 1000000n;
+    let frac = (value % 1000000n).toString().padStart(6, "0").replace(/0+$/, "");
+    if (frac.length < 2) frac = frac.padEnd(2, "0");
+    return (negative ? "-$" : "$") + whole.toLocaleString("en-US") + "." + frac;
+  }
+
+  // ---- the connection -----------------------------------------------------------------------------
+  function setConn(state, label) {
+    conn.className = "conn " + state;
+    conn.querySelector("[data-label]").textContent = label;
+    conn.dataset.state = state;
+  }
+
+  function connect() {
+    if (socket && (socket.readyState === WebSocket.OPEN || socket.readyState === WebSocket.CONNECTING)) return;
+    setConn("", "Connecting…");
+    socket = new WebSocket(wsUrl);
+    socket.addEventListener("open", () => {
+      setConn("open", "Connected");
+      while (queue.length) socket.send(queue.shift());
+    });
+    socket.addEventListener("message", (event) => onFrame(JSON.parse(event.data)));
+    socket.addEventListener("close", (event) => {
+      setConn("closed", event.code >= 4000 ? "Not authorized: reload the page" : "Disconnected");
+      if (current) fail(current, "The connection closed before the reply finished.");
+    });
+  }
+
+  function send(frame) {
+    const text = JSON.stringify(frame);
+    if (socket && socket.readyState === WebSocket.OPEN) socket.send(text);
+    else { queue.push(text); connect(); }
+  }
+
+  // ---- messages -------------------------------------------------------------------------------------
+  function addMessage(role, text) {
+    $("chat-empty")?.remove();
+    const node = $("message-template").content.firstElementChild.cloneNode(true);
+    node.classList.add(role);
+    node.querySelector(".avatar").textContent = role === "user" ? "You".slice(0, 1) : "AI";
+    node.querySelector(".who").textContent = role === "user" ? "You" : select.value;
+    node.querySelector(".text").textContent = text;
+    pane.appendChild(node);
+    pane.scrollTop = pane.scrollHeight;
+    return node;
+  }
+
+  function tag(node, text, attrs) {
+    const span = document.createElement("span");
+    span.className = "tag";
+    span.textContent = text;
+    Object.entries(attrs || {}).forEach(([k, v]) => span.setAttribute(k, v));
+    node.querySelector(".meta").appendChild(span);
+    return span;
+  }
+
+  function params() {
+    const frame = {
+      temperature: Number($("p-temperature").value),
+      top_p: Number($("p-top-p").value),
+      max_tokens: Math.max(1, parseInt($("p-max-tokens").value || "256", 10)),
+    };
+    const stops = $("p-stop").value.split(",").map((s) => s.trim()).filter(Boolean).slice(0, 4);
+    if (stops.length) frame.stop = stops;
+    const seed = $("p-seed").value.trim();
+    if (seed !== "" && /^-?\d+$/.test(seed)) frame.seed = parseInt(seed, 10);
+    return frame;
+  }
+
+  function setBusy(busy) {
+    sendButton.hidden = busy;
+    stopButton.hidden = !busy;
+    stopButton.disabled = false;
+    select.disabled = busy;
+    root.dataset.busy = busy ? "1" : "";
+  }
+
+  function ask(text) {
+    text = text.trim();
+    if (!text || current) return;
+    const system = $("system-prompt").value.trim();
+    const messages = (system ? [{ role: "system", content: system }] : []).concat(history, [{ role: "user", content: text }]);
+    addMessage("user", text);
+    history.push({ role: "user", content: text });
+    const node = addMessage("assistant", "");
+    node.classList.add("streaming");
+    const requestId = "pg-" + Math.random().toString(36).slice(2, 12);
+    current = { id: requestId, node, text: "", apiId: null, usage: null, stopped: false, deployment: select.value,
+                started: performance.now(), firstToken: null };
+    node.dataset.requestId = requestId;
+    node.dataset.state = "streaming";
+    setBusy(true);
+    send(Object.assign({ request_id: requestId, endpoint: "chat.completions", model: select.value, messages,
+                         stream: true, stream_options: { include_usage: true } }, params()));
+  }
+
+  function onFrame(frame) {
+    if (!current || frame.request_id !== current.id) {
+      if (frame.type === "error" && frame.request_id === null) setConn("closed", frame.error?.message || "Error");
+      return;
+    }
+    const reply = current;
+    if (frame.type === "error") return fail(reply, frame.error?.message || "The request failed.");
+    if (frame.type === "done") return finish(reply);
+    if (frame.id) reply.apiId = frame.id;
+    if (frame.usage) reply.usage = frame.usage;
+    for (const choice of frame.choices || []) {
+      const piece = choice.delta && choice.delta.content;
+      if (piece) {
+        if (reply.firstToken === null) reply.firstToken = performance.now();
+        reply.text += piece;
+        reply.node.querySelector(".text").textContent = reply.text;
+        const nearBottom = pane.scrollHeight - pane.scrollTop - pane.clientHeight < 80;
+        if (nearBottom) pane.scrollTop = pane.scrollHeight;
+      }
+      if (choice.finish_reason) reply.finishReason = choice.finish_reason;
+    }
+  }
+
+  function done(reply) {
+    if (current === reply) current = null;
+    reply.node.classList.remove("streaming");
+    clearTimeout(reply.cancelTimer);
+    setBusy(false);
+    input.focus();
+  }
+
+  function fail(reply, message) {
+    done(reply);
+    reply.node.classList.add("error");
+    reply.node.dataset.state = "error";
+    reply.node.querySelector(".text").textContent = (reply.text ? reply.text + "\n\n" : "") + message;
+    history.pop();  // the question stays on screen but not in the context of the next turn
+  }
+
+  function finish(reply) {
+    done(reply);
+    reply.node.dataset.state = reply.stopped ? "stopped" : "done";
+    history.push({ role: "assistant", content: reply.text });
+    const seconds = ((performance.now() - reply.started) / 1000).toFixed(1);
+    if (reply.stopped) tag(reply.node, "Stopped", { "data-stopped": "1" });
+    if (!reply.usage) {
+      tag(reply.node, "Nothing generated");
+      return;
+    }
+    const u = reply.usage;
+    const cached = (u.prompt_tokens_details && u.prompt_tokens_details.cached_tokens) || 0;
+    tag(reply.node, `${u.prompt_tokens} in · ${u.completion_tokens} out`, { "data-tokens": String(u.total_tokens) });
+    tag(reply.node, `${seconds} s`);
+    const costTag = tag(reply.node, "…", { "data-cost": "" });
+    sessionTokens += u.total_tokens;
+    $("session-tokens").textContent = sessionTokens.toLocaleString("en-US");
+    fetchCost(reply, u, cached, costTag, 0, null);
+  }
+
+  function fetchCost(reply, usage, cached, costTag, attempt, counted) {
+    const query = new URLSearchParams({
+      request_id: reply.apiId || "", deployment: reply.deployment, prompt_tokens: usage.prompt_tokens,
+      cached_prompt_tokens: cached, completion_tokens: usage.completion_tokens,
+      status: reply.stopped ? "cancelled" : "completed",
+    });
+    fetch(`${costUrl}?${query}`, { credentials: "same-origin" })
+      .then((r) => (r.ok ? r.json() : Promise.reject(r.status)))
+      .then((body) => {
+        const value = micros(body.cost);
+        sessionMicros += value - (counted === null ? 0n : counted);
+        $("session-cost").textContent = formatUsd(sessionMicros);
+        costTag.textContent = formatUsd(value) + (body.source === "billed" ? "" : " (estimate)");
+        costTag.setAttribute("data-cost", body.cost);
+        costTag.setAttribute("data-source", body.source);
+        costTag.title = body.source === "billed" ? "Billed to your credit" : "Computed with the model's prices; billing records it in a moment";
+        if (body.source !== "billed" && attempt < 8) {
+          setTimeout(() => fetchCost(reply, usage, cached, costTag, attempt + 1, value), 1000);
+        }
+      })
+      .catch(() => { costTag.textContent = "cost unavailable"; });
+  }
+
+  function stop() {
+    if (!current || current.stopped) return;
+    const reply = current;
+    reply.stopped = true;
+    stopButton.disabled = true;
+    send({ type: "cancel", request_id: reply.id });
+    // A request cancelled before any worker took it ends without a frame: end it here.
+    reply.cancelTimer = setTimeout(() => { if (current === reply) finish(reply); }, 8000);
+  }
+
+  // ---- wiring -------------------------------------------------------------------------------------------
+  $("composer").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const text = input.value;
+    input.value = "";
+    input.style.height = "";
+    ask(text);
+  });
+  input.addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey) {
+      event.preventDefault();
+      $("composer").requestSubmit();
+    }
+  });
+  input.addEventListener("input", () => {
+    input.style.height = "auto";
+    input.style.height = Math.min(input.scrollHeight, 180) + "px";
+  });
+  stopButton.addEventListener("click", stop);
+  $("clear-button").addEventListener("click", () => {
+    if (current) stop();
+    history = [];
+    pane.querySelectorAll(".msg").forEach((n) => n.remove());
+  });
+  pane.addEventListener("click", (event) => {
+    const suggestion = event.target.closest("[data-suggest]");
+    if (suggestion) ask(suggestion.dataset.suggest);
+  });
+  [["p-temperature", "o-temperature", 2], ["p-top-p", "o-top-p", 2]].forEach(([id, out, digits]) => {
+    const update = () => { $(out).textContent = Number($(id).value).toFixed(digits); };
+    $(id).addEventListener("input", update);
+    update();
+  });
+  select.addEventListener("change", () => {
+    const url = new URL(window.location.href);
+    url.searchParams.set("deployment", select.value);
+    window.history.replaceState(null, "", url);
+  });
+  connect();
+  input.focus();
+})();

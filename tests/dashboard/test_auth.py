@@ -1,0 +1,74 @@
+"""Sign-up, log in and out, password reset by email."""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal
+
+from django.core import mail
+
+from accounts.models import Membership, User
+from billing.selectors import balance
+from tests.dashboard.conftest import PASSWORD
+
+
+def test_sign_up_creates_the_user_and_their_organization_with_credit(client, db):
+    response = client.post("/signup/", {"name": "Ada Lovelace", "email": "Ada@Example.com", "password": PASSWORD,
+                                        "organization_name": "Analytical Engines"})
+    assert response.status_code == 302 and response["Location"] == "/"
+    user = User.objects.get(email="ada@example.com")
+    membership = Membership.objects.get(user=user)
+    assert membership.role == "owner" and membership.organization.name == "Analytical Engines"
+    assert balance(organization=membership.organization) == Decimal("5.000000")
+    page = client.get("/").content.decode()
+    assert "Analytical Engines" in page and "Good to see you, Ada Lovelace" in page
+
+
+def test_sign_up_names_an_organization_when_none_is_given(client, db):
+    client.post("/signup/", {"email": "grace@example.com", "password": PASSWORD})
+    assert Membership.objects.get(user__email="grace@example.com").organization.name == "grace's organization"
+
+
+def test_sign_up_refuses_a_taken_email_and_a_weak_password(client, acme):
+    user, _ = acme
+    response = client.post("/signup/", {"email": user.email.upper(), "password": PASSWORD})
+    assert response.status_code == 200 and "already exists" in response.content.decode()
+    response = client.post("/signup/", {"email": "new@example.com", "password": "password"})
+    assert response.status_code == 200 and "too common" in response.content.decode()
+    assert not User.objects.filter(email="new@example.com").exists()
+
+
+def test_log_in_with_the_email_then_log_out(client, acme):
+    user, _ = acme
+    response = client.post("/login/", {"username": user.email, "password": "wrong"})
+    assert response.status_code == 200 and "don&#x27;t match" in response.content.decode()
+    response = client.post("/login/", {"username": user.email, "password": PASSWORD, "next": "/usage/"})
+    assert response.status_code == 302 and response["Location"] == "/usage/"
+    assert client.get("/usage/").status_code == 200
+    assert client.get("/logout/").status_code == 405  # logging out is a POST (CSRF-protected)
+    response = client.post("/logout/")
+    assert response.status_code == 302
+    assert client.get("/usage/").status_code == 302
+
+
+def test_password_reset_by_email(client, acme):
+    user, _ = acme
+    response = client.post("/password-reset/", {"email": user.email})
+    assert response.status_code == 302 and response["Location"] == "/password-reset/sent/"
+    assert len(mail.outbox) == 1 and mail.outbox[0].to == [user.email]
+    link = re.search(r"http://testserver(/reset/\S+/)", mail.outbox[0].body).group(1)
+    response = client.get(link, follow=True)
+    assert response.status_code == 200 and "Choose a new password" in response.content.decode()
+    form_url = response.redirect_chain[-1][0]
+    new_password = "another-long-password-77"
+    response = client.post(form_url, {"new_password1": new_password, "new_password2": new_password})
+    assert response.status_code == 302 and response["Location"] == "/reset/done/"
+    assert client.login(username=user.email, password=new_password)
+    # The link works once.
+    assert "This link has expired" in client.get(link, follow=True).content.decode()
+
+
+def test_password_reset_says_nothing_about_unknown_addresses(client, db):
+    response = client.post("/password-reset/", {"email": "nobody@example.com"})
+    assert response.status_code == 302 and response["Location"] == "/password-reset/sent/"
+    assert mail.outbox == []

@@ -1,0 +1,64 @@
+"""API keys: the secret shown once, the list with use and spend, revocation, isolation."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+import pytest
+
+from accounts.errors import RevokedApiKey
+from accounts.models import ApiKey
+from accounts.selectors import authenticate_api_key
+from accounts.services import create_api_key
+from billing.models import ApiKeySpendLimit
+from tests.dashboard.conftest import record
+
+
+def test_a_new_key_is_shown_once_and_works(ada, acme):
+    _, org = acme
+    response = ada.post("/api-keys/", {"name": "backend", "scopes": ["inference", "read_usage"],
+                                       "expires_in_days": "30", "spend_limit": "12.50"})
+    assert response.status_code == 302
+    page = ada.get("/api-keys/").content.decode()
+    key = ApiKey.objects.get(organization=org)
+    secret = page.split('id="new-key-secret">')[1].split("<")[0]
+    assert secret.startswith(f"sk-{key.prefix}_")
+    assert authenticate_api_key(secret) == key
+    assert key.scopes == ["inference", "read_usage"] and key.expires_at is not None
+    assert ApiKeySpendLimit.objects.get(api_key=key).amount_limit == Decimal("12.50")
+    again = ada.get("/api-keys/").content.decode()
+    assert secret not in again and key.display_prefix in again
+
+
+def test_a_key_needs_a_name_and_a_scope(ada, acme):
+    response = ada.post("/api-keys/", {"name": "", "scopes": []})
+    assert response.status_code == 400
+    assert set(response.context["form"].errors) == {"name", "scopes"}
+    assert not ApiKey.objects.exists()
+
+
+def test_the_list_shows_spend_and_tokens_from_usage(ada, acme, catalog):
+    _, org = acme
+    _, public = catalog
+    key, _ = create_api_key(organization=org, name="metered", scopes=["inference"])
+    record(org, public, api_key=key, prompt_tokens=1_000_000, completion_tokens=0)
+    row = ada.get("/api-keys/").content.decode().split('data-key="metered"')[1].split("</tr>")[0]
+    assert "$0.05" in row  # a million input tokens at $0.05 per million
+
+
+def test_revoke_makes_the_key_fail(ada, acme):
+    _, org = acme
+    key, secret = create_api_key(organization=org, name="old", scopes=["inference"])
+    response = ada.post(f"/api-keys/{key.pk}/revoke/")
+    assert response.status_code == 302
+    with pytest.raises(RevokedApiKey):
+        authenticate_api_key(secret)
+    assert "Revoked" in ada.get("/api-keys/").content.decode()
+
+
+def test_keys_of_another_organization_are_invisible_and_untouchable(ada, globex):
+    _, globex_org = globex
+    key, secret = create_api_key(organization=globex_org, name="globex-prod", scopes=["inference"])
+    assert "globex-prod" not in ada.get("/api-keys/").content.decode()
+    assert ada.post(f"/api-keys/{key.pk}/revoke/").status_code == 404
+    assert authenticate_api_key(secret) == key

@@ -1,0 +1,61 @@
+"""Every page: login required, renders for a member, CSRF enforced on writes."""
+
+from __future__ import annotations
+
+import pytest
+from django.test import Client
+
+from tests.dashboard.conftest import PASSWORD, sign_up
+
+PAGES = ["/", "/models/", "/deployments/", "/deploy/", "/playground/", "/api-keys/", "/usage/", "/billing/",
+         "/settings/members/", "/organizations/new/"]
+
+
+@pytest.mark.parametrize("path", PAGES + ["/models/smollm2-135m-instruct/", "/deployments/smollm2-135m-instruct/"])
+def test_pages_need_a_login(client, catalog, path):
+    response = client.get(path)
+    assert response.status_code == 302
+    assert response["Location"].startswith("/login/?next=")
+
+
+@pytest.mark.parametrize("path", PAGES + ["/models/smollm2-135m-instruct/", "/deployments/smollm2-135m-instruct/"])
+def test_pages_render_for_a_member(ada, catalog, path):
+    response = ada.get(path)
+    assert response.status_code == 200, path
+    body = response.content.decode()
+    assert "Acme" in body  # the organization switcher
+    assert 'name="csrfmiddlewaretoken"' in body  # the logout form at least
+
+
+@pytest.mark.parametrize("path", ["/login/", "/signup/", "/password-reset/"])
+def test_public_pages_render(client, db, path):
+    assert client.get(path).status_code == 200
+
+
+def test_writes_need_the_csrf_token(db, catalog):
+    user, _ = sign_up()
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(user)
+    response = client.post("/api-keys/", {"name": "k", "scopes": ["inference"]})
+    assert response.status_code == 403
+    response = client.post("/deploy/", {"model": "smollm2-135m-instruct", "name": "x"})
+    assert response.status_code == 403
+
+
+def test_the_operator_pages_are_for_staff_only(ada, acme):
+    for path in ("/operator/fleet/", "/operator/fleet/_workers/", "/operator/models/import/"):
+        assert ada.get(path).status_code == 403, path
+    assert b"Fleet" not in ada.get("/").content  # no operator section in the navigation
+
+
+def test_a_user_without_an_organization_is_asked_to_create_one(client, db):
+    from accounts.services import create_user
+
+    user = create_user(email="loner@example.com", password=PASSWORD)
+    client.force_login(user)
+    response = client.get("/deployments/")
+    assert response.status_code == 302 and response["Location"] == "/organizations/new/"
+    response = client.post("/organizations/new/", {"name": "Solo Labs"})
+    assert response.status_code == 302
+    page = client.get("/").content.decode()
+    assert "Solo Labs" in page and "$5.00" in page  # the sign-up credit of the new organization

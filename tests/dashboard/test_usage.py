@@ -1,0 +1,79 @@
+"""The usage page, the playground's reply cost, and their organization isolation."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
+
+from accounts.services import create_api_key
+from billing.pricing import Prices, request_cost
+from tests.dashboard.conftest import record
+
+
+def test_the_usage_page_shows_the_organizations_requests_only(ada, acme, globex, catalog):
+    _, org = acme
+    _, public = catalog
+    key, _ = create_api_key(organization=org, name="svc", scopes=["inference"])
+    mine = record(org, public, api_key=key, prompt_tokens=1200, completion_tokens=345)
+    playground = record(org, public, prompt_tokens=10, completion_tokens=5)
+    theirs = record(globex[1], public, prompt_tokens=777, completion_tokens=888)
+    page = ada.get("/usage/").content.decode()
+    assert mine.request_id in page and playground.request_id in page and theirs.request_id not in page
+    assert 'data-completion-tokens="345"' in page and f'data-cost="{mine.cost}"' in page
+    by_key = page.split('id="usage-by-key"')[1].split("</table>")[0]
+    assert "svc" in by_key and "Playground" in by_key
+    total = mine.cost + playground.cost
+    assert ada.get("/usage/").context["totals"]["cost"] == total
+    assert 'href="/v1/usage/export.csv?start=' in page
+
+
+def test_the_date_range_filters_and_bad_ranges_fall_back(ada, acme, catalog):
+    _, org = acme
+    _, public = catalog
+    old = record(org, public, finished_at=datetime.now(timezone.utc) - timedelta(days=40))
+    assert old.request_id not in ada.get("/usage/").content.decode()  # default: the last 30 days
+    today = datetime.now(timezone.utc).date()
+    start = (today - timedelta(days=45)).isoformat()
+    page = ada.get(f"/usage/?start={start}&end={today.isoformat()}")
+    assert old.request_id in page.content.decode() and page.context["days"] == 46
+    page = ada.get(f"/usage/?start={today.isoformat()}&end={start}")
+    assert page.status_code == 200 and "before the start date" in page.content.decode()
+    assert page.context["days"] == 30
+
+
+def test_the_csv_export_link_serves_the_organizations_rows(ada, acme, globex, catalog):
+    _, org = acme
+    _, public = catalog
+    mine = record(org, public)
+    theirs = record(globex[1], public)
+    link = ada.get("/usage/").context["export_url"]
+    body = b"".join(ada.get(link).streaming_content).decode()
+    assert mine.request_id in body and theirs.request_id not in body
+
+
+def test_reply_cost_is_billed_when_recorded_and_estimated_before(ada, acme, globex, catalog):
+    _, org = acme
+    model, public = catalog
+    query = {"request_id": "chatcmpl-not-yet", "deployment": public.name, "prompt_tokens": "40",
+             "cached_prompt_tokens": "0", "completion_tokens": "200"}
+    estimate = ada.get("/playground/cost/", query).json()
+    expected = request_cost(prices=Prices.of(model), prompt_tokens=40, cached_prompt_tokens=0, completion_tokens=200)
+    assert estimate == {"source": "estimated", "prompt_tokens": 40, "cached_prompt_tokens": 0,
+                        "completion_tokens": 200, "cost": str(expected), "status": "completed"}
+    billed = record(org, public, prompt_tokens=40, completion_tokens=200, request_id="chatcmpl-recorded")
+    answer = ada.get("/playground/cost/", {**query, "request_id": "chatcmpl-recorded"}).json()
+    assert answer["source"] == "billed" and Decimal(answer["cost"]) == billed.cost
+    # Another organization's record is never read: the figure falls back to an estimate.
+    record(globex[1], public, request_id="chatcmpl-theirs", completion_tokens=9999)
+    answer = ada.get("/playground/cost/", {**query, "request_id": "chatcmpl-theirs"}).json()
+    assert answer["source"] == "estimated" and answer["completion_tokens"] == 200
+
+
+def test_reply_cost_refuses_bad_counts_and_unknown_deployments(ada, acme, catalog):
+    bad = ada.get("/playground/cost/", {"deployment": "smollm2-135m-instruct", "prompt_tokens": "-1"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_value"
+    bad = ada.get("/playground/cost/", {"deployment": "smollm2-135m-instruct", "prompt_tokens": "1",
+                                        "cached_prompt_tokens": "2"})
+    assert bad.status_code == 400
+    unknown = ada.get("/playground/cost/", {"deployment": "nope", "prompt_tokens": "1", "completion_tokens": "1"})
+    assert unknown.status_code == 404
