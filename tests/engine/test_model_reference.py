@@ -50,31 +50,61 @@ def bundled_prompts(tokenizer) -> list[list[int]]:
     ]
 
 
-def test_bundled_logits_match_transformers(paged_runner, bundled_model_fp32, hf_bundled):
-    prompts = bundled_prompts(bundled_model_fp32.tokenizer)
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def bundled_greedy(paged_runner, bundled_model_fp32):
+    """Our greedy continuations of ``bundled_prompts``, all decoded together in one batch."""
+    tokenizer = bundled_model_fp32.tokenizer
+    prompts = bundled_prompts(tokenizer)
+    return prompts, greedy(paged_runner, bundled_model_fp32.model, prompts, NEW_TOKENS,
+                           tokenizer.eos_token_ids)
+
+
+@pytest.fixture(scope="module")
+def hf_logits_of_continuations(bundled_greedy, hf_bundled):
+    """transformers' logits over each prompt followed by our continuation (one forward each)."""
+    prompts, continuations = bundled_greedy
+    with torch.no_grad():
+        return [hf_bundled(torch.tensor([p + c])).logits[0].float()
+                for p, c in zip(prompts, continuations)]
+
+
+def test_bundled_logits_match_transformers(paged_runner, bundled_model_fp32, bundled_greedy,
+                                           hf_logits_of_continuations):
+    prompts, continuations = bundled_greedy
     runner = paged_runner(bundled_model_fp32.model)
     seqs = [runner.add() for _ in prompts]
-    ours = runner.step(dict(zip(seqs, prompts)))  # all prompts in one ragged batch
-    for s, prompt in zip(seqs, prompts):
-        with torch.no_grad():
-            reference = hf_bundled(torch.tensor([prompt])).logits[0].float()
+    # Every full sequence in one ragged prefill batch.
+    ours = runner.step({s: p + c for s, p, c in zip(seqs, prompts, continuations)})
+    for s, reference in zip(seqs, hf_logits_of_continuations):
         torch.testing.assert_close(ours[s], reference, atol=2e-3, rtol=1e-4)
 
 
-def test_bundled_greedy_matches_transformers_generate(paged_runner, bundled_model_fp32, hf_bundled):
-    tokenizer = bundled_model_fp32.tokenizer
-    prompts = bundled_prompts(tokenizer)
-    new_tokens = 64
-    ours = greedy(paged_runner, bundled_model_fp32.model, prompts, new_tokens, tokenizer.eos_token_ids)
-    for prompt, continuation in zip(prompts, ours):
-        with torch.no_grad():
-            generated = hf_bundled.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=new_tokens, do_sample=False, eos_token_id=sorted(tokenizer.eos_token_ids),
-                pad_token_id=sorted(tokenizer.eos_token_ids)[0])
-        reference = generated[0, len(prompt):].tolist()
-        assert continuation == reference, (tokenizer.decode(continuation), tokenizer.decode(reference))
-    assert any(len(c) == new_tokens for c in ours)  # at least one ran the full length
+def test_bundled_greedy_tokens_are_transformers_argmax(bundled_model_fp32, bundled_greedy,
+                                                        hf_logits_of_continuations):
+    """Each token we chose while decoding is the reference's argmax given the same prefix, so
+    transformers' greedy search would produce exactly these continuations."""
+    prompts, continuations = bundled_greedy
+    eos = bundled_model_fp32.tokenizer.eos_token_ids
+    for prompt, continuation, logits in zip(prompts, continuations, hf_logits_of_continuations):
+        chosen = logits[len(prompt) - 1:-1].argmax(-1).tolist()
+        assert continuation == chosen
+        assert len(continuation) == NEW_TOKENS or continuation[-1] in eos
+    assert sum(len(c) == NEW_TOKENS for c in continuations) >= 2  # most ran the full length
+
+
+def test_bundled_greedy_matches_transformers_generate(bundled_model_fp32, bundled_greedy,
+                                                      hf_bundled):
+    # generate() itself, for one prompt: its loop (KV cache, stopping) is the reference too.
+    prompts, continuations = bundled_greedy
+    eos = sorted(bundled_model_fp32.tokenizer.eos_token_ids)
+    with torch.no_grad():
+        generated = hf_bundled.generate(
+            torch.tensor([prompts[0]]), attention_mask=torch.ones(1, len(prompts[0]), dtype=torch.long),
+            max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+    assert generated[0, len(prompts[0]):].tolist() == continuations[0]
 
 
 def test_chunked_prefill_and_mixed_batches_give_the_same_logits(paged_runner, bundled_model_fp32):
