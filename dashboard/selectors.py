@@ -9,7 +9,7 @@ from datetime import date, datetime, timedelta, timezone
 from decimal import Decimal
 from pathlib import Path
 
-from django.db import connection
+from django.db import DatabaseError, connection
 from django.db.models import Count, F, Q, QuerySet, Sum, Value
 from django.db.models.functions import Coalesce, TruncHour, TruncMinute
 from django.utils import timezone as dj_timezone
@@ -355,28 +355,78 @@ def all_deployments() -> QuerySet[Deployment]:
     return Deployment.objects.select_related("model", "organization").order_by("organization_id", "name")
 
 
-def fleet_workers(*, timeout: float = 1.0) -> list[dict]:
-    """The Celery workers answering right now, what each consumes and how busy it is, from Celery's
-    remote control (inspect). Each: name, deployments it serves, other queues, pid, concurrency,
-    active requests, tasks processed. Empty when no worker answers within ``timeout``."""
+def _heartbeats() -> dict[str, dict]:
+    """The fleet's heartbeat rows by worker hostname ({} until the workers app records them)."""
+    try:
+        from workers import selectors as fleet_selectors
+
+        rows = list(fleet_selectors.workers(include_gone=True))
+    except (ImportError, AttributeError, TypeError, DatabaseError):
+        return {}
+    beats = {}
+    for worker in rows:
+        replicas = list(worker.replicas.all())
+        beats[worker.hostname] = {
+            "device": worker.device,
+            "status": worker.status,
+            "last_heartbeat": worker.last_heartbeat,
+            "slots": worker.slots,
+            "replicas": [{"name": r.deployment_name, "status": r.status, "in_flight": r.in_flight} for r in replicas],
+            "queue_depths": worker.queue_depths or {},
+        }
+    return beats
+
+
+def _answering(timeout: float) -> dict[str, dict]:
+    """Workers answering Celery's remote control now: their queues, pid, pool and task counts."""
     from inference_platform.celery import app
 
     inspect = app.control.inspect(timeout=timeout)
     queues = inspect.active_queues() or {}
-    stats = inspect.stats() or {} if queues else {}
-    workers = []
-    for name in sorted(set(queues) | set(stats)):
-        names = [q.get("name", "") for q in queues.get(name, [])]
+    stats = (inspect.stats() or {}) if queues else {}
+    answering = {}
+    for name in set(queues) | set(stats):
         info = stats.get(name, {})
-        pool = info.get("pool", {}) if isinstance(info.get("pool"), dict) else {}
-        workers.append({
-            "name": name,
-            "deployments": sorted(q.split(".", 1)[1] for q in names if q.startswith("deployment.")),
-            "queues": sorted(q for q in names if not q.startswith("deployment.")),
+        pool = info.get("pool") if isinstance(info.get("pool"), dict) else {}
+        totals = info.get("total") if isinstance(info.get("total"), dict) else {}
+        answering[name] = {
+            "queues": [q.get("name", "") for q in queues.get(name, [])],
             "pid": info.get("pid"),
             "concurrency": pool.get("max-concurrency"),
-            "processed": sum((info.get("total") or {}).values()) if isinstance(info.get("total"), dict) else None,
+            "processed": sum(totals.values()) if totals else 0,
             "uptime_s": info.get("uptime"),
+        }
+    return answering
+
+
+def fleet_workers(*, timeout: float = 1.0) -> list[dict]:
+    """Every worker the platform knows: those answering Celery's remote control now (what queues
+    they consume, their pool, their task counts) merged with the fleet's heartbeats where a worker
+    sends them (its device, last heartbeat, the replicas it hosts); a worker whose heartbeats
+    stopped shows as gone. Each: name, state, device, deployments served, other queues, pid,
+    concurrency, tasks processed, uptime, last heartbeat."""
+    answering = _answering(timeout)
+    beats = _heartbeats()
+    workers = []
+    for name in sorted(set(answering) | set(beats)):
+        live, beat = answering.get(name), beats.get(name)
+        queues = live["queues"] if live else []
+        served = {q.split(".", 1)[1] for q in queues if q.startswith("deployment.")}
+        replicas = beat["replicas"] if beat else []
+        served |= {r["name"] for r in replicas}
+        workers.append({
+            "name": name,
+            "state": "answering" if live else (beat or {}).get("status", "gone"),
+            "device": beat["device"] if beat else None,
+            "deployments": sorted(served),
+            "loading": sorted(r["name"] for r in replicas if r["status"] == "loading"),
+            "queues": sorted(q for q in queues if not q.startswith("deployment.")),
+            "pid": live["pid"] if live else None,
+            "concurrency": live["concurrency"] if live else None,
+            "processed": live["processed"] if live else None,
+            "uptime_s": live["uptime_s"] if live else None,
+            "last_heartbeat": beat["last_heartbeat"] if beat else None,
+            "slots": beat["slots"] if beat else None,
         })
     return workers
 
@@ -404,7 +454,7 @@ def importable_weights(*, root: Path, limit: int = 50) -> list[str]:
 
 def humanize_count(value: int | None) -> str:
     """135000000 → "135M", 7241732096 → "7.2B"."""
-    if not value:
+    if value is None:
         return "—"
     for threshold, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
         if value >= threshold:

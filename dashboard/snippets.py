@@ -27,7 +27,10 @@ def examples(*, base_url: str, ws_url: str, model: str) -> dict[str, str]:
     python = f'''import os
 from openai import OpenAI
 
-client = OpenAI(base_url="{base_url}", api_key=os.environ["{KEY_VARIABLE}"])
+client = OpenAI(
+    base_url="{base_url}",
+    api_key=os.environ["{KEY_VARIABLE}"],
+)
 
 stream = client.chat.completions.create(
     model="{model}",

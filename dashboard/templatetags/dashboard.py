@@ -45,6 +45,7 @@ _ICONS = {
     "clock": '<circle cx="10" cy="10" r="7"/><path d="M10 6v4.2l2.8 1.8"/>',
     "bolt": '<path d="M11 2.5 4.5 11h5l-1 6.5L15.5 9h-5z"/>',
     "shield": '<path d="M10 2.8 16 5v4.6c0 3.6-2.5 6.3-6 7.6-3.5-1.3-6-4-6-7.6V5z"/>',
+    "search": '<circle cx="9" cy="9" r="5.5"/><path d="m13 13 4 4"/>',
     "info": '<circle cx="10" cy="10" r="7"/><path d="M10 9v4.5M10 6.5h.01"/>',
 }
 
@@ -143,6 +144,23 @@ def ms(value) -> str:
 
 
 @register.filter
+def duration_s(value) -> str:
+    """Seconds for people: 42 s, 7 min, 3 h 12 min, 2 d 4 h."""
+    try:
+        seconds = int(value)
+    except (TypeError, ValueError):
+        return "—"
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, hours, days = seconds // 60, seconds // 3600, seconds // 86400
+    if seconds < 3600:
+        return f"{minutes} min"
+    if seconds < 86400:
+        return f"{hours} h {minutes % 60} min"
+    return f"{days} d {hours % 24} h"
+
+
+@register.filter
 def per_mtok(value) -> str:
     """A per-million-token price: $0.05, $0.125, Free."""
     amount = _decimal(value)
@@ -151,6 +169,19 @@ def per_mtok(value) -> str:
     if amount == 0:
         return "Free"
     return usd_exact(amount)
+
+
+@register.filter
+def since(value) -> str:
+    """"just now", "5 minutes ago", "2 days ago"."""
+    from django.utils import timezone
+    from django.utils.timesince import timesince
+
+    if value is None:
+        return "—"
+    if (timezone.now() - value).total_seconds() < 60:
+        return "just now"
+    return f"{timesince(value).split(',')[0]} ago"
 
 
 @register.filter

@@ -38,8 +38,17 @@
   function dataset(label, values, color, kind) {
     const common = { label, data: values, borderColor: color, backgroundColor: color };
     if (kind === "bar") return Object.assign(common, { borderRadius: 4, maxBarThickness: 26, backgroundColor: color + "cc" });
-    return Object.assign(common, { borderWidth: 2, pointRadius: 0, pointHoverRadius: 4, tension: .3, spanGaps: true, fill: kind === "area",
+    // Points only where there is a value: a single busy minute still shows on an otherwise flat line.
+    return Object.assign(common, { borderWidth: 2, pointRadius: (ctx) => (ctx.raw ? 2.5 : 0), pointHoverRadius: 4,
+      tension: .3, spanGaps: true, fill: kind === "area",
       backgroundColor: kind === "area" ? color + "1f" : color });
+  }
+
+  function money(value) {
+    const v = Number(value);
+    if (v === 0) return "$0";
+    if (Math.abs(v) >= 0.01) return "$" + v.toFixed(2);
+    return "$" + v.toFixed(6).replace(/0+$/, "");
   }
 
   const charts = new Map();
@@ -54,7 +63,7 @@
   }
 
   window.DashboardCharts = {
-    palette, timeLabel, dayLabel,
+    palette, timeLabel, dayLabel, money,
     line(canvas, labels, sets, opts) {
       opts = opts || {};
       return draw(canvas, {
@@ -63,8 +72,12 @@
         options: baseOptions({
           plugins: Object.assign(baseOptions().plugins, { legend: Object.assign(baseOptions().plugins.legend, { display: sets.length > 1 }),
             tooltip: Object.assign(baseOptions().plugins.tooltip, opts.tooltip || {}) }),
-          scales: Object.assign(baseOptions().scales, opts.stacked ? { x: Object.assign(baseOptions().scales.x, { stacked: true }),
-            y: Object.assign(baseOptions().scales.y, { stacked: true }) } : {}),
+          scales: (() => {
+            const scales = baseOptions().scales;
+            if (opts.stacked) { scales.x.stacked = true; scales.y.stacked = true; }
+            if (opts.money) scales.y.ticks.callback = money;
+            return scales;
+          })(),
         }),
       });
     },

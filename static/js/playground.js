@@ -119,6 +119,12 @@
                 started: performance.now(), firstToken: null };
     node.dataset.requestId = requestId;
     node.dataset.state = "streaming";
+    // A deployment scaled to zero loads its model first: say so when the first token is slow.
+    current.waitTimer = setTimeout(() => {
+      if (current && current.node === node && current.firstToken === null) {
+        tag(node, "Waiting for the model to start (a cold start takes a few seconds)…", { class: "tag tag-muted" });
+      }
+    }, 2500);
     setBusy(true);
     send(Object.assign({ request_id: requestId, endpoint: "chat.completions", model: select.value, messages,
                          stream: true, stream_options: { include_usage: true } }, params()));
@@ -132,12 +138,19 @@
     const reply = current;
     if (frame.type === "error") return fail(reply, frame.error?.message || "The request failed.");
     if (frame.type === "done") return finish(reply);
-    if (frame.id) reply.apiId = frame.id;
+    if (frame.id && !reply.apiId) {
+      reply.apiId = frame.id;
+      reply.node.dataset.apiRequestId = frame.id;  // the usage record's request id
+    }
     if (frame.usage) reply.usage = frame.usage;
     for (const choice of frame.choices || []) {
       const piece = choice.delta && choice.delta.content;
       if (piece) {
-        if (reply.firstToken === null) reply.firstToken = performance.now();
+        if (reply.firstToken === null) {
+          reply.firstToken = performance.now();
+          clearTimeout(reply.waitTimer);
+          reply.node.querySelector(".meta").textContent = "";
+        }
         reply.text += piece;
         reply.node.querySelector(".text").textContent = reply.text;
         const nearBottom = pane.scrollHeight - pane.scrollTop - pane.clientHeight < 80;
@@ -157,6 +170,8 @@
 
   function fail(reply, message) {
     done(reply);
+    clearTimeout(reply.waitTimer);
+    reply.node.querySelector(".meta").textContent = "";
     reply.node.classList.add("error");
     reply.node.dataset.state = "error";
     reply.node.querySelector(".text").textContent = (reply.text ? reply.text + "\n\n" : "") + message;
@@ -168,7 +183,9 @@
     reply.node.dataset.state = reply.stopped ? "stopped" : "done";
     history.push({ role: "assistant", content: reply.text });
     const seconds = ((performance.now() - reply.started) / 1000).toFixed(1);
-    if (reply.stopped) tag(reply.node, "Stopped", { "data-stopped": "1" });
+    clearTimeout(reply.waitTimer);
+    reply.node.querySelector(".meta").textContent = "";
+    if (reply.stopped) tag(reply.node, "Stopped", { "data-stopped": "1", class: "tag tag-warn" });
     if (!reply.usage) {
       tag(reply.node, "Nothing generated");
       return;

@@ -1,0 +1,312 @@
+"""A new user's whole journey through the dashboard in Chromium, against the real stack: sign up,
+create an API key, deploy the bundled model, chat in the playground (and stop a reply), top up
+with a test card through localstripe's Stripe.js, read the usage page, revoke the key. Then: a
+second organization sees none of it; and the operator's pages."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timezone
+from decimal import Decimal
+
+import httpx
+import pytest
+
+from tests.browser.conftest import PASSWORD, shot, sign_up, unique
+from tests.e2e.conftest import DEPLOYMENT
+from tests.support import wait_until
+
+pytestmark = pytest.mark.slow
+
+HOME = re.compile(r"^https?://[^/]+/$")
+
+
+def _chat(base: str, key: str, model: str):
+    return httpx.post(f"{base}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
+                      json={"model": model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8})
+
+
+def _set_range(page, selector: str, value: str) -> None:
+    page.eval_on_selector(selector, "(el, v) => { el.value = v; el.dispatchEvent(new Event('input')); }", value)
+
+
+def _serve(worker: str, deployment: str) -> None:
+    """What the fleet's placement does for a new deployment: the worker consumes its queue."""
+    from inference_platform.celery import app, deployment_queue
+
+    replies = app.control.add_consumer(deployment_queue(deployment), destination=[worker], reply=True, timeout=10)
+    assert replies and "ok" in next(iter(replies[0].values())), replies
+
+
+def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_worker, db_call):
+    page = new_page()
+
+    # --- sign up -------------------------------------------------------------------------------------
+    page.goto("/signup/")
+    shot(page, "01-signup")
+    account = sign_up(page, name="Ada Lovelace", organization=unique("Analytical"))
+    assert HOME.match(page.url)
+    assert page.locator(".org-switcher").inner_text().startswith(account.organization[:1])
+    assert page.locator("#overview-balance").inner_text() == "$5.00"  # the sign-up credit
+    shot(page, "02-overview-new-user")
+
+    # --- an API key, shown once ------------------------------------------------------------------------
+    page.click("nav >> text=API keys")
+    page.click("#create-key-button")
+    page.fill("#create-key-dialog #id_name", "journey key")
+    page.check("#create-key-dialog input[value=read_usage]")
+    shot(page, "03-api-key-create-dialog")
+    page.click("#create-key-submit")
+    secret = page.locator("#new-key-secret").inner_text().strip()
+    assert secret.startswith("sk-")
+    page.click("#copy-new-key")
+    page.wait_for_selector("#copy-new-key.copied")
+    shot(page, "04-api-key-created")
+    page.reload()
+    assert page.locator("#new-key-secret").count() == 0 and secret not in page.content()
+
+    # --- the catalog, then deploy the bundled model ----------------------------------------------------------
+    page.click("nav >> text=Models")
+    page.fill("input[name=search]", "smol")
+    page.wait_for_url(re.compile(r"search=smol"))
+    page.wait_for_selector(f"[data-model={DEPLOYMENT}]")
+    shot(page, "05-catalog")
+    page.click(f"[data-model={DEPLOYMENT}]")
+    assert f"{stack}/v1/chat/completions" in page.inner_text("#model-examples pre[data-panel=curl]")
+    page.click("#model-examples button[data-tab=python]")
+    assert f'base_url="{stack}/v1"' in page.inner_text("#model-examples pre[data-panel=python]")
+    shot(page, "06-model-page")
+
+    name = unique("journey").lower()
+    page.click("text=Deploy this model")
+    assert page.input_value("#id_name")  # a name is suggested
+    page.fill("#id_name", name)
+    page.fill("#id_batch_window_ms", "10")
+    page.fill("#id_max_batch_size", "8")
+    page.fill("#id_max_replicas", "2")
+    shot(page, "07-deploy-form")
+    page.click("#deploy-form button[type=submit]")
+    page.wait_for_url(f"**/deployments/{name}/")
+
+    # The list shows it pending; once a worker serves it, "Ready" appears without a reload.
+    page.click("nav >> text=Deployments")
+    row = page.locator(f"#own-deployments tr[data-deployment='{name}']")
+    assert row.locator("[data-status]").get_attribute("data-status") == "pending"
+    page.evaluate("window.__notReloaded = true")
+    _serve(inference_worker, name)
+
+    def ready():
+        from models_catalog.models import Deployment
+        from models_catalog.services import set_deployment_status
+
+        set_deployment_status(deployment=Deployment.objects.get(name=name), status="ready")
+
+    db_call(ready)
+    page.wait_for_selector(f"#own-deployments tr[data-deployment='{name}'] [data-status=ready]", timeout=15_000)
+    assert page.evaluate("window.__notReloaded") is True
+    shot(page, "08-deployments")
+
+    # --- the playground: a streamed reply with its tokens and cost, then a stopped one --------------------
+    page.goto(f"/playground/?deployment={name}")
+    page.wait_for_selector("#conn-state[data-state=open]")
+    _set_range(page, "#p-temperature", "0")
+    page.fill("#p-max-tokens", "24")
+    page.fill("#chat-input", "Write a haiku about GPUs.")
+    page.keyboard.press("Enter")
+    first = page.locator(".msg.assistant").nth(0)
+    page.wait_for_selector(".msg.assistant[data-state=done]", timeout=120_000)
+    assert first.locator(".text").inner_text().strip()
+    page.wait_for_selector(".msg.assistant [data-cost][data-source=billed]", timeout=30_000)
+    billed_cost = Decimal(first.locator("[data-cost]").get_attribute("data-cost"))
+    assert billed_cost > 0
+    assert int(first.locator("[data-tokens]").get_attribute("data-tokens")) > 0
+
+    page.fill("#p-max-tokens", "1500")
+    page.fill("#chat-input", "Tell me a very long story about a brave little robot who explores the ocean.")
+    page.click("#send-button")
+    second = page.locator(".msg.assistant").nth(1)
+    page.wait_for_function("() => (document.querySelectorAll('.msg.assistant')[1]?.querySelector('.text')"
+                           "?.textContent.length || 0) > 12", timeout=120_000)
+    page.click("#stop-button")
+    page.wait_for_selector(".msg.assistant[data-state=stopped]", timeout=30_000)
+    assert second.locator("[data-stopped]").count() == 1
+    stopped_id = second.get_attribute("data-api-request-id")
+
+    def stopped_record():
+        from billing.models import UsageRecord
+
+        return UsageRecord.objects.filter(request_id=stopped_id).first()
+
+    record = wait_until(lambda: db_call(stopped_record), timeout=30, message="the stopped reply's usage record")
+    assert record.status == "cancelled" and 0 < record.completion_tokens < 1500
+    page.wait_for_selector(".msg.assistant[data-state=stopped] [data-cost][data-source=billed]", timeout=30_000)
+    shot(page, "09-playground")
+
+    # --- the key works against the new deployment --------------------------------------------------------
+    response = _chat(stack, secret, name)
+    assert response.status_code == 200, response.text
+    api_request = response.json()["id"]
+
+    def api_record():
+        from billing.models import UsageRecord
+
+        return UsageRecord.objects.filter(request_id=api_request).exists()
+
+    wait_until(lambda: db_call(api_record), timeout=30, message="the API call's usage record")
+
+    # --- top up with a test card through localstripe's Stripe.js ------------------------------------------
+    page.click("nav >> text=Billing")
+    before = Decimal(page.get_attribute("#billing-balance", "data-balance"))
+    assert before < Decimal("5")  # the replies were charged
+    page.click("button[data-amount='10.00']")
+    card = "#card-element input"
+    page.wait_for_selector(f"{card}[placeholder=number]")
+    page.fill(f"{card}[placeholder=number]", "4242424242424242")
+    page.fill(f"{card}[placeholder=exp_month]", "12")
+    page.fill(f"{card}[placeholder=exp_year]", "34")
+    page.fill(f"{card}[placeholder=cvc]", "123")
+    page.fill(f"{card}[placeholder=postal_code]", "75001")
+    shot(page, "10-billing-card")
+    page.click("#topup-submit")
+    page.wait_for_selector("#topup-status:has-text('added to your credit')", timeout=60_000)
+    page.wait_for_load_state("load")
+    page.wait_for_selector("#ledger tr[data-kind=topup]")
+    assert Decimal(page.get_attribute("#billing-balance", "data-balance")) == before + Decimal("10")
+    assert page.locator("#ledger tr[data-kind=topup]").count() == 1
+
+    def topups():
+        from billing.models import LedgerEntry, TopUp
+
+        entries = LedgerEntry.objects.filter(organization__name=account.organization, kind="topup")
+        return [str(e.amount) for e in entries], list(TopUp.objects.filter(
+            organization__name=account.organization).values_list("status", flat=True))
+
+    assert db_call(topups) == (["10.000000"], ["succeeded"])
+    shot(page, "11-billing")
+
+    # --- usage: the requests with their tokens and cost --------------------------------------------------
+    page.click("nav >> text=Usage")
+    rows = page.locator("#usage-requests tbody tr")
+    assert rows.count() == 3
+    for request_id in (stopped_id, api_request):
+        row = page.locator(f"#usage-requests tr[data-request='{request_id}']")
+        assert int(row.locator("[data-completion-tokens]").get_attribute("data-completion-tokens")) > 0
+        assert Decimal(row.locator("[data-cost]").get_attribute("data-cost")) > 0
+    by_key = page.inner_text("#usage-by-key")
+    assert "journey key" in by_key and "Playground" in by_key
+    assert page.get_attribute("#csv-export", "href").startswith("/v1/usage/export.csv?start=")
+    page.wait_for_timeout(400)  # the charts' entry animation (250 ms), for the screenshot only
+    shot(page, "12-usage")
+
+    page.goto(f"/deployments/{name}/")
+    assert page.inner_text("#m-requests") == "3"
+    page.wait_for_timeout(400)
+    shot(page, "13-deployment")
+
+    # --- revoke the key: calls with it fail ---------------------------------------------------------------
+    page.click("nav >> text=API keys")
+    page.click("tr[data-key='journey key'] button:has-text('Revoke')")
+    page.wait_for_selector("tr[data-key='journey key'] .badge-revoked")
+    shot(page, "14-api-key-revoked")
+    response = _chat(stack, secret, name)
+    assert response.status_code == 401
+    assert "revoked" in response.json()["error"]["message"]
+
+    # A phone-sized view of the overview.
+    phone = new_page(width=390, height=844)
+    phone.goto("/login/")
+    phone.fill("#id_username", account.email)
+    phone.fill("#id_password", PASSWORD)
+    phone.click("button[type=submit]")
+    phone.wait_for_url(HOME)
+    shot(phone, "15-overview-phone")
+    assert not page.js_errors and not phone.js_errors, page.js_errors + phone.js_errors
+
+
+def test_another_organization_sees_none_of_it(new_page, stack, db_call):
+    tag = unique("iso").lower()
+
+    def first_organization():
+        from accounts.services import create_api_key, create_organization, create_user
+        from billing.services import record_usage
+        from models_catalog.models import CatalogModel
+        from models_catalog.services import create_deployment
+
+        owner = create_user(email=f"{tag}@example.com", password=None)
+        org = create_organization(name=f"First {tag}", owner=owner)
+        deployment = create_deployment(organization=org, model=CatalogModel.objects.get(slug=DEPLOYMENT),
+                                       name=f"{tag}-private")
+        key, _ = create_api_key(organization=org, name=f"{tag}-key", scopes=["inference"])
+        record = record_usage(event={
+            "request_id": f"chatcmpl-{tag}", "organization_id": org.pk, "api_key_id": key.pk,
+            "deployment_id": deployment.pk, "model": DEPLOYMENT, "deployment": deployment.name,
+            "prompt_tokens": 10, "cached_prompt_tokens": 0, "completion_tokens": 20, "status": "completed",
+            "queue_ms": 1, "ttft_ms": 5, "latency_ms": 50,
+            "finished_at": datetime.now(timezone.utc).isoformat(),
+        })
+        return deployment.name, key.name, key.prefix, record.request_id
+
+    deployment, key_name, prefix, request_id = db_call(first_organization)
+    page = new_page()
+    sign_up(page, name="Grace Hopper", organization=unique("Compilers"))
+    for path in ("/", "/deployments/", "/api-keys/", "/usage/", "/playground/", "/billing/"):
+        page.goto(path)
+        html = page.content()
+        for secret in (deployment, key_name, prefix, request_id):
+            assert secret not in html, (path, secret)
+    assert page.goto(f"/deployments/{deployment}/").status == 404
+    assert page.goto(f"/deployments/{deployment}/metrics.json").status == 404
+    page.goto("/usage/")
+    assert page.locator("#usage-requests").count() == 0 and "No requests in this period" in page.content()
+    shot(page, "16-other-organization-usage")
+
+
+def test_operator_pages_and_team_management(new_page, stack, inference_worker, db_call):
+    email = f"{unique('operator')}@example.com"
+
+    def operator():
+        from accounts.services import create_organization, create_user
+
+        user = create_user(email=email, password=PASSWORD, name="Olive Operator")
+        user.is_staff = True
+        user.save(update_fields=["is_staff"])
+        create_organization(name="Platform Ops", owner=user)
+
+    db_call(operator)
+    page = new_page()
+    page.goto("/login/?next=/operator/fleet/")
+    page.fill("#id_username", email)
+    page.fill("#id_password", "not the password")
+    page.click("button[type=submit]")
+    assert "don't match" in page.inner_text(".form-errors")
+    page.fill("#id_password", PASSWORD)
+    shot(page, "17-login")
+    page.click("button[type=submit]")
+    page.wait_for_url("**/operator/fleet/")
+    page.wait_for_selector(f"#workers-table tr[data-worker='{inference_worker}']", timeout=20_000)
+    assert DEPLOYMENT in page.inner_text(f"#workers-table tr[data-worker='{inference_worker}']")
+    shot(page, "18-fleet")
+    page.click("nav >> text=Import a model")
+    page.fill("#id_path", "../etc/passwd")
+    page.click("form.card button[type=submit]")
+    assert "not allowed" in page.inner_text(".field.has-error")
+    shot(page, "19-import")
+
+    page.click("nav >> text=Members")
+    page.fill("#id_email", "teammate@example.com")
+    page.select_option("#id_role", "admin")
+    page.click("main aside button[type=submit]")
+    page.wait_for_selector("#invitations-table tr[data-invitation='teammate@example.com']")
+    shot(page, "20-members")
+    # The switcher: a second organization, then back.
+    page.click(".org-switcher summary")
+    page.click(".org-menu >> text=New organization")
+    page.fill("#id_name", "Research Lab")
+    page.click("main button[type=submit]")
+    page.wait_for_url(HOME)
+    assert "Research Lab" in page.inner_text(".org-switcher summary")
+    page.click(".org-switcher summary")
+    shot(page, "21-org-switcher")
+    page.click(".org-menu button:has-text('Platform Ops')")
+    page.wait_for_url(HOME)
+    assert "Platform Ops" in page.inner_text(".org-switcher summary")
