@@ -3,22 +3,46 @@
 from __future__ import annotations
 
 from functools import wraps
+from urllib.parse import urlsplit
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
-from django.shortcuts import redirect
-from django.utils.http import url_has_allowed_host_and_scheme
+from django.http import HttpResponse
+from django.shortcuts import redirect, resolve_url
+from django.utils.http import url_has_allowed_host_and_scheme, urlencode
 
 from ..organizations import current_organization
 from ..selectors import role_in
+
+
+def _login_required(view):
+    """Django's login_required, except that an htmx request (a poll, a partial) whose session
+    ended sends the whole page to the login form instead of swapping the form into a fragment."""
+    plain = login_required(view)
+
+    @wraps(view)
+    def wrapped(request, *args, **kwargs):
+        if is_htmx(request) and not request.user.is_authenticated:
+            page = request.headers.get("HX-Current-URL", "")
+            target = resolve_url(settings.LOGIN_URL)
+            if page and url_has_allowed_host_and_scheme(page, allowed_hosts={request.get_host()}):
+                parts = urlsplit(page)
+                target = f"{target}?{urlencode({'next': parts.path + (f'?{parts.query}' if parts.query else '')})}"
+            response = HttpResponse(status=204)
+            response["HX-Redirect"] = target
+            return response
+        return plain(request, *args, **kwargs)
+
+    return wrapped
 
 
 def organization_required(view):
     """Login, then a current organization (else the "create your organization" page). Sets
     ``request.organization`` and ``request.role``."""
 
-    @login_required
+    @_login_required
     @wraps(view)
     def wrapped(request, *args, **kwargs):
         organization = current_organization(request)
@@ -35,7 +59,7 @@ def organization_required(view):
 def staff_required(view):
     """Operator pages: staff only (others get 403)."""
 
-    @login_required
+    @_login_required
     @wraps(view)
     def wrapped(request, *args, **kwargs):
         if not request.user.is_staff:

@@ -59,3 +59,10 @@ def test_a_user_without_an_organization_is_asked_to_create_one(client, db):
     assert response.status_code == 302
     page = client.get("/").content.decode()
     assert "Solo Labs" in page and "$5.00" in page  # the sign-up credit of the new organization
+
+
+def test_an_htmx_poll_after_the_session_ended_sends_the_page_to_the_login_form(client, catalog):
+    response = client.get("/deployments/_rows/", headers={
+        "HX-Request": "true", "HX-Current-URL": "http://testserver/deployments/"})
+    assert response.status_code == 204
+    assert response["HX-Redirect"] == "/login/?next=%2Fdeployments%2F"
