@@ -17,7 +17,7 @@ from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
 
-from workers import dispatch
+from workers import capacity, dispatch
 
 from . import ratelimit
 from .errors import ApiError
@@ -95,6 +95,7 @@ class Call:
     done: bool = False  # the worker's last event arrived
     cancelled: bool = False
     tokens_used: int = 0
+    queue_timeout: float | None = None  # longer while a scaled-to-zero deployment cold-starts
 
     async def dispatch(self) -> None:
         layer = get_channel_layer()
@@ -109,6 +110,7 @@ class Call:
             "user": self.request.user,
         }
         await sync_to_async(dispatch.enqueue, thread_sensitive=False)(payload)
+        self.queue_timeout = await sync_to_async(capacity.wake)(self.spec)
 
     async def _receive(self, timeout: float) -> dict:
         return await asyncio.wait_for(get_channel_layer().receive(self.reply_channel), timeout)
@@ -116,7 +118,7 @@ class Call:
     async def start(self) -> None:
         """Wait for a worker to accept and the engine to admit the request; raise ApiError if not."""
         try:
-            event = await self._receive(settings.GATEWAY_QUEUE_TIMEOUT)
+            event = await self._receive(self.queue_timeout or settings.GATEWAY_QUEUE_TIMEOUT)
         except asyncio.TimeoutError:
             await self.cancel()
             raise ApiError(503, f"No worker is serving '{self.spec['name']}' right now; try again shortly.",

@@ -3,6 +3,7 @@
     up       everything in the foreground on the embedded defaults (Ctrl-C stops it all)
     web      the ASGI web server alone
     worker   one Celery worker alone
+    beat     the fleet's placement loop (Celery beat) alone
     createkey  create an API key and print it
 """
 
@@ -257,7 +258,8 @@ def cmd_up(args) -> int:
         api_key = ensure_api_key(settings)
         say(f"[4/5] starting the web server on http://{args.host}:{args.port} and a worker")
         served = served_deployments()
-        env = child_env(DATA_DIR=str(settings.DATA_DIR), INFERENCE_PRELOAD=",".join(served))
+        env = child_env(DATA_DIR=str(settings.DATA_DIR), INFERENCE_PRELOAD=",".join(served),
+                        WORKER_SLOTS=str(max(args.slots, len(served))))
         logs = settings.DATA_DIR / "logs"
         logs.mkdir(exist_ok=True)
         procs.append(spawn(web_command(host=args.host, port=args.port), env=env, log=logs / "web.log"))
@@ -269,6 +271,7 @@ def cmd_up(args) -> int:
                 log=logs / "worker.log",
             )
         )
+        procs.append(spawn(beat_command(settings), env=env, log=logs / "beat.log"))
         say("[5/5] waiting for /readyz")
         base = f"http://{args.host}:{args.port}"
         wait_ready(f"{base}/readyz", procs, deadline_s=args.ready_timeout)
@@ -303,6 +306,24 @@ def cmd_web(args) -> int:
     return supervise(procs)
 
 
+def beat_command(settings) -> list[str]:
+    """Celery beat: runs the fleet's placement loop every FLEET_TICK_SECONDS."""
+    return [
+        sys.executable, "-m", "celery", "-A", "inference_platform", "beat", "--loglevel", "WARNING",
+        "--schedule", str(settings.DATA_DIR / "celerybeat-schedule"),
+    ]
+
+
+def cmd_beat(args) -> int:
+    settings = setup_django()
+    procs: list[subprocess.Popen] = []
+    ensure_redis(settings, procs)
+    require_database(settings)
+    procs.append(spawn(beat_command(settings), env=child_env()))
+    say(f"placement loop every {settings.FLEET_TICK_SECONDS:g}s")
+    return supervise(procs)
+
+
 def cmd_worker(args) -> int:
     settings = setup_django()
     procs: list[subprocess.Popen] = []
@@ -310,7 +331,8 @@ def cmd_worker(args) -> int:
     require_database(settings)
     name = args.name or f"worker-{os.getpid()}@{socket.gethostname()}"
     queues = args.queues + [deployment_queue(d) for d in args.deployments]
-    env = child_env(INFERENCE_PRELOAD=",".join(args.deployments))
+    slots = args.slots if args.slots is not None else max(1, len(args.deployments))
+    env = child_env(INFERENCE_PRELOAD=",".join(args.deployments), WORKER_SLOTS=str(slots))
     procs.append(spawn(worker_command(queues=queues, concurrency=args.concurrency, name=name), env=env))
     return supervise(procs)
 
@@ -340,6 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000, help="web server port (default 8000)")
     up.add_argument("--concurrency", type=int, default=64, help="worker threads (default 64)")
     up.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for /readyz (default 180)")
+    up.add_argument("--slots", type=int, default=4,
+                    help="deployments the worker may host at once; the placement loop fills them (default 4)")
     up.set_defaults(func=cmd_up)
 
     web = sub.add_parser("web", help="start the ASGI web server only", description="Start the ASGI web server (HTTP + WebSocket).")
@@ -356,7 +380,16 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--concurrency", type=int, default=64,
                         help="worker threads; at least the engine's max batch size (default 64)")
     worker.add_argument("--name", default="", help="Celery node name (default worker-PID@HOST)")
+    worker.add_argument("--slots", type=int, default=None,
+                        help="deployments this worker may host at once, placed by the fleet's placement loop "
+                             "(default 1, or the number of --deployments); 0: not an inference worker (billing only)")
     worker.set_defaults(func=cmd_worker)
+
+    beat = sub.add_parser("beat", help="run the fleet's placement loop (Celery beat)",
+                          description="Start Celery beat, which runs the placement loop (workers.fleet_tick) every "
+                                      "FLEET_TICK_SECONDS: heartbeats checked, deployments placed, idle ones scaled "
+                                      "to zero. Run exactly one.")
+    beat.set_defaults(func=cmd_beat)
 
     createkey = sub.add_parser(
         "createkey", help="create an API key and print it (alone, on stdout)",

@@ -199,3 +199,41 @@ TOPUP_MAX = _env_decimal("TOPUP_MAX", "1000.00")
 if TOPUP_MIN > TOPUP_MAX:
     raise ImproperlyConfigured(f"TOPUP_MIN ({TOPUP_MIN}) is above TOPUP_MAX ({TOPUP_MAX})")
 # --- end billing ------------------------------------------------------------------------------
+
+# --- the worker fleet (workers/): heartbeats, placement, scale to zero, metrics -----------------
+# Every worker process refreshes its liveness and (a fleet worker, WORKER_SLOTS > 0) its heartbeat
+# every FLEET_HEARTBEAT_SECONDS; FLEET_MISSED_HEARTBEATS missed ones mark it gone. Celery beat runs
+# the placement loop (workers.fleet_tick) every FLEET_TICK_SECONDS on the default queue.
+def _env_seconds(name: str, default: str, *, minimum: float) -> float:
+    raw = env_str(name, default).strip() or default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be a number of seconds, not {raw!r}") from None
+    if not value >= minimum:
+        raise ImproperlyConfigured(f"{name} must be at least {minimum:g} seconds, not {raw!r}")
+    return value
+
+
+WORKER_SLOTS = env_int("WORKER_SLOTS", 0)  # deployments this worker process may host; 0: not a fleet worker
+FLEET_HEARTBEAT_SECONDS = _env_seconds("FLEET_HEARTBEAT_SECONDS", "5", minimum=0.2)
+FLEET_MISSED_HEARTBEATS = max(2, env_int("FLEET_MISSED_HEARTBEATS", 3))
+FLEET_TICK_SECONDS = _env_seconds("FLEET_TICK_SECONDS", "2", minimum=0.2)
+FLEET_SCALE_UP_QUEUE_DEPTH = max(1, env_int("FLEET_SCALE_UP_QUEUE_DEPTH", 8))  # waiting per ready replica
+FLEET_LOAD_TIMEOUT = _env_seconds("FLEET_LOAD_TIMEOUT", "600", minimum=1)  # a load taking longer fails
+FLEET_DRAIN_TIMEOUT = _env_seconds("FLEET_DRAIN_TIMEOUT", "600", minimum=0)  # unload waits for requests
+# A request to a deployment with no replica waits this long for one to load (a cold start).
+FLEET_COLD_START_TIMEOUT = _env_seconds("FLEET_COLD_START_TIMEOUT", "120", minimum=0)
+METRICS_TOKEN = env_str("METRICS_TOKEN")  # Prometheus scrapes /metrics with "Authorization: Bearer <token>"
+CELERY_BEAT_SCHEDULE = {
+    "fleet-tick": {
+        "task": "workers.fleet_tick",
+        "schedule": FLEET_TICK_SECONDS,
+        "options": {"queue": "default", "expires": max(5.0, FLEET_TICK_SECONDS * 5)},
+    },
+}
+# kombu returns unacknowledged messages older than the visibility timeout to their queue on
+# periodic sweeps: every interval * throttle seconds (lower both with a low visibility timeout).
+CELERY_BROKER_TRANSPORT_OPTIONS["unacked_restore_interval"] = env_int("CELERY_UNACKED_RESTORE_INTERVAL", 10)
+CELERY_BROKER_TRANSPORT_OPTIONS["unacked_restore_throttle"] = env_int("CELERY_UNACKED_RESTORE_THROTTLE", 10)
+# --- end worker fleet -----------------------------------------------------------------------------

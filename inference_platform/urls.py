@@ -8,6 +8,8 @@ urlpatterns = [
     path("readyz", health.readyz, name="readyz"),
     path("", include("gateway.urls")),
     path("", include("billing.urls")),
+    path("", include("models_catalog.urls")),
+    path("", include("workers.urls")),
     path("admin/", admin.site.urls),
     path("", include("dashboard.urls")),
 ]

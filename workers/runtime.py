@@ -49,6 +49,10 @@ class EngineHost:
     def loaded(self) -> dict[str, object]:
         return dict(self._engines)
 
+    def spec(self, name: str) -> dict | None:
+        """The spec a loaded deployment's engine was made from (None when it is not loaded)."""
+        return self._specs.get(name)
+
     def unload(self, name: str) -> None:
         with self._lock:
             engine = self._engines.pop(name, None)

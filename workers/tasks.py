@@ -11,6 +11,7 @@ from celery.signals import worker_ready
 from celery.worker.control import inspect_command
 
 from . import inference
+from .agent import agent  # also registers the fleet's worker signals and remote control commands
 from .cancellation import listener
 from .relay import sender
 from .runtime import host
@@ -20,8 +21,18 @@ log = logging.getLogger(__name__)
 
 @shared_task(name="workers.run_inference", bind=True, acks_late=True, ignore_result=True)
 def run_inference(self, payload: dict) -> None:
-    inference.run(payload, host=host, send=sender().send, cancels=listener(),
-                  worker_name=self.request.hostname or "")
+    worker_name = self.request.hostname or ""
+    agent.serve(payload, hostname=worker_name, send=sender().send,
+                run=lambda send: inference.run(payload, host=host, send=send, cancels=listener(),
+                                               worker_name=worker_name))
+
+
+@shared_task(name="workers.fleet_tick", ignore_result=True)
+def fleet_tick() -> None:
+    """One pass of the placement loop (Celery beat runs it every FLEET_TICK_SECONDS)."""
+    from .placement import tick
+
+    tick()
 
 
 @worker_ready.connect

@@ -1,0 +1,280 @@
+"""The placement policy, one pass at a time, in this process: workers registered and beating
+through the services (as a worker process would), real Redis for queue depths and remote control
+(sent to workers nobody runs, so nothing loads). The live fleet is tested in test_fleet.py."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.utils import timezone
+
+from models_catalog.models import CatalogModel, Deployment
+from models_catalog.services import (
+    BUNDLED_SLUG,
+    create_deployment,
+    seed_catalog,
+    set_deployment_status,
+    update_deployment,
+)
+from workers import dispatch, fleet, placement, services
+from workers.models import FleetEvent, Replica, Worker
+from workers.selectors import status_history
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def model():
+    """The bundled model, and no deployment or worker but the test's own (in this transaction)."""
+    seed_catalog()
+    Deployment.objects.all().delete()
+    Worker.objects.all().delete()
+    return CatalogModel.objects.get(slug=BUNDLED_SLUG)
+
+
+def register(label: str, slots: int = 1) -> Worker:
+    return services.register_worker(
+        hostname=f"test-{label}-{uuid.uuid4().hex[:6]}@nowhere", instance=uuid.uuid4().hex[:16], pid=1,
+        device_kind="cpu", device_name="cpu", device_memory_bytes=8 << 30, slots=slots, queues=["default"])
+
+
+def beat(worker: Worker, deployments: dict | None = None, *, at=None) -> None:
+    services.record_heartbeat(hostname=worker.hostname, instance=worker.instance, queues=["default"],
+                              queue_depths={}, deployments=deployments or {}, now=at)
+
+
+def loaded(worker: Worker, deployment: Deployment, seconds: float = 1.5) -> bool:
+    return services.replica_loaded(hostname=worker.hostname, instance=worker.instance, deployment_id=deployment.pk,
+                                   name=deployment.name, seconds=seconds)
+
+
+def replicas(deployment: Deployment) -> list[tuple[str, str, str]]:
+    return list(Replica.objects.filter(deployment=deployment).order_by("worker__hostname")
+                .values_list("worker__hostname", "status", "trigger"))
+
+
+def status(deployment: Deployment) -> tuple[str, str]:
+    deployment.refresh_from_db()
+    return deployment.status, deployment.status_reason
+
+
+def deploy(model, **settings) -> Deployment:
+    return create_deployment(organization=None, model=model, name=f"t-{uuid.uuid4().hex[:8]}", **settings)
+
+
+@pytest.fixture
+def queued():
+    """Put requests on a deployment's queue (real Celery messages); emptied afterwards."""
+    names = []
+
+    def put(deployment: Deployment, count: int = 1, reply: str = "") -> None:
+        names.append(deployment.name)
+        for _ in range(count):
+            dispatch.enqueue({"request_id": f"req-{uuid.uuid4().hex}", "reply_channel": reply,
+                              "deployment": {"name": deployment.name}})
+
+    yield put
+    for name in names:
+        fleet.client().delete(*fleet._queue_lists(f"deployment.{name}"))
+
+
+def test_a_new_deployment_is_placed_once_and_goes_loading_then_ready(model):
+    alpha, beta = register("alpha"), register("beta")
+    deployment = deploy(model)
+    report = placement._tick_once(now=None)
+    [(hostname, state, trigger)] = replicas(deployment)
+    assert (state, trigger) == ("loading", "initial") and hostname in (alpha.hostname, beta.hostname)
+    assert report.placed == [(deployment.name, hostname)]
+    assert status(deployment)[0] == "loading"
+
+    worker = alpha if hostname == alpha.hostname else beta
+    assert loaded(worker, deployment) is True
+    assert status(deployment) == ("ready", "")
+    assert status_history(deployment=deployment) == ["loading", "ready"]
+    placement._tick_once(now=None)
+    assert len(replicas(deployment)) == 1  # stays one: no demand, min_replicas 0
+
+
+def test_an_idle_replica_scales_to_zero_and_a_waiting_request_cold_starts_it(model, queued):
+    worker = register("alpha")
+    deployment = deploy(model, scale_to_zero_seconds=30)
+    placement._tick_once(now=None)
+    loaded(worker, deployment)
+    Replica.objects.filter(deployment=deployment).update(last_active_at=timezone.now() - timedelta(seconds=10))
+    placement._tick_once(now=None)
+    assert replicas(deployment) != []  # idle 10 s < 30 s
+
+    Replica.objects.filter(deployment=deployment).update(last_active_at=timezone.now() - timedelta(seconds=31))
+    report = placement._tick_once(now=None)
+    assert report.released == [(deployment.name, worker.hostname)] and replicas(deployment) == []
+    assert status(deployment) == ("scaled_to_zero", "idle for 30s")
+    placement._tick_once(now=None)
+    assert replicas(deployment) == []  # nobody asks: it stays at zero
+
+    queued(deployment)
+    placement._tick_once(now=None)
+    assert replicas(deployment) == [(worker.hostname, "loading", "demand")]
+    assert FleetEvent.objects.filter(deployment=deployment, kind="placed", cold_start=True).count() == 1
+    loaded(worker, deployment, seconds=2.5)
+    cold = FleetEvent.objects.get(deployment=deployment, kind="ready", cold_start=True)
+    assert cold.seconds == 2.5
+
+
+def test_a_busy_or_never_idle_replica_is_kept(model, queued):
+    worker = register("alpha")
+    keep_forever = deploy(model, scale_to_zero_seconds=0)
+    busy = deploy(model, scale_to_zero_seconds=5)
+    worker.slots = 2
+    worker.save()
+    placement._tick_once(now=None)
+    for deployment in (keep_forever, busy):
+        loaded(worker, deployment)
+    Replica.objects.update(last_active_at=timezone.now() - timedelta(hours=1))
+    Replica.objects.filter(deployment=busy).update(in_flight=1)
+    placement._tick_once(now=None)
+    assert len(replicas(keep_forever)) == 1 and len(replicas(busy)) == 1
+    Replica.objects.filter(deployment=busy).update(in_flight=0)
+    queued(busy)  # a request waits for it: not the moment to unload
+    placement._tick_once(now=None)
+    assert len(replicas(busy)) == 1
+
+
+def test_dedicated_deployments_keep_min_replicas_spread_over_workers(model):
+    workers = [register(label) for label in ("a", "b", "c")]
+    deployment = create_deployment(organization=None, model=model, name=f"d-{uuid.uuid4().hex[:6]}",
+                                   kind="dedicated", min_replicas=2, max_replicas=2, scale_to_zero_seconds=1)
+    placement._tick_once(now=None)
+    hosts = {h for h, _, _ in replicas(deployment)}
+    assert len(hosts) == 2
+    for worker in workers:
+        if worker.hostname in hosts:
+            loaded(worker, deployment)
+    Replica.objects.update(last_active_at=timezone.now() - timedelta(hours=1))
+    placement._tick_once(now=None)
+    assert [s for _, s, _ in replicas(deployment)] == ["ready", "ready"]
+
+
+def test_queue_depth_above_the_threshold_adds_replicas_up_to_the_maximum(model, queued, settings):
+    settings.FLEET_SCALE_UP_QUEUE_DEPTH = 2
+    workers = [register(label) for label in ("a", "b", "c")]
+    deployment = deploy(model, min_replicas=1, max_replicas=2)
+    placement._tick_once(now=None)
+    [(first, _, _)] = replicas(deployment)
+    loaded(next(w for w in workers if w.hostname == first), deployment)
+    queued(deployment, 3)
+    placement._tick_once(now=None)
+    assert [t for _, _, t in replicas(deployment)].count("scale_up") == 1
+    for worker in workers:
+        if worker.hostname != first and worker.hostname in {h for h, _, _ in replicas(deployment)}:
+            loaded(worker, deployment)
+    queued(deployment, 5)
+    placement._tick_once(now=None)
+    assert len(replicas(deployment)) == 2  # max_replicas
+
+
+def test_a_silent_worker_is_marked_gone_and_its_deployment_placed_again(model, settings):
+    settings.FLEET_HEARTBEAT_SECONDS = 1
+    settings.FLEET_MISSED_HEARTBEATS = 3
+    alpha, beta = register("alpha"), register("beta")
+    deployment = deploy(model, min_replicas=1)
+    placement._tick_once(now=None)
+    [(first, _, _)] = replicas(deployment)
+    victim, survivor = (alpha, beta) if first == alpha.hostname else (beta, alpha)
+    loaded(victim, deployment)
+    now = timezone.now()
+    beat(survivor, at=now)
+    Worker.objects.filter(pk=victim.pk).update(last_heartbeat=now - timedelta(seconds=4))
+    report = placement._tick_once(now=now)
+    assert report.gone == [victim.hostname]
+    victim.refresh_from_db()
+    assert victim.status == "gone" and "no heartbeat" in victim.status_reason
+    assert replicas(deployment) == [(survivor.hostname, "loading", "replace")]
+    assert status_history(deployment=deployment)[-2:] == ["pending", "loading"]
+
+
+def test_without_a_free_worker_the_deployment_waits_and_says_why(model):
+    worker = register("alpha", slots=1)
+    first, second = deploy(model), deploy(model)
+    report = placement._tick_once(now=None)
+    assert report.waiting_for_capacity == [second.name]
+    assert status(second) == ("pending", "waiting for a worker with a free slot")
+    assert replicas(first)[0][0] == worker.hostname
+
+
+def test_changed_engine_settings_replace_the_replica(model):
+    worker = register("alpha")
+    deployment = deploy(model)
+    placement._tick_once(now=None)
+    loaded(worker, deployment)
+    update_deployment(deployment=deployment, batch_window_ms=75)
+    report = placement._tick_once(now=None)
+    assert report.released == [(deployment.name, worker.hostname)]
+    assert replicas(deployment) == [(worker.hostname, "loading", "replace")]
+
+
+def test_stopped_and_failed_deployments_hold_no_replica_and_answer_waiting_requests(model, queued):
+    worker = register("alpha", slots=2)
+    stopped, failed = deploy(model), deploy(model)
+    placement._tick_once(now=None)
+    loaded(worker, stopped)
+    set_deployment_status(deployment=stopped, status="stopped", reason="by test")
+    services.replica_failed(hostname=worker.hostname, instance=worker.instance, deployment_id=failed.pk,
+                            name=failed.name, error="CUDA out of memory")
+    assert status(failed) == ("failed", f"the model failed to load on {worker.hostname}: CUDA out of memory")
+
+    layer = get_channel_layer()
+    reply = async_to_sync(layer.new_channel)()
+    queued(stopped, reply=reply)
+    placement._tick_once(now=None)
+    assert replicas(stopped) == [] and replicas(failed) == []
+    assert status(stopped)[0] == "stopped"
+    answer = async_to_sync(layer.receive)(reply)
+    assert answer["type"] == "inference.error" and answer["status"] == 503 and "stopped" in answer["message"]
+    assert fleet.queue_depths([stopped.name]) == {stopped.name: 0}
+
+
+def test_a_deleted_deployments_replica_is_released(model):
+    worker = register("alpha")
+    deployment = deploy(model)
+    placement._tick_once(now=None)
+    loaded(worker, deployment)
+    name = deployment.name
+    deployment.delete()
+    assert Replica.objects.get(deployment_name=name).deployment is None
+    report = placement._tick_once(now=None)
+    assert report.released == [(name, worker.hostname)] and not Replica.objects.filter(deployment_name=name).exists()
+
+
+def test_heartbeats_adopt_a_preloaded_deployment_and_drop_what_the_worker_no_longer_hosts(model):
+    from workers.dispatch import engine_spec
+
+    worker = register("alpha")
+    deployment = deploy(model)
+    report = {"state": "ready", "deployment_id": deployment.pk, "origin": "preload", "load_seconds": 3.0,
+              "spec_hash": fleet.spec_hash(engine_spec(deployment)), "in_flight": 2, "last_active": 1.7e9}
+    beat(worker, {deployment.name: report})
+    assert replicas(deployment) == [(worker.hostname, "ready", "preload")]
+    assert Replica.objects.get(deployment=deployment).in_flight == 2
+    assert status(deployment)[0] == "ready"
+    beat(worker, {})
+    assert replicas(deployment) == []
+    assert status(deployment)[0] == "pending"
+    # A load that did not come from a preload is never adopted: its replica was released.
+    beat(worker, {deployment.name: {**report, "origin": "initial"}})
+    assert replicas(deployment) == []
+
+
+def test_a_restarted_worker_replaces_its_previous_process(model):
+    worker = register("alpha")
+    deployment = deploy(model, min_replicas=1)
+    placement._tick_once(now=None)
+    loaded(worker, deployment)
+    services.register_worker(hostname=worker.hostname, instance="a-new-process", pid=2, device_kind="cpu",
+                             device_name="cpu", device_memory_bytes=1, slots=1, queues=["default"])
+    assert replicas(deployment) == []
+    assert FleetEvent.objects.filter(kind="worker_gone", worker=worker.hostname, message="it restarted").exists()
+    assert Worker.objects.get(hostname=worker.hostname).status == "alive"

@@ -1,0 +1,153 @@
+"""Requests of a worker that died: real Celery messages in the real Redis broker, taken without an
+acknowledgement as a worker takes them, then recovered: redelivered when the client saw nothing,
+failed with a clear error when it had started streaming. And the worker side of a redelivery:
+what a second copy of a request sends, or whether it runs at all."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+
+from inference_platform.celery import app
+from workers import dispatch, fleet, services
+from workers.agent import Agent
+from workers.cancellation import mark_key
+from workers.models import FleetEvent, Worker
+
+
+def _payload(name: str, reply: str = "") -> dict:
+    return {"request_id": f"chatcmpl-{uuid.uuid4().hex}", "reply_channel": reply,
+            "deployment": {"id": None, "name": name, "model": "m"}, "organization_id": None}
+
+
+@pytest.fixture
+def taken():
+    """Publish a request on a deployment's queue and take it without acknowledging it (a worker
+    that received it); the broker connection stays open until the end of the test."""
+    connections, names = [], []
+
+    def take(payload: dict):
+        name = payload["deployment"]["name"]
+        names.append(name)
+        dispatch.enqueue(payload)
+        connection = app.connection_for_read()
+        connections.append(connection)
+        message = connection.SimpleQueue(f"deployment.{name}").get(timeout=5)
+        assert message.headers["id"] == payload["request_id"]
+        return message.delivery_tag
+
+    yield take
+    for connection in connections:
+        connection.release()
+    for name in names:
+        fleet.client().delete(*fleet._queue_lists(f"deployment.{name}"))
+
+
+def _dead_worker() -> Worker:
+    return services.register_worker(hostname=f"dead-{uuid.uuid4().hex[:6]}@nowhere", instance=uuid.uuid4().hex[:16],
+                                    pid=1, device_kind="cpu", device_name="cpu", device_memory_bytes=0, slots=1,
+                                    queues=["default"])
+
+
+@pytest.mark.django_db
+def test_a_request_the_client_saw_nothing_of_is_redelivered_at_once(taken):
+    worker = _dead_worker()
+    name = f"r-{uuid.uuid4().hex[:6]}"
+    payload = _payload(name)
+    tag = taken(payload)
+    fleet.track_received(worker.instance, payload["request_id"], tag)
+    fleet.claim(payload, instance=worker.instance, hostname=worker.hostname)
+    fleet.set_stage(payload["request_id"], fleet.STAGE_STARTED, prompt_tokens=12)
+    assert fleet.queue_depths([name]) == {name: 0}
+
+    recovered = services.mark_worker_gone(worker=worker, reason="no heartbeat for 5s")
+    assert recovered == {"redelivered": [(payload["request_id"], name)], "interrupted": []}
+    assert fleet.queue_depths([name]) == {name: 1}  # back on its queue, not after the visibility timeout
+    assert FleetEvent.objects.filter(kind="redelivered", message=payload["request_id"]).exists()
+
+
+@pytest.mark.django_db
+def test_a_request_that_was_streaming_fails_with_a_clear_error_and_is_not_run_again(taken):
+    worker = _dead_worker()
+    layer = get_channel_layer()
+    reply = async_to_sync(layer.new_channel)()
+    name = f"r-{uuid.uuid4().hex[:6]}"
+    payload = _payload(name, reply)
+    tag = taken(payload)
+    fleet.track_received(worker.instance, payload["request_id"], tag)
+    fleet.claim(payload, instance=worker.instance, hostname=worker.hostname)
+    fleet.set_stage(payload["request_id"], fleet.STAGE_STREAMING)
+
+    recovered = services.mark_worker_gone(worker=worker, reason="no heartbeat for 5s")
+    assert recovered["interrupted"] == [(payload["request_id"], name)]
+    error = async_to_sync(layer.receive)(reply)
+    assert error["type"] == "inference.error" and error["status"] == 503 and error["code"] == "worker_lost"
+    assert "not billed" in error["message"]
+    r = fleet.client()
+    assert fleet.queue_depths([name]) == {name: 0} and not r.hexists("unacked", tag)
+    assert r.exists(mark_key(payload["request_id"]))  # any copy that still turns up is dropped
+
+
+class Recorder:
+    def __init__(self):
+        self.sent: list[str] = []
+        self.ran = 0
+
+    def send(self, channel, message):
+        self.sent.append(message["type"])
+
+    def run(self, send):
+        self.ran += 1
+        for kind in ("inference.accepted", "inference.started", "inference.delta", "inference.finished"):
+            send("reply", {"type": kind, "prompt_tokens": 3, "text": "x"})
+        return {"status": "completed", "latency_ms": 12, "ttft_ms": 3, "prompt_tokens": 3, "completion_tokens": 1}
+
+
+def _serve(agent: Agent, payload: dict) -> Recorder:
+    recorder = Recorder()
+    agent.serve(payload, hostname="me@here", send=recorder.send, run=recorder.run)
+    return recorder
+
+
+def test_the_first_delivery_runs_and_records_its_progress():
+    agent = Agent()
+    payload = _payload(f"s-{uuid.uuid4().hex[:6]}")
+    recorder = _serve(agent, payload)
+    assert recorder.ran == 1 and recorder.sent == ["inference.accepted", "inference.started", "inference.delta",
+                                                   "inference.finished"]
+    assert fleet.client().hget(f"inference:progress:{payload['request_id']}", "stage") == "finished"
+    figures = agent.figures[payload["deployment"]["name"]]
+    assert figures.in_flight == 0 and figures.summary(figures.last_active, None)["requests"] == 1
+    assert _serve(agent, payload).ran == 0  # a copy of a finished request
+
+
+def test_a_copy_of_a_request_running_on_a_live_worker_is_dropped():
+    payload = _payload(f"s-{uuid.uuid4().hex[:6]}")
+    fleet.claim(payload, instance="other-live", hostname="other@here")
+    fleet.set_alive("other-live", "other@here")
+    try:
+        assert _serve(Agent(), payload).ran == 0
+    finally:
+        fleet.clear_alive("other-live")
+
+
+def test_a_redelivered_request_sends_only_what_the_client_has_not_seen():
+    payload = _payload(f"s-{uuid.uuid4().hex[:6]}")
+    fleet.claim(payload, instance="dead-one", hostname="dead@here")
+    fleet.set_stage(payload["request_id"], fleet.STAGE_STARTED, prompt_tokens=3)
+    recorder = _serve(Agent(), payload)
+    assert recorder.ran == 1 and recorder.sent == ["inference.delta", "inference.finished"]
+
+
+def test_a_redelivered_request_that_had_been_streaming_is_answered_with_an_error():
+    layer = get_channel_layer()
+    reply = async_to_sync(layer.new_channel)()
+    payload = _payload(f"s-{uuid.uuid4().hex[:6]}", reply)
+    fleet.claim(payload, instance="dead-two", hostname="dead@here")
+    fleet.set_stage(payload["request_id"], fleet.STAGE_STREAMING)
+    assert _serve(Agent(), payload).ran == 0
+    error = async_to_sync(layer.receive)(reply)
+    assert error["code"] == "worker_lost" and "dead@here" in error["message"]

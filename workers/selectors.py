@@ -1,0 +1,157 @@
+"""Reads of the fleet: workers and what they host, capacity, and a deployment's live figures.
+
+Request figures (requests per minute, tokens per second, latency percentiles, batch size) come
+from the workers' heartbeats: each worker reports its last minute per deployment, and these
+functions add them up over the alive workers. They are therefore live (a heartbeat old at most)
+and need nothing but this app; billing's usage records remain the exact, long-term account.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.db.models import Count, F, QuerySet
+from django.utils import timezone
+
+from models_catalog.models import Deployment
+
+from .models import FleetEvent, Replica, Worker
+
+
+def workers(*, include_gone: bool = True) -> QuerySet[Worker]:
+    queryset = Worker.objects.prefetch_related("replicas").order_by("status", "hostname")
+    if not include_gone:
+        queryset = queryset.filter(status=Worker.Status.ALIVE)
+    return queryset
+
+
+def can_host(*, deployment_id: int) -> bool:
+    """Whether the fleet can serve the deployment soon: a replica of it exists, or an alive worker
+    has a free slot."""
+    if Replica.objects.filter(deployment_id=deployment_id, worker__status=Worker.Status.ALIVE).exists():
+        return True
+    return (Worker.objects.filter(status=Worker.Status.ALIVE)
+            .annotate(used=Count("replicas")).filter(used__lt=F("slots")).exists())
+
+
+def percentile(values: list[float], fraction: float) -> float | None:
+    """The nearest-rank percentile (``fraction`` in 0..1) of ``values``; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(fraction * len(ordered)))
+    return float(ordered[rank - 1])
+
+
+@dataclass
+class DeploymentFigures:
+    replicas_ready: int
+    replicas_loading: int
+    workers: list[str]
+    queue_depth: int
+    in_flight: int
+    requests_per_minute: float
+    tokens_per_second: float
+    prompt_tokens_per_second: float
+    latency_p50_ms: float | None
+    latency_p99_ms: float | None
+    ttft_p50_ms: float | None
+    average_batch_size: float | None
+    failed_per_minute: float
+    cold_starts_24h: int
+    cold_starts_total: int
+    last_cold_start_seconds: float | None
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _round(value: float | None, digits: int = 2) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def deployment_figures(*, deployment: Deployment, now: datetime | None = None,
+                       alive: list[Worker] | None = None, depths: dict[str, int] | None = None) -> DeploymentFigures:
+    """The deployment's figures over the last minute, summed over the alive workers hosting it."""
+    from . import fleet
+
+    now = now or timezone.now()
+    if alive is None:
+        alive = list(Worker.objects.filter(status=Worker.Status.ALIVE))
+    if depths is None:
+        depths = fleet.queue_depths([deployment.name])
+    replicas = Replica.objects.filter(deployment=deployment, worker__status=Worker.Status.ALIVE)
+    ready = replicas.filter(status=Replica.Status.READY).count()
+    loading = replicas.filter(status=Replica.Status.LOADING).count()
+    requests = failed = completion = prompt = steps = generated = in_flight = waiting = 0
+    latencies: list[float] = []
+    ttfts: list[float] = []
+    window = 60.0
+    hosts = []
+    for worker in alive:
+        hosted = (worker.engine_stats or {}).get(deployment.name)
+        if not hosted or (hosted.get("deployment_id") not in (None, deployment.pk)):
+            continue
+        hosts.append(worker.hostname)
+        window = float(hosted.get("window_s") or window)
+        requests += int(hosted.get("requests") or 0)
+        failed += int(hosted.get("failed") or 0)
+        completion += int(hosted.get("completion_tokens") or 0)
+        prompt += int(hosted.get("prompt_tokens") or 0)
+        steps += int(hosted.get("steps") or 0)
+        generated += int(hosted.get("generated_tokens") or 0)
+        in_flight += int(hosted.get("in_flight") or 0)
+        waiting += int((hosted.get("engine") or {}).get("waiting") or 0)
+        latencies.extend(v for v in hosted.get("latencies_ms") or [] if isinstance(v, (int, float)))
+        ttfts.extend(v for v in hosted.get("ttft_ms") or [] if isinstance(v, (int, float)))
+    colds = FleetEvent.objects.filter(deployment=deployment, kind=FleetEvent.Kind.READY, cold_start=True)
+    last_cold = colds.order_by("-created_at").values_list("seconds", flat=True).first()
+    return DeploymentFigures(
+        replicas_ready=ready,
+        replicas_loading=loading,
+        workers=sorted(hosts),
+        queue_depth=int(depths.get(deployment.name, 0)) + waiting,
+        in_flight=in_flight,
+        requests_per_minute=_round(requests * 60.0 / window),
+        tokens_per_second=_round(completion / window),
+        prompt_tokens_per_second=_round(prompt / window),
+        latency_p50_ms=_round(percentile(latencies, 0.5), 1),
+        latency_p99_ms=_round(percentile(latencies, 0.99), 1),
+        ttft_p50_ms=_round(percentile(ttfts, 0.5), 1),
+        average_batch_size=_round(generated / steps) if steps else None,
+        failed_per_minute=_round(failed * 60.0 / window),
+        cold_starts_24h=colds.filter(created_at__gte=now - timedelta(hours=24)).count(),
+        cold_starts_total=colds.count(),
+        last_cold_start_seconds=_round(last_cold, 3),
+    )
+
+
+def all_deployment_figures(*, now: datetime | None = None) -> list[tuple[Deployment, DeploymentFigures]]:
+    """Every deployment with its figures (for Prometheus), with one read of the workers and queues."""
+    from . import fleet
+
+    deployments = list(Deployment.objects.select_related("organization", "model").order_by("name"))
+    alive = list(Worker.objects.filter(status=Worker.Status.ALIVE))
+    depths = fleet.queue_depths([d.name for d in deployments])
+    return [(d, deployment_figures(deployment=d, now=now, alive=alive, depths=depths)) for d in deployments]
+
+
+def events(*, deployment: Deployment | None = None, kinds: list[str] | None = None, limit: int = 50) -> list[FleetEvent]:
+    queryset = FleetEvent.objects.all()
+    if deployment is not None:
+        queryset = queryset.filter(deployment=deployment)
+    if kinds:
+        queryset = queryset.filter(kind__in=kinds)
+    return list(queryset.order_by("-created_at", "-id")[:limit])
+
+
+def status_history(*, deployment: Deployment) -> list[str]:
+    """The statuses the fleet moved the deployment through, oldest first."""
+    return list(FleetEvent.objects.filter(deployment=deployment, kind=FleetEvent.Kind.STATUS)
+                .order_by("created_at", "id").values_list("status", flat=True))
+
+
+def replicas_of(*, deployment: Deployment) -> QuerySet[Replica]:
+    return Replica.objects.filter(deployment=deployment).select_related("worker").order_by("worker__hostname")
