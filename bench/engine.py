@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--transformers-dtypes", default="float32,bfloat16")
     parser.add_argument("--full-bf16", action="store_true",
                         help="run transformers in bfloat16 in full even where it is emulated")
-    parser.add_argument("--reduced-requests", type=int, default=8,
+    parser.add_argument("--reduced-requests", type=int, default=4,
                         help="requests in a reduced (emulated-bfloat16) transformers run")
     parser.add_argument("--reduced-output-tokens", type=int, default=16)
     parser.add_argument("--skip-transformers", action="store_true")
@@ -259,31 +259,43 @@ def run_transformers_batched(model, prompts, output_tokens, pad_id: int, torch) 
 
 
 def run_transformers_single(model, prompts, output_tokens, torch) -> dict:
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
     walls, tokens, decode_rates = [], 0, []
     for i, p in enumerate(prompts):
         ids = torch.tensor([p])
+        first: list[float] = []
+
+        class FirstToken(StoppingCriteria):  # called once per generated token
+            def __call__(self, input_ids, scores, **kw):
+                if not first:
+                    first.append(time.perf_counter())
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
         with torch.inference_mode():
-            start = time.perf_counter()
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                           max_new_tokens=1, min_new_tokens=1, pad_token_id=0)
-            first = time.perf_counter() - start
             start = time.perf_counter()
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                  do_sample=False, max_new_tokens=output_tokens,
-                                 min_new_tokens=output_tokens, pad_token_id=0)
-            wall = time.perf_counter() - start
+                                 min_new_tokens=output_tokens, pad_token_id=0,
+                                 stopping_criteria=StoppingCriteriaList([FirstToken()]))
+            end = time.perf_counter()
         n = out.shape[1] - ids.shape[1]
-        walls.append(wall)
+        walls.append(end - start)
         tokens += n
-        decode_rates.append((n - 1) / max(wall - first, 1e-9))
-        log(f"  transformers single {i + 1}/{len(prompts)}: {n / wall:.1f} tok/s end to end")
+        if n > 1:
+            decode_rates.append((n - 1) / (end - first[0]))
+        log(f"  transformers single {i + 1}/{len(prompts)}: {n / walls[-1]:.1f} tok/s end to "
+            f"end" + (f", decode {decode_rates[-1]:.1f} tok/s" if n > 1 else ""))
     return {"requests": len(prompts), "output_tokens": tokens, "wall_s": sum(walls),
             "output_tokens_per_s": tokens / sum(walls),
-            "decode_tokens_per_s": statistics.median(decode_rates)}
+            "decode_tokens_per_s": statistics.median(decode_rates) if decode_rates else None}
 
 
 def bf16_is_emulated(torch) -> tuple[bool, dict]:
-    """Whether bfloat16 matmuls are much slower than float32 here (no native support)."""
+    """Whether bfloat16 matmuls are emulated here: no AMX / AVX512-BF16 in the CPU flags, or a
+    probe matmul clearly slower than in float32. Returns the probe's best times too."""
+    from workers.engine.model_runner import cpu_has_native_bf16
+
     timings = {}
     for name in ("float32", "bfloat16"):
         dtype = getattr(torch, name)
@@ -295,7 +307,8 @@ def bf16_is_emulated(torch) -> tuple[bool, dict]:
             torch.nn.functional.linear(a, b)
             best = min(best, time.perf_counter() - start)
         timings[name] = best
-    return timings["bfloat16"] > 2 * timings["float32"], timings
+    emulated = not cpu_has_native_bf16() or timings["bfloat16"] > 2 * timings["float32"]
+    return emulated, timings
 
 
 # ----------------------------------------------------------------------------------- main
@@ -363,8 +376,9 @@ def main(argv: list[str] | None = None) -> int:
             runs: dict = {}
             if reduced:
                 runs["reduced"] = (
-                    f"bfloat16 matmuls are emulated on this CPU ({probe['bfloat16'] * 1e3:.1f} ms "
-                    f"vs {probe['float32'] * 1e3:.1f} ms for float32 in the probe), so this run "
+                    f"bfloat16 matmuls are emulated on this CPU (no AMX / AVX512-BF16; probe "
+                    f"{probe['bfloat16'] * 1e3:.1f} ms vs {probe['float32'] * 1e3:.1f} ms for "
+                    f"float32), so this run "
                     f"uses {args.reduced_requests} requests x {args.reduced_output_tokens} "
                     f"tokens and is not a candidate for the faster baseline")
             batch_prompts = prompts[:args.reduced_requests] if reduced else prompts
@@ -379,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"transformers {name}: {len(single_prompts)} requests one at a time")
                 runs["single"] = run_transformers_single(model, single_prompts, out_tokens,
                                                          torch)
-                log(f"  → {runs['single']['decode_tokens_per_s']:.1f} decode tok/s")
+                log(f"  → {runs['single']['decode_tokens_per_s'] or 0:.1f} decode tok/s")
             report["transformers"][name] = runs
             del model
 
@@ -391,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         report["ratio_vs_transformers_batched"] = (
             report["engine_batched"]["output_tokens_per_s"] / max(batched))
         report["target_ratio_vs_transformers_batched"] = TARGET_RATIO_BATCHED
-    single = [v["single"]["decode_tokens_per_s"] for v in full.values() if "single" in v]
+    single = [v["single"]["decode_tokens_per_s"] for v in full.values()
+              if v.get("single", {}).get("decode_tokens_per_s")]
     if single and "engine_single" in report:
         report["transformers_single_best_decode_tokens_per_s"] = max(single)
         report["ratio_single_stream_decode"] = (

@@ -314,8 +314,15 @@ class Engine:
             per_prompt = params
         else:
             per_prompt = [params] * len(batch)
-        handles = [self.submit(p, sp) for p, sp in zip(batch, per_prompt)]
-        results = [h.result(timeout=timeout) for h in handles]
+        handles: list[RequestHandle] = []
+        try:
+            for prompt, sp in zip(batch, per_prompt):
+                handles.append(self.submit(prompt, sp))
+            results = [h.result(timeout=timeout) for h in handles]
+        except BaseException:
+            for handle in handles:  # leave nothing running that nobody will read
+                handle.abort()
+            raise
         return results[0] if single else results
 
     def stats(self) -> dict[str, Any]:
@@ -461,7 +468,13 @@ class Engine:
                     k = seq.params.top_logprobs
                     top = list(zip(result.top_ids[row][:k], result.top_logprobs[row][:k]))
                 logprob = TokenLogprob(result.token_ids[row], result.logprobs[row], top)
-            self._append_token(seq, result.token_ids[row], logprob, now)
+            try:
+                self._append_token(seq, result.token_ids[row], logprob, now)
+            except Exception as exc:  # e.g. the tokenizer choking on a token: this request only
+                log.exception("request %s failed after its step", seq.request_id)
+                seq.error = f"processing the new token failed: {type(exc).__name__}: {exc}"
+                scheduler.finish(seq, FinishReason.ERROR)
+                self._finish_live(seq)
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None,
                       now: float) -> None:

@@ -1,0 +1,40 @@
+"""``python -m workers.engine``: help, a real generation streamed to stdout, and bad flags."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "workers.engine", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_help_lists_the_commands():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    assert "generate" in result.stdout and "bench" in result.stdout
+    result = run_cli("generate", "--help")
+    assert result.returncode == 0
+    for flag in ("--chat", "--max-tokens", "--temperature", "--top-p", "--seed", "--stop"):
+        assert flag in result.stdout
+
+
+@pytest.mark.slow
+def test_generate_streams_text_and_reports_timings():
+    result = run_cli("generate", "--chat", "Say hi.", "--max-tokens", "4", "--dtype", "float32")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "TTFT" in result.stderr and "completion tokens" in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "x", "--temperature", "-1"], "temperature"),
+    (["generate"], "prompt"),
+    (["generate", "x", "--chat", "y"], "prompt"),
+])
+def test_bad_flags_are_explained(args, message):
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert message in result.stderr
