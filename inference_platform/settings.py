@@ -236,4 +236,6 @@ CELERY_BEAT_SCHEDULE = {
 # periodic sweeps: every interval * throttle seconds (lower both with a low visibility timeout).
 CELERY_BROKER_TRANSPORT_OPTIONS["unacked_restore_interval"] = env_int("CELERY_UNACKED_RESTORE_INTERVAL", 10)
 CELERY_BROKER_TRANSPORT_OPTIONS["unacked_restore_throttle"] = env_int("CELERY_UNACKED_RESTORE_THROTTLE", 10)
+# The deployments API's "kind" enum, named apart from billing's ledger "kind" in the OpenAPI document.
+SPECTACULAR_SETTINGS.setdefault("ENUM_NAME_OVERRIDES", {})["DeploymentKindEnum"] = "models_catalog.models.Deployment.Kind"
 # --- end worker fleet -----------------------------------------------------------------------------

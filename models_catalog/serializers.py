@@ -73,7 +73,7 @@ class DeploymentCreateSerializer(serializers.Serializer):
 
     name = serializers.CharField(help_text="what clients pass as `model`: lowercase letters, digits, '.', '_', '-'")
     model = serializers.CharField(help_text="a catalog model's id (GET /v1/catalog)")
-    kind = serializers.ChoiceField(choices=Deployment.Kind.values, required=False)
+    kind = serializers.ChoiceField(choices=Deployment.Kind.choices, required=False)
     is_public = serializers.BooleanField(required=False, help_text="operator only: shared with every organization")
     batch_window_ms = serializers.IntegerField(required=False, min_value=0)
     max_batch_size = serializers.IntegerField(required=False, min_value=1)
@@ -81,7 +81,7 @@ class DeploymentCreateSerializer(serializers.Serializer):
     min_replicas = serializers.IntegerField(required=False, min_value=0)
     max_replicas = serializers.IntegerField(required=False, min_value=1)
     scale_to_zero_seconds = serializers.IntegerField(required=False, min_value=0, help_text="0: never")
-    dtype = serializers.ChoiceField(choices=Deployment.Dtype.values, required=False)
+    dtype = serializers.ChoiceField(choices=Deployment.Dtype.choices, required=False)
 
 
 class DeploymentUpdateSerializer(DeploymentCreateSerializer):

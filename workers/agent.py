@@ -61,6 +61,8 @@ class Figures:
         if engine:
             if self.steps and engine.get("steps", 0) < self.steps[-1][1]:
                 self.steps.clear()  # a new engine: its counters started again
+            if not self.steps:
+                self.steps.append((now, 0, 0))  # an engine's counters start at zero
             self.steps.append((now, int(engine.get("steps") or 0), int(engine.get("generated_tokens") or 0)))
         while len(self.steps) > 1 and now - self.steps[0][0] > WINDOW_S:
             self.steps.popleft()
@@ -95,10 +97,16 @@ class _ProgressSend:
             return
         if kind == "inference.delta" and not self._streaming:
             self._streaming = True
-            fleet.set_stage(self._id, fleet.STAGE_STREAMING)
+            self._stage(fleet.STAGE_STREAMING)
         self._send(channel, message)
         if kind == "inference.started":
-            fleet.set_stage(self._id, fleet.STAGE_STARTED, prompt_tokens=message.get("prompt_tokens", 0))
+            self._stage(fleet.STAGE_STARTED, prompt_tokens=message.get("prompt_tokens", 0))
+
+    def _stage(self, stage: str, **fields) -> None:
+        try:
+            fleet.set_stage(self._id, stage, **fields)
+        except Exception:  # the answer matters more than the record of its progress
+            log.exception("could not record that %s is %s", self._id, stage)
 
 
 class _Serial:
@@ -295,7 +303,11 @@ class Agent:
                 return  # unloaded meanwhile
         loaded = host.spec(name)
         if loaded is not None and loaded != spec:
-            host.unload(name)  # other settings, or a deleted deployment's name taken again
+            # Other settings, or a deleted deployment's name taken again: the old engine finishes
+            # what it took, then makes room.
+            app.control.cancel_consumer(deployment_queue(name), destination=[self.hostname], reply=False)
+            self._drain(name)
+            host.unload(name)
         started = time.monotonic()
         try:
             host.engine_for(spec)
@@ -340,16 +352,20 @@ class Agent:
                 continue
         return True
 
+    def _drain(self, name: str) -> None:
+        """Wait (up to FLEET_DRAIN_TIMEOUT) until the requests this process took for ``name`` end."""
+        deadline = time.monotonic() + float(settings.FLEET_DRAIN_TIMEOUT)
+        time.sleep(0.3)  # let the consumer act on the cancel before counting what it took
+        while self._busy(name) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
     def _unload(self, name: str) -> None:
         with self.lock:
             if (self.hosted.get(name) or {}).get("state") != "unloading":
                 return  # loaded again meanwhile
         # A load finished after the placement's cancel_consumer may have added the queue back.
         app.control.cancel_consumer(deployment_queue(name), destination=[self.hostname], reply=False)
-        deadline = time.monotonic() + float(settings.FLEET_DRAIN_TIMEOUT)
-        time.sleep(0.3)  # let the consumer act on the cancel before counting what it took
-        while self._busy(name) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        self._drain(name)
         with self.lock:
             if (self.hosted.get(name) or {}).get("state") != "unloading":
                 return

@@ -101,8 +101,11 @@ def _tick_once(*, now: datetime | None) -> TickReport:
     for deployment in order:
         mine = by_deployment.get(deployment.pk, [])
         depth = depths.get(deployment.name, 0) + engine_waiting.get(deployment.name, 0)
-        _place_deployment(deployment, mine, depth, queued=depths.get(deployment.name, 0), workers=workers,
-                          used=used, now=now, report=report)
+        try:
+            _place_deployment(deployment, mine, depth, queued=depths.get(deployment.name, 0), workers=workers,
+                              used=used, now=now, report=report)
+        except Exception:  # one deployment's trouble must not stop the fleet's pass
+            log.exception("placing %s failed; the next pass tries again", deployment.name)
     return report
 
 

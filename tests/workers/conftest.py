@@ -108,6 +108,7 @@ def fleet(django_db_setup, django_db_blocker, tmp_path_factory):
 
         call_command("seed_catalog", verbosity=0)
         # The seeded public deployment is not what these tests place: keep it out of the slots.
+        seeded = Deployment.objects.filter(name=BUNDLED).values("status", "min_replicas").first()
         Deployment.objects.filter(name=BUNDLED).update(status="scaled_to_zero", min_replicas=0)
         Worker.objects.all().delete()
     env = child_env(DATA_DIR=str(data_dir), MODELS_ROOT=str(models_root), **FLEET_SETTINGS)
@@ -136,6 +137,8 @@ def fleet(django_db_setup, django_db_blocker, tmp_path_factory):
         yield fleet
     finally:
         fleet.stop()
+        with django_db_blocker.unblock():
+            Deployment.objects.filter(name=BUNDLED).update(**seeded)
 
 
 @dataclass

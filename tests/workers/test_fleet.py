@@ -16,7 +16,7 @@ import pytest
 from inference_platform.celery import app
 from tests.support import wait_until
 
-from .conftest import BUNDLED, status_of
+from .conftest import status_of
 
 pytestmark = pytest.mark.slow
 

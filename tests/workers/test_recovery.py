@@ -151,3 +151,18 @@ def test_a_redelivered_request_that_had_been_streaming_is_answered_with_an_error
     assert _serve(Agent(), payload).ran == 0
     error = async_to_sync(layer.receive)(reply)
     assert error["code"] == "worker_lost" and "dead@here" in error["message"]
+
+
+def test_a_workers_minute_of_figures_for_the_metrics():
+    from workers.agent import Figures
+
+    figures = Figures()
+    figures.record({"status": "completed", "latency_ms": 120, "ttft_ms": 30, "prompt_tokens": 10, "completion_tokens": 5})
+    figures.record({"status": "failed", "latency_ms": None, "ttft_ms": None, "prompt_tokens": 4, "completion_tokens": 0})
+    first = figures.summary(1000.0, {"steps": 10, "generated_tokens": 25})
+    assert (first["requests"], first["failed"], first["completion_tokens"]) == (2, 1, 5)
+    assert first["latencies_ms"] == [120] and (first["steps"], first["generated_tokens"]) == (10, 25)
+    later = figures.summary(1030.0, {"steps": 30, "generated_tokens": 85})
+    assert (later["steps"], later["generated_tokens"]) == (30, 85)
+    reloaded = figures.summary(1040.0, {"steps": 4, "generated_tokens": 8})  # a new engine: counters restart
+    assert (reloaded["steps"], reloaded["generated_tokens"]) == (4, 8)
