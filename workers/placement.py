@@ -96,8 +96,12 @@ def _tick_once(*, now: datetime | None) -> TickReport:
     for replica in replicas:
         by_deployment[replica.deployment_id].append(replica)
 
-    # Dedicated deployments first: they are promised their replicas.
+    # Dedicated deployments first: they are promised their replicas. With no fleet worker at all,
+    # the fleet manages nothing (workers started with fixed queues may serve): only stopped and
+    # failed deployments are looked after.
     order = sorted(deployments, key=lambda d: (d.kind != Deployment.Kind.DEDICATED, d.created_at))
+    if not workers:
+        order = [d for d in order if d.status in (Status.STOPPED, Status.FAILED)]
     for deployment in order:
         mine = by_deployment.get(deployment.pk, [])
         depth = depths.get(deployment.name, 0) + engine_waiting.get(deployment.name, 0)
@@ -204,10 +208,8 @@ def _place_deployment(deployment: Deployment, mine: list[Replica], depth: int, *
             report.placed.append((deployment.name, worker.hostname))
         if not mine and not candidates:
             report.waiting_for_capacity.append(deployment.name)
-            services.settle_status(
-                deployment=deployment, idle_status=Status.PENDING,
-                reason="waiting for a worker with a free slot" if workers else "no worker is running",
-            )
+            services.settle_status(deployment=deployment, idle_status=Status.PENDING,
+                                   reason="waiting for a worker with a free slot")
     elif len(mine) > wanted:
         idle = sorted((r for r in mine if r.status == Replica.Status.READY and r.in_flight == 0),
                       key=lambda r: r.last_active_at or r.assigned_at)

@@ -114,7 +114,7 @@ def test_a_deployment_loads_serves_scales_to_zero_and_cold_starts(fleet, tenant,
     assert data["latency_p50_ms"] > 0 and data["tokens_per_second"] > 0 and data["average_batch_size"] >= 1
 
 
-def test_two_deployments_with_different_batch_windows_are_served_by_two_workers(fleet, tenant, deploy, db_read):
+def test_two_deployments_with_different_batch_windows_are_served_by_two_workers_and_deleted_cleanly(fleet, tenant, deploy, db_read):
     quick = deploy(batch_window_ms=5, min_replicas=1)["name"]
     patient = deploy(batch_window_ms=80, min_replicas=1)["name"]
     for name in (quick, patient):
@@ -144,6 +144,26 @@ def test_two_deployments_with_different_batch_windows_are_served_by_two_workers(
     for thread in threads:
         thread.join()
     assert all(answers[n].choices[0].message.content for n in (quick, patient))
+
+    # Deleting a deployment while a request streams: the request finishes, then the worker lets go.
+    stream = iter(_client(tenant).chat.completions.create(
+        model=quick, messages=[{"role": "user", "content": "Describe a forest."}], max_tokens=60, temperature=0,
+        stream=True, stream_options={"include_usage": True}))
+    text = [next(stream)]
+    with tenant.api() as api:
+        assert api.delete(f"/v1/deployments/{quick}").json()["deleted"] is True
+    text.extend(stream)
+    assert text[-1].usage.completion_tokens == 60
+    assert [c for c in text if c.choices and c.choices[0].finish_reason][0].choices[0].finish_reason == "length"
+    wait_until(lambda: quick not in _engines_on_workers().get(quick_worker, {quick}), timeout=30,
+               message="the deleted deployment's engine to be unloaded")
+    assert f"deployment.{quick}" not in _consumed_queues(quick_worker)
+
+    from billing.models import UsageRecord
+
+    wait_until(lambda: db_read(lambda: UsageRecord.objects.filter(deployment_name=quick, completion_tokens=60,
+                                                                  status="completed").count()) == 1,
+               timeout=30, message="the request to be billed once")
 
 
 def test_a_broken_model_fails_with_its_reason_and_a_stopped_deployment_answers_at_once(

@@ -278,3 +278,16 @@ def test_a_restarted_worker_replaces_its_previous_process(model):
     assert replicas(deployment) == []
     assert FleetEvent.objects.filter(kind="worker_gone", worker=worker.hostname, message="it restarted").exists()
     assert Worker.objects.get(hostname=worker.hostname).status == "alive"
+
+
+def test_without_any_fleet_worker_the_loop_leaves_deployments_alone(model, queued):
+    """Workers started with fixed queues (no slots) may serve them: nothing to place, nothing to
+    mark pending. Stopped deployments still answer their waiting requests."""
+    ready = deploy(model)
+    set_deployment_status(deployment=ready, status="ready")
+    stopped = deploy(model)
+    set_deployment_status(deployment=stopped, status="stopped")
+    queued(stopped)
+    report = placement._tick_once(now=None)
+    assert report.placed == [] and status(ready)[0] == "ready"
+    assert fleet.queue_depths([stopped.name]) == {stopped.name: 0}
