@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from datetime import datetime, timezone
@@ -155,6 +156,10 @@ def median(values):
 def main(argv=None) -> int:
     args = parse_args(argv)
     setup_django()
+    import logging
+
+    for noisy in ("httpx", "httpx2", "openai"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     import openai
     from django.core.management import call_command
 
@@ -235,8 +240,6 @@ def main(argv=None) -> int:
             stack.kill(victim)
             killed = time.monotonic()
             request_started = time.monotonic()
-            import threading
-
             timing = {}
             thread = threading.Thread(target=lambda: timing.update(first=stream_timings(client, dead.name)[0]))
             thread.start()
