@@ -153,6 +153,16 @@ def _body(request) -> dict:
     return dict(data)
 
 
+def _settings(body: dict) -> dict:
+    """The deployment settings of a body; any other field is a 400 naming it."""
+    for field in body:
+        if field not in services.SETTINGS:
+            fixed = field in ("name", "model", "organization", "status", "status_reason")
+            raise InvalidDeployment(field, f"{field} cannot be {'changed' if fixed else 'set'}: it is not a setting."
+                                    if fixed else f"Unknown setting {field!r}.")
+    return body
+
+
 class ManageAPIView(APIView):
     authentication_classes = [ApiKeyAuthentication, SessionAuthentication]
     permission_classes = [require_scope("manage")]
@@ -207,9 +217,7 @@ class DeploymentListView(ManageAPIView):
         if "name" not in body:
             raise InvalidDeployment("name", "A deployment needs a name: what clients will pass as `model`.")
         name, model = body.pop("name"), _catalog_model(body.pop("model", None))
-        for field in ("organization", "status", "status_reason"):
-            if field in body:
-                raise InvalidDeployment(field, f"{field} cannot be set.")
+        _settings(body)
         if body.get("is_public") and not caller.operator:
             raise InvalidDeployment("is_public", "Only an operator can publish a deployment to every organization.")
         owner = None if caller.operator and (body.get("is_public") or caller.organization is None) else caller.organization
@@ -230,7 +238,7 @@ class DeploymentDetailView(ManageAPIView):
         changes = _body(request)
         if not changes:
             raise ApiProblem(400, "Give at least one setting to change.", code="invalid_value")
-        deployment = services.update_deployment(deployment=deployment, **changes)
+        deployment = services.update_deployment(deployment=deployment, **_settings(changes))
         _retry_if_failed(deployment, "its settings changed")
         return Response(serializers.deployment(deployment))
 

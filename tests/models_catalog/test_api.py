@@ -120,6 +120,8 @@ def test_create_read_update_scale_stop_start_delete(client, acme, model):
     ({"name": "Not OK", "model": "tiny"}, "name"),
     ({"name": "ok", "model": "tiny", "gpus": 8}, "gpus"),
     ({"name": "ok", "model": "tiny", "status": "ready"}, "status"),
+    ({"name": "ok", "model": "tiny", "created_by": 1}, "created_by"),
+    ({"name": "ok", "model": "tiny", "organization": 1}, "organization"),
     ({"name": "ok", "model": "tiny", "is_public": True}, "is_public"),
 ])
 def test_invalid_settings_are_400_naming_the_field(client, acme, model, body, param):
@@ -137,8 +139,9 @@ def test_a_taken_name_and_bad_bodies_are_refused(client, acme, globex, model):
     create_deployment(organization=acme.organization, model=model, name="mine", min_replicas=1, max_replicas=2)
     _error(client.patch("/v1/deployments/mine", {"max_replicas": 0}, content_type="application/json",
                         headers=acme.headers), 400, param="max_replicas")
-    _error(client.patch("/v1/deployments/mine", {"model": "tiny"}, content_type="application/json",
-                        headers=acme.headers), 400, param="model")
+    for field in ("model", "name", "deployment", "organization"):
+        _error(client.patch("/v1/deployments/mine", {field: "x"}, content_type="application/json",
+                            headers=acme.headers), 400, param=field)
     _error(client.post("/v1/deployments/mine/scale", {"batch_window_ms": 3}, content_type="application/json",
                        headers=acme.headers), 400, param="batch_window_ms")
     _error(client.put("/v1/deployments/mine", {}, content_type="application/json", headers=acme.headers), 405)
