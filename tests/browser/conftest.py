@@ -55,9 +55,11 @@ def stack(asgi_server, inference_worker, localstripe):  # noqa: F811
     return asgi_server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser(stack):
-    """Headless Chromium (started after the servers: see the module's note on the ORM)."""
+    """Headless Chromium (started after the servers: see the module's note on the ORM). Module
+    scope: Playwright's sync API keeps an event loop in this thread while it runs, which would make
+    every later test's ORM call fail as "async context"."""
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"Debian's chromium is not installed at {CHROMIUM} (`apt-get install chromium`, as .ci/run does)")
     from playwright.sync_api import sync_playwright
