@@ -314,6 +314,25 @@ def bf16_is_emulated(torch) -> tuple[bool, dict]:
 # ----------------------------------------------------------------------------------- main
 
 
+def contention() -> dict:
+    """How busy the machine is right now (other work on the same cores skews every figure)."""
+    out: dict = {"load_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    try:  # Linux pressure stall information: % of time some task waited for a CPU
+        some = Path("/proc/pressure/cpu").read_text().splitlines()[0].split()
+        out.update({k: float(v) for k, v in (f.split("=") for f in some[1:3])})
+    except (OSError, IndexError, ValueError):
+        pass
+    return out
+
+
+def phase(run):
+    """Run one measurement, recording how contended the machine was around it."""
+    before = contention()
+    result = run()
+    result["contention"] = {"before": before, "after": contention()}
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(REPO_ROOT))
@@ -329,8 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     path = bundled_model_path()
     report: dict = {"benchmark": "engine", "model": path.name, "machine": machine_info(torch),
                     "note": "Measured on a shared machine: other work on the same cores during "
-                            "the run slows every figure; compare the ratios, which come from the "
-                            "same run, rather than the absolute numbers.",
+                            "the run slows every figure (each phase records the load and CPU "
+                            "pressure around it); single-stream runs alternate engine and "
+                            "transformers request by request so both see the same conditions.",
                     "workload": {"requests": args.requests, "prompt_tokens": [args.min_prompt,
                                                                               args.max_prompt],
                                  "output_tokens": args.output_tokens, "greedy": True,
@@ -344,61 +364,75 @@ def main(argv: list[str] | None = None) -> int:
     blocks = args.requests * -(-max_len // 16) + 16
     engine = Engine(path, dtype=engine_dtype, device=device, max_batch_size=args.requests,
                     max_batched_tokens=args.max_batched_tokens, num_kv_blocks=blocks,
-                    batch_window_ms=args.batch_window_ms)
+                    batch_window_ms=args.batch_window_ms).start()
     prompts = make_prompts(engine.tokenizer, args.requests, args.min_prompt, args.max_prompt,
                            args.seed)
-    singles = prompts[:args.single_requests]
+    # Other prompts than the batch's, so that the prefix cache does not flatter the engine.
+    singles = make_prompts(engine.tokenizer, args.single_requests, args.min_prompt,
+                           args.max_prompt, args.seed + 1)
     report["engine_config"] = {"dtype": str(engine.dtype).removeprefix("torch."),
                                "device": device, "max_batch_size": args.requests,
                                "max_batched_tokens": args.max_batched_tokens,
                                "num_kv_blocks": blocks, "block_size": 16,
                                "prefix_caching": True}
-    with engine:
-        log(f"engine ({report['engine_config']['dtype']}): {args.requests} requests at once")
-        report["engine_batched"] = run_engine_batched(engine, prompts, args.output_tokens)
-        log(f"  → {report['engine_batched']['output_tokens_per_s']:.1f} output tok/s")
-        if not args.skip_engine_single and singles:
-            log(f"engine: {len(singles)} requests one at a time")
-            report["engine_single"] = run_engine_single(engine, singles, args.output_tokens)
-            log(f"  → {report['engine_single']['decode_tokens_per_s']:.1f} decode tok/s")
-    del engine
+    log(f"engine ({report['engine_config']['dtype']}): {args.requests} requests at once")
+    report["engine_batched"] = phase(lambda: run_engine_batched(
+        engine, prompts, args.output_tokens))
+    log(f"  → {report['engine_batched']['output_tokens_per_s']:.1f} output tok/s")
 
-    if not args.skip_transformers:
-        emulated, probe = bf16_is_emulated(torch) if device == "cpu" else (False, {})
+    report["transformers"] = {}
+    dtypes = [] if args.skip_transformers else \
+        [d.strip() for d in args.transformers_dtypes.split(",") if d.strip()]
+    emulated, probe = bf16_is_emulated(torch) if device == "cpu" and dtypes else (False, {})
+    if probe:
         report["bf16_probe_s"] = probe
-        report["transformers"] = {}
-        pad_id = 0
-        for name in [d.strip() for d in args.transformers_dtypes.split(",") if d.strip()]:
-            dtype = getattr(torch, name)
-            reduced = name == "bfloat16" and emulated and not args.full_bf16
-            log(f"loading transformers ({name})")
-            model = load_transformers(path, dtype).to(device)
-            runs: dict = {}
-            if reduced:
-                runs["reduced"] = (
-                    f"bfloat16 matmuls are emulated on this CPU (no AMX / AVX512-BF16; probe "
-                    f"{probe['bfloat16'] * 1e3:.1f} ms vs {probe['float32'] * 1e3:.1f} ms for "
-                    f"float32), so this run "
-                    f"uses {args.reduced_requests} requests x {args.reduced_output_tokens} "
-                    f"tokens and is not a candidate for the faster baseline")
-            batch_prompts = prompts[:args.reduced_requests] if reduced else prompts
-            out_tokens = args.reduced_output_tokens if reduced else args.output_tokens
-            if not args.skip_transformers_batched:
-                log(f"transformers {name}: {len(batch_prompts)} requests in one padded batch")
-                runs["batched"] = run_transformers_batched(model, batch_prompts, out_tokens,
-                                                           pad_id, torch)
-                log(f"  → {runs['batched']['output_tokens_per_s']:.1f} output tok/s")
-            if not args.skip_transformers_single and singles:
-                single_prompts = singles[:1] if reduced else singles
-                log(f"transformers {name}: {len(single_prompts)} requests one at a time")
-                runs["single"] = run_transformers_single(model, single_prompts, out_tokens,
-                                                         torch)
-                log(f"  → {runs['single']['decode_tokens_per_s'] or 0:.1f} decode tok/s")
-            report["transformers"][name] = runs
-            del model
+    single_done = False
+    for name in dtypes:
+        reduced = name == "bfloat16" and emulated and not args.full_bf16
+        log(f"loading transformers ({name})")
+        model = load_transformers(path, getattr(torch, name)).to(device)
+        runs: dict = {}
+        if reduced:
+            runs["reduced"] = (
+                f"bfloat16 matmuls are emulated on this CPU (no AMX / AVX512-BF16; probe "
+                f"{probe['bfloat16'] * 1e3:.1f} ms vs {probe['float32'] * 1e3:.1f} ms for "
+                f"float32), so this run uses {args.reduced_requests} requests x "
+                f"{args.reduced_output_tokens} tokens and is not a candidate for the faster "
+                f"baseline")
+        batch_prompts = prompts[:args.reduced_requests] if reduced else prompts
+        out_tokens = args.reduced_output_tokens if reduced else args.output_tokens
+        if not args.skip_transformers_batched:
+            log(f"transformers {name}: {len(batch_prompts)} requests in one padded batch")
+            runs["batched"] = phase(lambda: run_transformers_batched(
+                model, batch_prompts, out_tokens, 0, torch))
+            log(f"  → {runs['batched']['output_tokens_per_s']:.1f} output tok/s")
+        if not args.skip_transformers_single and singles:
+            single_prompts = singles[:1] if reduced else singles
+            interleave = not single_done and not reduced and not args.skip_engine_single
+            log(f"transformers {name}: {len(single_prompts)} requests one at a time"
+                + (", alternating with the engine" if interleave else ""))
+            hf_parts, engine_parts = [], []
+            for prompt in single_prompts:
+                if interleave:
+                    engine_parts.append(run_engine_single(engine, [prompt], out_tokens))
+                hf_parts.append(run_transformers_single(model, [prompt], out_tokens, torch))
+            runs["single"] = merge_single(hf_parts)
+            log(f"  → {runs['single']['decode_tokens_per_s'] or 0:.1f} decode tok/s")
+            if interleave:
+                report["engine_single"] = merge_single(engine_parts)
+                log(f"  → engine {report['engine_single']['decode_tokens_per_s']:.1f} "
+                    f"decode tok/s")
+                single_done = True
+        report["transformers"][name] = runs
+        del model
+    if not single_done and not args.skip_engine_single and singles:
+        log(f"engine: {len(singles)} requests one at a time")
+        report["engine_single"] = phase(lambda: run_engine_single(
+            engine, singles, args.output_tokens))
+    engine.stop()
 
     # Ratios against the faster full-size transformers runs.
-    full = {k: v for k, v in report.get("transformers", {}).items() if "reduced" not in v}
+    full = {k: v for k, v in report["transformers"].items() if "reduced" not in v}
     batched = [v["batched"]["output_tokens_per_s"] for v in full.values() if "batched" in v]
     if batched:
         report["transformers_batched_best_tokens_per_s"] = max(batched)
@@ -414,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     report["machine"]["load_average_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") \
         else None
 
-    output = args.output or RESULTS_DIR / f"engine-{'cuda' if device.startswith('cuda') else 'cpu'}.json"
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    output = args.output or RESULTS_DIR / f"engine-{kind}.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
     log(f"wrote {output.relative_to(REPO_ROOT) if output.is_relative_to(REPO_ROOT) else output}")
@@ -422,6 +457,17 @@ def main(argv: list[str] | None = None) -> int:
         if key in report:
             log(f"{key}: {report[key]:.2f}")
     return 0
+
+
+def merge_single(parts: list[dict]) -> dict:
+    """One single-stream figure from per-request runs."""
+    rates = [p["decode_tokens_per_s"] for p in parts if p.get("decode_tokens_per_s")]
+    tokens = sum(p["output_tokens"] for p in parts)
+    wall = sum(p["wall_s"] for p in parts)
+    return {"requests": sum(p["requests"] for p in parts), "output_tokens": tokens,
+            "wall_s": wall, "output_tokens_per_s": tokens / wall if wall else None,
+            "decode_tokens_per_s": statistics.median(rates) if rates else None,
+            "decode_tokens_per_s_each": rates, "contention_at_end": contention()}
 
 
 if __name__ == "__main__":

@@ -124,6 +124,17 @@ def test_a_sequence_that_alone_fills_the_pool_ends_with_length():
     assert bm.num_used_blocks == 0
 
 
+def test_a_waiting_sequence_larger_than_the_pool_runs_until_the_pool_is_full():
+    # As a preempted sequence can be: prompt and outputs together outgrew the pool.
+    bm = BlockManager(4, 4)
+    scheduler = Scheduler(bm, max_batch_size=2, max_batched_tokens=64)
+    seq = make_seq(20, max_tokens=100)
+    scheduler.add(seq)
+    run_until_done(scheduler)
+    assert seq.finish_reason is FinishReason.LENGTH
+    assert bm.num_used_blocks == 0
+
+
 def test_finishing_a_sequence_frees_its_blocks_in_any_state():
     bm = BlockManager(100, 4)
     scheduler = Scheduler(bm, max_batch_size=1, max_batched_tokens=64)

@@ -32,7 +32,6 @@ from .sequence import (
     SamplingParams,
     Sequence,
     SequenceStatus,
-    StopStringMatcher,
     TokenLogprob,
 )
 
@@ -261,7 +260,6 @@ class Engine:
             raise InvalidRequestError("request_id: must be a non-empty string", param="request_id")
         seq = Sequence(request_id, prompt_ids, params, max_tokens=max_tokens,
                        arrival_time=time.monotonic(), detokenizer=self._detokenizer())
-        seq.stop_checker = StopStringMatcher(params.stop)
         handle = RequestHandle(self, request_id, len(prompt_ids))
         self.start()
         with self._wake:
@@ -504,8 +502,6 @@ class Engine:
         if reason is None:
             self._deliver(live, finished=False)
             return
-        if reason is FinishReason.LENGTH:
-            live.pending_text += seq.stop_checker.flush()
         self.scheduler.finish(seq, reason)
         self._finish_live(seq)
 
@@ -517,6 +513,9 @@ class Engine:
             self._counters["requests_failed"] += 1
         else:
             self._counters["requests_finished"] += 1
+        if seq.finish_reason is FinishReason.LENGTH:
+            # Text held back as a possible stop-string start is plain text after all.
+            live.pending_text += seq.stop_checker.flush()
         self._deliver(live, finished=True)
 
     def _deliver(self, live: _Live, *, finished: bool, locked: bool = False) -> None:

@@ -74,12 +74,14 @@ class BlockManager:
 
     # ----------------------------------------------------------------------- sequence lifetime
 
-    def admit(self, seq: HasBlocks, token_budget: int, *, reserve: int = 0) -> int:
+    def admit(self, seq: HasBlocks, token_budget: int, *, reserve: int = 0,
+              allow_partial: bool = False) -> int:
         """Give a sequence that holds no blocks its cached prefix and the blocks of its first chunk.
 
         Returns how many tokens the sequence should compute now (``num_computed_tokens`` is set
         past the cached prefix), or 0 when the chunk does not fit while keeping ``reserve``
-        blocks free, in which case nothing changed.
+        blocks free, in which case nothing changed. ``allow_partial`` shrinks the chunk to the
+        blocks there are instead (for a sequence that has the whole pool to itself).
         """
         assert not seq.block_table, "admit() is for sequences without blocks"
         cached = self._match_prefix(seq)
@@ -90,8 +92,14 @@ class BlockManager:
         needed = self.blocks_for(num_cached_tokens + num_new) - len(cached)
         # Reviving a cached block takes it out of the free count, like a fresh allocation.
         revived = sum(1 for b in cached if self.ref_counts[b] == 0)
-        if self.num_free_blocks - revived < needed + reserve:
-            return 0
+        available = self.num_free_blocks - revived - reserve
+        if available < needed:
+            if not allow_partial:
+                return 0
+            num_new = (len(cached) + available) * self.block_size - num_cached_tokens
+            if num_new <= 0:
+                return 0
+            needed = self.blocks_for(num_cached_tokens + num_new) - len(cached)
         for block in cached:
             self._acquire(block)
         seq.block_table = cached

@@ -86,9 +86,13 @@ class ModelRunner:
         self.device = torch.device(device)
         self.vocab_size = config.vocab_size
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        # On CPU, empty() leaves a large cache to the OS to back with memory as blocks are first
+        # written, so an engine sized for a big pool costs RAM only for what it uses. Attention
+        # never reads a slot before it is written (unused tails are masked). On GPUs, zeros.
+        alloc = torch.empty if self.device.type == "cpu" else torch.zeros
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=self.device),
-             torch.zeros(shape, dtype=dtype, device=self.device))
+            (alloc(shape, dtype=dtype, device=self.device),
+             alloc(shape, dtype=dtype, device=self.device))
             for _ in range(config.num_layers)
         ]
         self.sampler = Sampler(self.device, seed=seed)

@@ -120,7 +120,9 @@ class Scheduler:
             seq = self.waiting[0]
             reserve = self.watermark_blocks if self.running else 0
             first_admission = seq.timings.first_scheduled_step is None
-            num_new = bm.admit(seq, budget, reserve=reserve)
+            # Alone, a sequence takes what the pool holds: one that has outgrown the pool (it
+            # grew while others ran, then was preempted) then ends with "length" as it runs.
+            num_new = bm.admit(seq, budget, reserve=reserve, allow_partial=not self.running)
             if num_new == 0:
                 break
             self.waiting.popleft()

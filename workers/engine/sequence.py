@@ -216,9 +216,8 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None
-        self.detokenizer = detokenizer
-        self.stop_checker: Any = None  # set by the engine; see engine.StopChecker
-        self.pending_logprobs: list[TokenLogprob] = []
+        self.detokenizer = detokenizer  # IncrementalDetokenizer; None where text is not needed
+        self.stop_checker = StopStringMatcher(params.stop)
         self.timings = RequestTimings(arrival_time=arrival_time)
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
