@@ -258,7 +258,17 @@ def run_transformers_batched(model, prompts, output_tokens, pad_id: int, torch) 
             "output_tokens_per_s": tokens / wall, "time_to_first_token_s": steps["first"]}
 
 
-def run_transformers_single(model, prompts, output_tokens, torch) -> dict:
+def run_transformers_single(model, prompts, output_tokens, torch, threads=None) -> dict:
+    """One request at a time; ``threads`` runs it on that many CPU threads (then restores)."""
+    if threads is not None:
+        default = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            result = run_transformers_single(model, prompts, output_tokens, torch)
+        finally:
+            torch.set_num_threads(default)
+        result["threads"] = threads
+        return result
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     walls, tokens, decode_rates = [], 0, []
@@ -411,13 +421,23 @@ def main(argv: list[str] | None = None) -> int:
             interleave = not single_done and not reduced and not args.skip_engine_single
             log(f"transformers {name}: {len(single_prompts)} requests one at a time"
                 + (", alternating with the engine" if interleave else ""))
-            hf_parts, engine_parts = [], []
+            # transformers on every thread and on one: its best single stream is the baseline
+            # (the engine picks its own thread count for one-token steps by measurement).
+            one_thread = device == "cpu" and torch.get_num_threads() > 1
+            hf_parts, hf_one_parts, engine_parts = [], [], []
             for prompt in single_prompts:
                 if interleave:
                     engine_parts.append(run_engine_single(engine, [prompt], out_tokens))
                 hf_parts.append(run_transformers_single(model, [prompt], out_tokens, torch))
+                if one_thread:
+                    hf_one_parts.append(run_transformers_single(model, [prompt], out_tokens,
+                                                                torch, threads=1))
             runs["single"] = merge_single(hf_parts)
             log(f"  → {runs['single']['decode_tokens_per_s'] or 0:.1f} decode tok/s")
+            if hf_one_parts:
+                runs["single_one_thread"] = merge_single(hf_one_parts)
+                log(f"  → {runs['single_one_thread']['decode_tokens_per_s'] or 0:.1f} decode "
+                    f"tok/s on one thread")
             if interleave:
                 report["engine_single"] = merge_single(engine_parts)
                 log(f"  → engine {report['engine_single']['decode_tokens_per_s']:.1f} "
@@ -429,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"engine: {len(singles)} requests one at a time")
         report["engine_single"] = phase(lambda: run_engine_single(
             engine, singles, args.output_tokens))
+    if "engine_single" in report and engine.runner.threads is not None:
+        report["engine_single"]["threads_for_one_token_steps"] = engine.runner.threads.choice
     engine.stop()
 
     # Ratios against the faster full-size transformers runs.
@@ -439,8 +461,9 @@ def main(argv: list[str] | None = None) -> int:
         report["ratio_vs_transformers_batched"] = (
             report["engine_batched"]["output_tokens_per_s"] / max(batched))
         report["target_ratio_vs_transformers_batched"] = TARGET_RATIO_BATCHED
-    single = [v["single"]["decode_tokens_per_s"] for v in full.values()
-              if v.get("single", {}).get("decode_tokens_per_s")]
+    single = [v[k]["decode_tokens_per_s"] for v in full.values()
+              for k in ("single", "single_one_thread")
+              if v.get(k, {}).get("decode_tokens_per_s")]
     if single and "engine_single" in report:
         report["transformers_single_best_decode_tokens_per_s"] = max(single)
         report["ratio_single_stream_decode"] = (
