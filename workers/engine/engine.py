@@ -115,10 +115,15 @@ class Engine:
     """Continuous-batching inference over a paged KV cache.
 
     ``model`` is a path (GGUF file or Hugging Face folder) or an already ``LoadedModel``.
-    ``dtype`` defaults to bfloat16 on CUDA, and on CPU to whichever of bfloat16 and float32 this
-    chip multiplies faster (measured). The KV cache holds ``num_kv_blocks`` blocks, or as many as
-    ``kv_memory`` bytes allow. ``batch_window_ms``: when idle, how long to wait for more requests
-    before the first prefill, so that a burst starts as one batch.
+    ``dtype`` defaults to bfloat16 on CUDA; on CPU to float32, unless the chip has native
+    bfloat16 (AMX / AVX512-BF16) and a probe matmul runs faster in it (see ``pick_dtype``). The KV
+    cache holds ``num_kv_blocks`` blocks, or as many as ``kv_memory`` bytes allow.
+    ``batch_window_ms``: when idle, how long to wait for more requests before the first prefill,
+    so that a burst starts as one batch (a full batch starts at once).
+
+    Requests: a prompt that leaves no room in the context is refused (``InvalidRequestError``,
+    param "prompt"); a ``max_tokens`` beyond the room left is clamped to it, and the request then
+    ends with finish_reason "length".
     """
 
     def __init__(
