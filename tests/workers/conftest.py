@@ -110,6 +110,9 @@ def fleet(django_db_setup, django_db_blocker, tmp_path_factory):
         # The seeded public deployment is not what these tests place: keep it out of the slots.
         seeded = Deployment.objects.filter(name=BUNDLED).values("status", "min_replicas").first()
         Deployment.objects.filter(name=BUNDLED).update(status="scaled_to_zero", min_replicas=0)
+        # Deployments other suites left in the database (a full run) would take the fleet's slots.
+        leftovers = dict(Deployment.objects.exclude(name=BUNDLED).values_list("pk", "status"))
+        Deployment.objects.filter(pk__in=leftovers).update(status="stopped")
         Worker.objects.all().delete()
     env = child_env(DATA_DIR=str(data_dir), MODELS_ROOT=str(models_root), **FLEET_SETTINGS)
     port = free_port()
@@ -139,6 +142,8 @@ def fleet(django_db_setup, django_db_blocker, tmp_path_factory):
         fleet.stop()
         with django_db_blocker.unblock():
             Deployment.objects.filter(name=BUNDLED).update(**seeded)
+            for pk, status in leftovers.items():
+                Deployment.objects.filter(pk=pk).update(status=status)
 
 
 @dataclass
