@@ -43,13 +43,14 @@ def django_db_setup(django_test_environment, django_db_blocker):
 
 @pytest.fixture(scope="session")
 def celery_worker(django_db_setup, django_db_blocker):
-    """One real Celery worker (thread pool, prefetch 1) consuming the default and billing queues."""
+    """One real Celery worker (thread pool, prefetch 1) consuming the billing queue (not `default`,
+    where the fleet tests' placement task travels)."""
     from inference_platform.readiness import check_workers
 
     name = f"test-worker-{os.getpid()}@localhost"
     proc = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "inference_platform", "worker", "--pool", "threads",
-         "--concurrency", "4", "--prefetch-multiplier", "1", "--queues", "default,billing",
+         "--concurrency", "4", "--prefetch-multiplier", "1", "--queues", "billing",
          "--hostname", name, "--loglevel", "WARNING", "--without-gossip", "--without-mingle"],
         cwd=REPO_ROOT, env=child_env(),
     )

@@ -74,7 +74,9 @@ def asgi_server(server_env):
 
 @pytest.fixture(scope="session")
 def inference_worker(server_env, django_db_blocker):
-    """One Celery worker serving the bundled model's deployment in float32 (exact comparisons)."""
+    """One Celery worker serving the bundled model's deployment in float32 (exact comparisons).
+    It does not consume the `default` queue: the fleet's placement task travels there, and it must
+    run only on the fleet tests' own processes (their settings), not on this one."""
     with django_db_blocker.unblock():
         from models_catalog.models import Deployment
 
@@ -82,7 +84,7 @@ def inference_worker(server_env, django_db_blocker):
     name = f"e2e-{uuid.uuid4().hex[:8]}@localhost"
     proc = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "inference_platform", "worker", "--pool", "threads",
-         "--concurrency", "48", "--prefetch-multiplier", "1", "--queues", f"default,billing,deployment.{DEPLOYMENT}",
+         "--concurrency", "48", "--prefetch-multiplier", "1", "--queues", f"billing,deployment.{DEPLOYMENT}",
          "--hostname", name, "--loglevel", "WARNING", "--without-gossip", "--without-mingle"],
         cwd=REPO_ROOT, env={**server_env, "INFERENCE_PRELOAD": DEPLOYMENT},
     )
