@@ -46,7 +46,10 @@ class Figures:
         self.in_flight = 0
         self.last_active = time.time()
         self.done: deque = deque()  # (time, latency_ms, ttft_ms, prompt_tokens, completion_tokens, failed)
-        self.steps: deque = deque()  # (time, engine steps, generated tokens): snapshots at each heartbeat
+        self.steps: deque = deque()  # (time, steps, generated tokens), summed over this worker's engines
+        self._engine = None  # the instance of the engine last seen
+        self._base = (0, 0)  # what the earlier engines had done when the current one started
+        self._total = (0, 0)
 
     def record(self, event: dict | None) -> None:
         if event is None:
@@ -55,16 +58,23 @@ class Figures:
                           int(event.get("prompt_tokens") or 0), int(event.get("completion_tokens") or 0),
                           event.get("status") == "failed"))
 
+    def _observe(self, now: float, engine: dict) -> None:
+        """Snapshot the engine's counters, carried on across a reload so the window spans both."""
+        if engine.get("instance") != self._engine:
+            self._engine = engine.get("instance")
+            self._base = self._total
+            self.steps.append((now, *self._base))  # a new engine's counters start at zero
+        self._total = (self._base[0] + int(engine.get("steps") or 0),
+                       self._base[1] + int(engine.get("generated_tokens") or 0))
+        self.steps.append((now, *self._total))
+
     def summary(self, now: float, engine: dict | None) -> dict:
         while self.done and now - self.done[0][0] > WINDOW_S:
             self.done.popleft()
         if engine:
-            if self.steps and engine.get("steps", 0) < self.steps[-1][1]:
-                self.steps.clear()  # a new engine: its counters started again
-            if not self.steps:
-                self.steps.append((now, 0, 0))  # an engine's counters start at zero
-            self.steps.append((now, int(engine.get("steps") or 0), int(engine.get("generated_tokens") or 0)))
-        while len(self.steps) > 1 and now - self.steps[0][0] > WINDOW_S:
+            self._observe(now, engine)
+        # The newest snapshot from before the window stays as its baseline.
+        while len(self.steps) > 1 and now - self.steps[1][0] >= WINDOW_S:
             self.steps.popleft()
         done = list(self.done)
         steps = self.steps[-1][1] - self.steps[0][1] if self.steps else 0

@@ -159,10 +159,18 @@ def test_a_workers_minute_of_figures_for_the_metrics():
     figures = Figures()
     figures.record({"status": "completed", "latency_ms": 120, "ttft_ms": 30, "prompt_tokens": 10, "completion_tokens": 5})
     figures.record({"status": "failed", "latency_ms": None, "ttft_ms": None, "prompt_tokens": 4, "completion_tokens": 0})
-    first = figures.summary(1000.0, {"steps": 10, "generated_tokens": 25})
+    first = figures.summary(1000.0, {"instance": "a", "steps": 10, "generated_tokens": 25})
     assert (first["requests"], first["failed"], first["completion_tokens"]) == (2, 1, 5)
     assert first["latencies_ms"] == [120] and (first["steps"], first["generated_tokens"]) == (10, 25)
-    later = figures.summary(1030.0, {"steps": 30, "generated_tokens": 85})
+    later = figures.summary(1030.0, {"instance": "a", "steps": 30, "generated_tokens": 85})
     assert (later["steps"], later["generated_tokens"]) == (30, 85)
-    reloaded = figures.summary(1040.0, {"steps": 4, "generated_tokens": 8})  # a new engine: counters restart
-    assert (reloaded["steps"], reloaded["generated_tokens"]) == (4, 8)
+    # Scaled to zero, then reloaded: the new engine's counters restart, the minute spans both engines.
+    figures.summary(1035.0, None)
+    reloaded = figures.summary(1040.0, {"instance": "b", "steps": 0, "generated_tokens": 0})
+    assert (reloaded["steps"], reloaded["generated_tokens"]) == (30, 85)
+    # A reload whose counters are already past the old ones by its first snapshot is still a new engine.
+    again = figures.summary(1045.0, {"instance": "c", "steps": 40, "generated_tokens": 90})
+    assert (again["steps"], again["generated_tokens"]) == (70, 175)
+    # Two minutes later only the last minute's work counts.
+    aged = figures.summary(1110.0, {"instance": "c", "steps": 44, "generated_tokens": 98})
+    assert (aged["steps"], aged["generated_tokens"]) == (4, 8)

@@ -191,6 +191,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._crashed: BaseException | None = None
+        self.instance = uuid.uuid4().hex[:12]  # tells this engine's counters from a predecessor's
         self._counters = {"steps": 0, "batch_size_max": 0, "batch_size_last": 0,
                           "tokens_last_step": 0, "generated_tokens": 0, "requests_finished": 0,
                           "requests_failed": 0, "requests_aborted": 0, "step_errors": 0}
@@ -573,6 +574,7 @@ class Engine:
         bm = self.block_manager
         scheduler = self.scheduler
         return {
+            "instance": self.instance,
             **self._counters,
             "running": len(scheduler.running),
             "waiting": len(scheduler.waiting),
