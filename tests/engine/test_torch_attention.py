@@ -1,4 +1,8 @@
-"""The PyTorch paged-attention backend against a dense per-sequence reference."""
+"""The PyTorch paged-attention backend against a dense per-sequence reference.
+
+Decode rows in float32 go to the C kernel when it builds; the tests that have decode rows run
+both through it and through the PyTorch gather path (``decode_path``).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,19 @@ import math
 import pytest
 import torch
 
+from workers.engine.attention import cpu_native
 from workers.engine.attention.base import AttentionMetadata
 from workers.engine.attention.torch_backend import TorchBackend
+
+
+@pytest.fixture(params=["native", "gathered"])
+def decode_path(request, monkeypatch):
+    if request.param == "native":
+        # The machines that run the suite have a C compiler: the fast path must be the one tested.
+        assert cpu_native.available(), "the CPU attention kernel did not build"
+    else:
+        monkeypatch.setattr(cpu_native, "available", lambda: False)
+    return request.param
 
 
 def dense_reference(q, k, v, scale):
@@ -94,7 +109,7 @@ def run_and_compare(case, q_lens, *, atol):
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (16, 2)])
-def test_decode_ragged_lengths_across_block_boundaries(num_heads, num_kv_heads):
+def test_decode_ragged_lengths_across_block_boundaries(num_heads, num_kv_heads, decode_path):
     # Lengths 1, exactly one block, one past a block, many blocks.
     context_lens = [1, 4, 5, 8, 9, 23, 2]
     q_lens = [1] * len(context_lens)
@@ -104,7 +119,7 @@ def test_decode_ragged_lengths_across_block_boundaries(num_heads, num_kv_heads):
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (16, 2)])
-def test_prefill_and_extend_over_cached_prefix(num_heads, num_kv_heads):
+def test_prefill_and_extend_over_cached_prefix(num_heads, num_kv_heads, decode_path):
     # Fresh prefills (q_len == context_len), extends after a cached prefix, and one decode row
     # riding along in the same step.
     q_lens = [7, 3, 1, 12, 4]
@@ -120,7 +135,7 @@ def test_bfloat16_matches_reference_loosely():
     run_and_compare(case, q_lens, atol=3e-2)
 
 
-def test_finite_garbage_outside_context_is_ignored():
+def test_finite_garbage_outside_context_is_ignored(decode_path):
     q_lens, context_lens = [1, 1, 3], [3, 6, 10]
     case = build_case(q_lens, context_lens, num_heads=4, num_kv_heads=2, poison=1e4)
     run_and_compare(case, q_lens, atol=1e-5)
@@ -153,7 +168,7 @@ def test_write_kv_converts_to_cache_dtype():
     assert torch.equal(k_cache.view(-1, 1, 4)[3], key[0].to(torch.bfloat16))
 
 
-def test_cache_dtype_may_differ_from_the_query_dtype():
+def test_cache_dtype_may_differ_from_the_query_dtype(decode_path):
     # A float32 model over a bfloat16 cache: the output stays float32 and close to the reference.
     q_lens, context_lens = [1, 4, 1], [6, 9, 12]
     case = build_case(q_lens, context_lens, num_heads=4, num_kv_heads=2)

@@ -1,8 +1,9 @@
 """Paged attention in plain PyTorch: the CPU backend and the reference the Triton kernels match.
 
 Decode rows (one new token per sequence) are the hot path at large batch sizes, so they are done
-together: one gather of every sequence's blocks through the block table, one masked batched
-grouped-query attention. Rows with several new tokens (prefill, chunked prefill, extend after a
+together: in float32 by the C kernel of ``cpu_native``, which reads the blocks where they lie;
+otherwise (other dtypes, or no C compiler) by one gather of every sequence's blocks through the
+block table and one masked batched grouped-query attention. Rows with several new tokens (prefill, chunked prefill, extend after a
 prefix-cache hit) are compute-bound and done one sequence at a time with a causal mask whose
 diagonal is shifted by the cached prefix.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import cpu_native
 from .base import AttentionMetadata
 
 
@@ -84,6 +86,13 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) ->
 
 def _decode(query, k_cache, v_cache, block_tables, context_lens, max_context_len, scale):
     """One new token per sequence: [num_seqs, num_heads, head_dim] → same shape."""
+    if cpu_native.supports(query, k_cache, v_cache) and cpu_native.available():
+        return cpu_native.paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale)
+    return _decode_gathered(query, k_cache, v_cache, block_tables, context_lens, max_context_len,
+                            scale)
+
+
+def _decode_gathered(query, k_cache, v_cache, block_tables, context_lens, max_context_len, scale):
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads

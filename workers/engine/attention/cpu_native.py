@@ -1,0 +1,159 @@
+"""The CPU decode-attention kernel in ``csrc/paged_decode.c``: built on first use, called through ctypes.
+
+The kernel is plain C99 with no headers beyond libc, so the system C compiler (the one Triton
+needs on GPU workers anyway) builds it in well under a second. The library is cached per source,
+flags and CPU, so later processes only load it. Without a compiler, or with
+``ENGINE_NATIVE_KERNELS=0``, ``available()`` is False and the caller keeps its PyTorch path.
+
+ctypes releases the GIL during the call, so the sequences are split into ranges of about equal
+work and run on a small thread pool of the size PyTorch is using.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+# Vectorised float reductions need reassociation; full -ffast-math would also assume no
+# infinities, which the softmax's running maximum starts from.
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+         "-fno-trapping-math", "-ffp-contract=fast", "-shared", "-fPIC"]
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_failed = False
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(os.environ.get("ENGINE_KERNEL_CACHE") or Path(base) / "inference-platform" / "kernels")
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CC", "cc")
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_signature()])
+                         .encode()).hexdigest()[:16]
+    target = cache_dir() / f"paged_decode-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed, so processes building at once never load half a file.
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE), "-lm"], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+def _load() -> ctypes.CDLL | None:
+    global _library, _failed
+    if _library is not None or _failed:
+        return _library
+    with _lock:
+        if _library is not None or _failed:
+            return _library
+        if os.environ.get("ENGINE_NATIVE_KERNELS", "1").lower() in ("0", "false", "no", "off"):
+            _failed = True
+            return None
+        try:
+            library = ctypes.CDLL(str(_build()))
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", "") or exc
+            log.warning("CPU attention kernel unavailable, using the PyTorch path: %s", detail)
+            _failed = True
+            return None
+        fn = library.paged_decode_f32
+        ptr, num = ctypes.c_void_p, ctypes.c_int
+        fn.argtypes = [ptr, ptr, ptr, ptr, num, ptr, ptr, num, num, num, num, num, num, ctypes.c_float]
+        fn.restype = ctypes.c_int
+        _library = library
+        return library
+
+
+def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether these tensors are the kernel's case: float32 on the CPU, the caches contiguous."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (query, k_cache, v_cache)) \
+        and k_cache.is_contiguous() and v_cache.is_contiguous()
+
+
+def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one new token per sequence over its cached context: [S, H, D] → [S, H, D]."""
+    library = _load()
+    if library is None:
+        raise RuntimeError("the CPU attention kernel is not available")
+    query = query.contiguous()
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(query)
+    args = (query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+            tables.shape[1], lens.data_ptr(), out.data_ptr())
+    shape = (num_heads, num_kv_heads, head_dim, block_size, float(scale))
+
+    def run(first: int, last: int) -> int:
+        return library.paged_decode_f32(*args, first, last, *shape)
+
+    ranges = _split(lens, min(torch.get_num_threads(), num_seqs))
+    if len(ranges) == 1:
+        codes = [run(*ranges[0])]
+    else:
+        codes = list(_threads().map(lambda r: run(*r), ranges))
+    if any(codes):
+        raise MemoryError("the CPU attention kernel could not allocate its score buffer")
+    return out
+
+
+def _split(context_lens: torch.Tensor, parts: int) -> list[tuple[int, int]]:
+    """Contiguous ranges of sequences with about the same number of context tokens each."""
+    num_seqs = context_lens.shape[0]
+    if parts <= 1:
+        return [(0, num_seqs)]
+    work = context_lens.to(torch.int64).cumsum(0)
+    goals = work[-1] * torch.arange(1, parts, dtype=torch.int64) // parts
+    cuts = [0, *torch.searchsorted(work, goals, right=True).tolist(), num_seqs]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+def _threads() -> ThreadPoolExecutor:
+    global _pool, _pool_size
+    if _pool is None or _pool_size < torch.get_num_threads():
+        _pool_size = torch.get_num_threads()
+        _pool = ThreadPoolExecutor(_pool_size, thread_name_prefix="cpu-attention")
+    return _pool
