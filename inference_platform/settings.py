@@ -224,6 +224,24 @@ FLEET_LOAD_TIMEOUT = _env_seconds("FLEET_LOAD_TIMEOUT", "600", minimum=1)  # a l
 FLEET_DRAIN_TIMEOUT = _env_seconds("FLEET_DRAIN_TIMEOUT", "600", minimum=0)  # unload waits for requests
 # A request to a deployment with no replica waits this long for one to load (a cold start).
 FLEET_COLD_START_TIMEOUT = _env_seconds("FLEET_COLD_START_TIMEOUT", "120", minimum=0)
+# The engines a worker loads: on a GPU, the share of the memory free after the weights that the KV
+# cache, step activations and CUDA graphs may take together (unset: the engine's default, 0.9);
+# ENGINE_CUDA_GRAPHS=false runs decode steps eagerly instead of replaying CUDA graphs.
+def _env_fraction(name: str) -> float | None:
+    raw = env_str(name).strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be a number in (0, 1], not {raw!r}") from None
+    if not 0 < value <= 1:
+        raise ImproperlyConfigured(f"{name} must be a number in (0, 1], not {raw!r}")
+    return value
+
+
+ENGINE_KV_MEMORY_FRACTION = _env_fraction("ENGINE_KV_MEMORY_FRACTION")
+ENGINE_CUDA_GRAPHS = env_bool("ENGINE_CUDA_GRAPHS", True)
 METRICS_TOKEN = env_str("METRICS_TOKEN")  # Prometheus scrapes /metrics with "Authorization: Bearer <token>"
 CELERY_BEAT_SCHEDULE = {
     "fleet-tick": {

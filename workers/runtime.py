@@ -41,6 +41,7 @@ class EngineHost:
             dtype=None if spec.get("dtype") in (None, "", "auto") else spec["dtype"],
             max_batch_size=spec.get("max_batch_size", 32),
             batch_window_ms=spec.get("batch_window_ms", 0),
+            **_worker_engine_options(),
         ).start()
         self.load_seconds[spec["name"]] = time.monotonic() - started
         log.info("deployment %s ready in %.1fs", spec["name"], self.load_seconds[spec["name"]])
@@ -62,6 +63,17 @@ class EngineHost:
 
     def stats(self) -> dict[str, dict]:
         return {name: engine.stats() for name, engine in self.loaded().items()}
+
+
+def _worker_engine_options() -> dict:
+    """Engine options every deployment on this worker shares, from the settings (none when
+    running outside Django)."""
+    from django.conf import settings
+
+    if not settings.configured:
+        return {}
+    return {"kv_memory_fraction": getattr(settings, "ENGINE_KV_MEMORY_FRACTION", None),
+            "cuda_graphs": getattr(settings, "ENGINE_CUDA_GRAPHS", True)}
 
 
 host = EngineHost()

@@ -169,6 +169,69 @@ def test_sampled_tokens_are_never_masked_out():
     assert all(out.token_ids[i] in top4[i] for i in range(200))
 
 
+EVERY_FEATURE = [
+    SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.02, seed=4, logprobs=True,
+                   top_logprobs=3, presence_penalty=0.5, frequency_penalty=0.2,
+                   repetition_penalty=1.2, logit_bias={1: 2.0}),
+    SamplingParams(temperature=0, logprobs=True, top_logprobs=2),
+    SamplingParams(temperature=1.3, top_k=-1, top_p=0.5),
+    SamplingParams(temperature=0.5, top_k=12, seed=9),
+]
+
+
+def test_a_step_never_reads_a_tensor_back_to_the_host(monkeypatch):
+    """On a GPU every such read waits for the device; a step's only one is ``to_host``."""
+    torch.manual_seed(1)
+    logits = torch.randn(len(EVERY_FEATURE), VOCAB)
+    history = [[3, 4, 5, 3]] * len(EVERY_FEATURE)
+    batch = SamplingBatch.build(EVERY_FEATURE, history, [2] * len(EVERY_FEATURE),
+                                vocab_size=VOCAB)
+    expected = Sampler(seed=0)(logits.clone(), batch)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor was read back to the host inside the sampler")
+
+    for name in ("item", "tolist", "__int__", "__float__", "__bool__", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    out = Sampler(seed=0)(logits.clone(), batch)
+    monkeypatch.undo()
+    assert torch.equal(out.token_ids, expected.token_ids)
+
+
+def test_results_come_to_the_host_whole_in_one_transfer(logits):
+    out = run(logits, EVERY_FEATURE)
+    token_ids, logprobs, top_ids, top_logprobs = out.to_host()
+    assert token_ids == out.token_ids.tolist()
+    assert logprobs == out.logprobs.tolist()  # float32 values survive the float64 packing
+    assert top_ids == out.top_ids.tolist() and top_logprobs == out.top_logprobs.tolist()
+    assert all(isinstance(t, int) for t in token_ids)
+    plain = run(logits, [SamplingParams(temperature=0)] * 4).to_host()
+    assert plain == (logits.argmax(-1).tolist(), None, None, None)
+    no_top = run(logits, [SamplingParams(temperature=0, logprobs=True)] * 4).to_host()
+    assert no_top[2] is None and no_top[3] is None and len(no_top[1]) == 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_a_step_does_not_synchronise_until_its_results_are_read():
+    torch.manual_seed(1)
+    logits = torch.randn(len(EVERY_FEATURE), VOCAB, device="cuda")
+    history = [[3, 4, 5, 3]] * len(EVERY_FEATURE)
+    sampler = Sampler("cuda", seed=0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        batch = SamplingBatch.build(EVERY_FEATURE, history, [2] * len(EVERY_FEATURE),
+                                    vocab_size=VOCAB, device="cuda")
+        out = sampler(logits, batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    token_ids = out.to_host()[0]
+    cpu = Sampler(seed=0)(logits.cpu(), SamplingBatch.build(
+        EVERY_FEATURE, history, [2] * len(EVERY_FEATURE), vocab_size=VOCAB))
+    greedy = [i for i, p in enumerate(EVERY_FEATURE) if p.temperature == 0]
+    assert [token_ids[i] for i in greedy] == [cpu.token_ids.tolist()[i] for i in greedy]
+
+
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5),
     ("top_k", -2), ("top_k", 1.5), ("min_p", 2.0), ("max_tokens", 0), ("max_tokens", 2.5),

@@ -23,7 +23,14 @@ from typing import Any, Iterator
 import torch
 
 from .kv_cache import BlockManager
-from .model_runner import ModelRunner, kv_bytes_per_block, pick_dtype
+from .model_runner import (
+    ModelRunner,
+    device_memory,
+    device_name,
+    kv_bytes_per_block,
+    pick_dtype,
+    step_memory_reserve,
+)
 from .scheduler import Scheduler
 from .sequence import (
     FinishReason,
@@ -38,7 +45,9 @@ from .sequence import (
 log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_MEMORY = 2 << 30  # bytes; the cache is allocated lazily by the OS as it fills
-DEFAULT_CUDA_KV_FRACTION = 0.8  # of the GPU memory left free once the weights are loaded
+# Of the GPU memory free once the weights are loaded: what the KV cache, the step activations
+# and the CUDA graphs may take together (the rest is slack for the CUDA context and others).
+DEFAULT_CUDA_KV_FRACTION = 0.9
 
 
 class EngineError(RuntimeError):
@@ -117,7 +126,11 @@ class Engine:
     ``model`` is a path (GGUF file or Hugging Face folder) or an already ``LoadedModel``.
     ``dtype`` defaults to bfloat16 on CUDA; on CPU to float32, unless the chip has native
     bfloat16 (AMX / AVX512-BF16) and a probe matmul runs faster in it (see ``pick_dtype``). The KV
-    cache holds ``num_kv_blocks`` blocks, or as many as ``kv_memory`` bytes allow.
+    cache holds ``num_kv_blocks`` blocks, or as many as ``kv_memory`` bytes allow; by default on
+    CUDA, ``kv_memory_fraction`` of the memory free after loading the weights, less the measured
+    memory of the largest step (and of the CUDA graphs); on CPU, 2 GiB (the fraction is ignored).
+    ``cuda_graphs``: on CUDA, replay decode steps from graphs captured per batch-size bucket at
+    start (False runs every step eagerly); ignored on CPU.
     ``batch_window_ms``: when idle, how long to wait for more requests before the first prefill,
     so that a burst starts as one batch (a full batch starts at once).
 
@@ -141,6 +154,8 @@ class Engine:
         enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
         seed: int | None = None,
+        kv_memory_fraction: float | None = None,
+        cuda_graphs: bool = True,
     ):
         from .loader import LoadedModel, load_model
 
@@ -171,13 +186,22 @@ class Engine:
                 raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
             self.max_model_len = min(max_model_len, self.max_model_len)
         self.block_size = block_size
-        self.num_kv_blocks = self._kv_blocks(num_kv_blocks, kv_memory, max_batch_size)
+        self.kv_sizing: dict[str, Any] | None = None  # how a CUDA pool was sized, for reports
+        self.num_kv_blocks = self._kv_blocks(num_kv_blocks, kv_memory, max_batch_size,
+                                             max_batched_tokens=max_batched_tokens,
+                                             kv_memory_fraction=kv_memory_fraction,
+                                             cuda_graphs=cuda_graphs)
         self.block_manager = BlockManager(self.num_kv_blocks, block_size,
                                           enable_prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_batch_size=max_batch_size,
                                    max_batched_tokens=max_batched_tokens)
         self.runner = ModelRunner(loaded.model, num_blocks=self.num_kv_blocks,
-                                  block_size=block_size, device=device, dtype=dtype, seed=seed)
+                                  block_size=block_size, device=device, dtype=dtype, seed=seed,
+                                  max_batch_size=max_batch_size, max_model_len=self.max_model_len,
+                                  cuda_graphs=cuda_graphs)
+        self.device_name = device_name(device)
+        self._memory_checked = 0.0  # when device memory was last read (for the stats)
+        self._memory = device_memory(device)
         self.max_batch_size = max_batch_size
         self.max_batched_tokens = max_batched_tokens
         self.batch_window = batch_window_ms / 1000.0
@@ -198,9 +222,21 @@ class Engine:
         self._stats = self._collect_stats()
 
     def _kv_blocks(self, num_kv_blocks: int | None, kv_memory: int | None,
-                   max_batch_size: int) -> int:
-        if num_kv_blocks is not None and kv_memory is not None:
-            raise ValueError("give num_kv_blocks or kv_memory, not both")
+                   max_batch_size: int, *, max_batched_tokens: int,
+                   kv_memory_fraction: float | None, cuda_graphs: bool) -> int:
+        if kv_memory_fraction is not None:
+            if isinstance(kv_memory_fraction, bool) \
+                    or not isinstance(kv_memory_fraction, (int, float)) \
+                    or not 0 < kv_memory_fraction <= 1:
+                raise ValueError(f"kv_memory_fraction must be a number in (0, 1], got "
+                                 f"{kv_memory_fraction!r}")
+        sizes = [name for name, value in (("num_kv_blocks", num_kv_blocks),
+                                          ("kv_memory", kv_memory),
+                                          ("kv_memory_fraction", kv_memory_fraction))
+                 if value is not None]
+        if len(sizes) > 1:
+            raise ValueError(f"give one of num_kv_blocks, kv_memory and kv_memory_fraction, "
+                             f"not {' and '.join(sizes)}")
         if num_kv_blocks is not None:
             if num_kv_blocks < 1:
                 raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
@@ -210,14 +246,38 @@ class Engine:
         ceiling = max_batch_size * -(-self.max_model_len // self.block_size)
         if kv_memory is None:
             if str(self.device).startswith("cuda"):
-                free, _total = torch.cuda.mem_get_info(torch.device(self.device))
-                kv_memory = int(free * DEFAULT_CUDA_KV_FRACTION)
+                kv_memory = self._cuda_kv_memory(
+                    kv_memory_fraction or DEFAULT_CUDA_KV_FRACTION, max_batch_size,
+                    max_batched_tokens, cuda_graphs)
             else:
                 kv_memory = DEFAULT_CPU_KV_MEMORY
-        blocks = min(kv_memory // per_block, ceiling)
+        # One block more than the pool is allocated: the zeroed block padded rows attend over.
+        blocks = min(kv_memory // per_block - 1, ceiling)
         if blocks < 1:
-            raise ValueError(f"kv_memory {kv_memory} bytes holds no block ({per_block} bytes)")
+            raise ValueError(f"kv_memory {kv_memory} bytes holds no block beside the padding "
+                             f"block ({per_block} bytes each)")
         return int(blocks)
+
+    def _cuda_kv_memory(self, fraction: float, max_batch_size: int, max_batched_tokens: int,
+                        cuda_graphs: bool) -> int:
+        """Bytes for the KV cache: ``fraction`` of the memory free now that the weights are
+        loaded, less what the largest step and the CUDA graphs were measured to need."""
+        reserve = step_memory_reserve(
+            self.loaded.model, max_batched_tokens=max_batched_tokens,
+            max_batch_size=max_batch_size, max_model_len=self.max_model_len,
+            block_size=self.block_size, dtype=self.dtype, cuda_graphs=cuda_graphs)
+        free, _total = torch.cuda.mem_get_info(torch.device(self.device))
+        budget = int(free * fraction) - reserve
+        self.kv_sizing = {"free_after_weights": int(free), "fraction": fraction,
+                          "step_reserve": reserve, "kv_memory": budget}
+        log.info("KV cache: %.2f GiB (%.2f of %.2f GiB free, less %.2f GiB for steps)",
+                 budget / 2**30, fraction, free / 2**30, reserve / 2**30)
+        if budget <= 0:
+            raise ValueError(f"no GPU memory is left for the KV cache: {fraction} of the "
+                             f"{free} bytes free after loading the weights is less than the "
+                             f"{reserve} bytes the largest step needs (raise kv_memory_fraction, "
+                             f"or lower max_batched_tokens or max_batch_size)")
+        return budget
 
     # ------------------------------------------------------------------------------ lifetime
 
@@ -592,7 +652,20 @@ class Engine:
             "max_model_len": self.max_model_len,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
+            "device_name": self.device_name,
+            **self._device_memory_stats(),
+            "kv_capacity_tokens": bm.num_blocks * bm.block_size,
+            **self.runner.graph_stats(),
         }
+
+    def _device_memory_stats(self) -> dict[str, int | None]:
+        # Read at most once a second: the stats are refreshed after every step.
+        now = time.monotonic()
+        if self._memory[0] is not None and now - self._memory_checked >= 1.0:
+            self._memory = device_memory(self.device)
+            self._memory_checked = now
+        total, free = self._memory
+        return {"device_memory_total": total, "device_memory_free": free}
 
 
 def _parse_dtype(name: str) -> torch.dtype:

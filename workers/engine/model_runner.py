@@ -3,10 +3,15 @@
 The step's sequences are flattened into one run of tokens without padding. Index arithmetic
 (positions, cache slots) is done with numpy on whole arrays, so building a step costs a few
 array operations plus one short loop over the sequences, never a loop over tokens.
+
+On CUDA, decode steps (one new token per sequence) replay a CUDA graph captured for their
+batch-size bucket (``cuda_graphs.py``); other steps run eagerly. Inputs reach the device through
+asynchronous copies and the results come back in one transfer at the end of the step.
 """
 
 from __future__ import annotations
 
+import platform
 import time
 from dataclasses import dataclass
 
@@ -14,8 +19,9 @@ import numpy as np
 import torch
 
 from .attention.base import AttentionMetadata
+from .cuda_graphs import DecodeGraphs, DecodeStep
 from .sampling import Sampler, SamplerOutput, SamplingBatch
-from .sequence import Sequence
+from .sequence import SamplingParams, Sequence
 
 
 def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
@@ -64,6 +70,116 @@ def cpu_has_native_bf16() -> bool:
     return False
 
 
+def device_name(device: str | torch.device) -> str:
+    """The GPU's name on CUDA; the CPU's model name otherwise."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or device.type
+
+
+def device_memory(device: str | torch.device) -> tuple[int | None, int | None]:
+    """(total, free) bytes of a CUDA device's memory; (None, None) elsewhere."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None, None
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total), int(free)
+
+
+def dummy_step(model: torch.nn.Module, kv_caches, *, seq_lens: list[int], num_logit_rows: int,
+               max_context_len: int | None = None, sample: bool = False) -> torch.Tensor:
+    """Run a step of fresh sequences of ``seq_lens`` tokens (all token 0) over ``kv_caches``,
+    laid out one after another from block 0; logits for the last ``num_logit_rows`` tokens,
+    sampled with every sampling feature on when ``sample``. For measuring how much memory a
+    step takes. ``max_context_len`` overrides what the attention is told (a decode graph is
+    captured with the longest allowed context)."""
+    cache = kv_caches[0][0]
+    device, block_size = cache.device, cache.shape[1]
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    blocks_per_seq = -(-lens // block_size)
+    if int(blocks_per_seq.sum()) > cache.shape[0]:
+        raise ValueError(f"the dummy step needs {int(blocks_per_seq.sum())} blocks, the cache "
+                         f"has {cache.shape[0]}")
+    width = int(blocks_per_seq.max())
+    first_block = np.concatenate([[0], np.cumsum(blocks_per_seq)[:-1]])
+    block_tables = first_block[:, None] + np.arange(width)[None, :]
+    query_start = np.concatenate([[0], np.cumsum(lens)])
+    seq_of_token = np.repeat(np.arange(len(lens)), lens)
+    positions = np.arange(int(lens.sum())) - query_start[:-1][seq_of_token]
+    slots = block_tables[seq_of_token, positions // block_size] * block_size \
+        + positions % block_size
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slots).to(device),
+        block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(device),
+        context_lens=torch.from_numpy(lens.astype(np.int32)).to(device),
+        query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(device),
+        max_query_len=int(lens.max()),
+        max_context_len=max_context_len or int(lens.max()),
+    )
+    input_ids = torch.zeros(positions.shape[0], dtype=torch.long, device=device)
+    with torch.inference_mode():
+        hidden = model(input_ids, torch.from_numpy(positions).to(device), meta, kv_caches)
+        logits = model.compute_logits(hidden[-num_logit_rows:])
+        if sample:
+            vocab = logits.shape[-1]
+            params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01,
+                                    presence_penalty=0.5, repetition_penalty=1.1,
+                                    logprobs=True, top_logprobs=20, seed=0)
+            rows = logits.shape[0]
+            batch = SamplingBatch.build([params] * rows, [[0] * 8] * rows, [4] * rows,
+                                        vocab_size=vocab, device=device)
+            Sampler(device, seed=0)(logits, batch).to_host()
+    return logits
+
+
+def measure_peak_memory(device: str | torch.device, run) -> int:
+    """Bytes of CUDA memory ``run()`` allocates at its peak beyond what was allocated before."""
+    device = torch.device(device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    run()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    torch.cuda.empty_cache()
+    return max(0, int(peak))
+
+
+def step_memory_reserve(model: torch.nn.Module, *, max_batched_tokens: int, max_batch_size: int,
+                        max_model_len: int, block_size: int, dtype: torch.dtype,
+                        cuda_graphs: bool) -> int:
+    """GPU memory to keep free beside the KV cache, measured: the largest eager step (a prefill
+    of ``max_batched_tokens`` sampling ``max_batch_size`` rows with every feature on) plus, with
+    CUDA graphs, a decode step of ``max_batch_size`` rows (what the graphs' own pool holds)."""
+    config = model.config
+    device = next(model.parameters()).device
+    num_tokens = max(max_batched_tokens, max_batch_size)
+    chunk = max(1, min(num_tokens, max_model_len - 1))
+    prefill = [chunk] * (num_tokens // chunk) + ([num_tokens % chunk] if num_tokens % chunk else [])
+    blocks = sum(-(-n // block_size) for n in prefill) + max_batch_size
+    shape = (blocks, block_size, config.num_kv_heads, config.head_dim)
+    scratch = [(torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device)) for _ in range(config.num_layers)]
+    rows = min(max_batch_size, num_tokens)
+    reserve = measure_peak_memory(device, lambda: dummy_step(
+        model, scratch, seq_lens=prefill, num_logit_rows=rows, sample=True))
+    if cuda_graphs:
+        reserve += measure_peak_memory(device, lambda: dummy_step(
+            model, scratch, seq_lens=[1] * max_batch_size, num_logit_rows=max_batch_size,
+            max_context_len=max_model_len))
+    del scratch
+    torch.cuda.empty_cache()
+    return reserve
+
+
 class SmallStepThreads:
     """How many CPU threads the smallest steps (single-stream decode) should use, by measurement.
 
@@ -110,16 +226,28 @@ class StepResult:
 
 
 class ModelRunner:
+    """Runs steps over a KV cache of ``num_blocks`` blocks, plus one zeroed block (index
+    ``num_blocks``, never handed out) that padded decode rows attend over.
+
+    ``cuda_graphs`` (CUDA only; ignored elsewhere): capture decode graphs for batch sizes up to
+    ``max_batch_size`` and contexts up to ``max_model_len`` (the config's length by default).
+    """
+
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int,
-                 device: str | torch.device, dtype: torch.dtype, seed: int | None = None):
+                 device: str | torch.device, dtype: torch.dtype, seed: int | None = None,
+                 max_batch_size: int = 64, max_model_len: int | None = None,
+                 cuda_graphs: bool = False):
         config = model.config
         self.model = model
         self.config = config
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.pad_block = num_blocks
         self.device = torch.device(device)
         self.vocab_size = config.vocab_size
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len or config.max_position_embeddings
+        shape = (num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
         # On CPU, empty() leaves a large cache to the OS to back with memory as blocks are first
         # written, so an engine sized for a big pool costs RAM only for what it uses. Attention
         # never reads a slot before it is written (unused tails are masked). On GPUs, zeros.
@@ -129,15 +257,72 @@ class ModelRunner:
              alloc(shape, dtype=dtype, device=self.device))
             for _ in range(config.num_layers)
         ]
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[self.pad_block].zero_()
+            v_cache[self.pad_block].zero_()
         self.sampler = Sampler(self.device, seed=seed)
         self.threads = SmallStepThreads() if self.device.type == "cpu" else None
+        self.decode_graphs: DecodeGraphs | None = None
+        if cuda_graphs and self.device.type == "cuda":
+            self.decode_graphs = self.padded_decode()
+            self.decode_graphs.capture()
+
+    def padded_decode(self) -> DecodeGraphs:
+        """Static, padded decode inputs over this runner's cache (captured or not)."""
+        return DecodeGraphs(self.model, self.kv_caches, max_batch_size=self.max_batch_size,
+                            max_model_len=self.max_model_len, block_size=self.block_size,
+                            pad_block=self.pad_block, device=self.device)
+
+    def graph_stats(self) -> dict:
+        graphs = self.decode_graphs
+        captured = graphs is not None and graphs.captured
+        return {
+            "cuda_graphs": captured,
+            "cuda_graph_batch_sizes": graphs.sizes if captured else None,
+            "cuda_graph_capture_s": graphs.capture_seconds if captured else None,
+            "cuda_graph_memory_bytes": graphs.memory_bytes if captured else None,
+        }
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepResult:
         """Run one step; sequences whose new tokens reach their end get a sampled token."""
-        input_ids, positions, meta, last_rows, sample_index = self._prepare(seqs, num_new_tokens)
-        sampled = [seqs[i] for i in sample_index]
-        num_tokens = input_ids.shape[0]
+        plan = self._plan(seqs, num_new_tokens)
+        sampled = [seqs[i] for i in plan.sample_index.tolist()]
+        graphs = self.decode_graphs
+        if graphs is not None and plan.max_query_len == 1 \
+                and graphs.fits(len(seqs), plan.block_tables.shape[1]):
+            logits = graphs.run(DecodeStep(plan.tokens, plan.positions, plan.slots,
+                                           plan.context_lens.astype(np.int32),
+                                           plan.block_tables))
+            if len(sampled) < len(seqs):
+                logits = logits[_on(plan.sample_index, self.device)]
+        else:
+            logits = self._run_eager(plan)
+        if not sampled:
+            return StepResult([], [], None, None, None)
+        batch = SamplingBatch.build(
+            [s.params for s in sampled], [s.token_ids for s in sampled],
+            [s.num_prompt_tokens for s in sampled], vocab_size=logits.shape[-1],
+            device=self.device)
+        out: SamplerOutput = self.sampler(logits, batch)
+        token_ids, logprobs, top_ids, top_logprobs = out.to_host()  # the step's one wait
+        return StepResult(sampled=sampled, token_ids=token_ids, logprobs=logprobs,
+                          top_ids=top_ids, top_logprobs=top_logprobs)
+
+    def _run_eager(self, plan: "_StepPlan") -> torch.Tensor | None:
+        """Logits of the sampled rows (None when no row samples)."""
+        device = self.device
+        meta = AttentionMetadata(
+            slot_mapping=_on(plan.slots, device),
+            block_tables=_on(plan.block_tables, device),
+            context_lens=_on(plan.context_lens.astype(np.int32), device),
+            query_start_loc=_on(plan.query_start.astype(np.int32), device),
+            max_query_len=plan.max_query_len,
+            max_context_len=plan.max_context_len,
+        )
+        input_ids = _on(plan.tokens, device)
+        positions = _on(plan.positions, device)
+        num_tokens = plan.tokens.shape[0]
         threads = self.threads.threads_for(num_tokens) if self.threads else 0
         started = time.perf_counter()
         default_threads = torch.get_num_threads()
@@ -145,28 +330,17 @@ class ModelRunner:
             torch.set_num_threads(threads)
         try:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
-            if not sampled:
-                return StepResult([], [], None, None, None)
-            logits = self.model.compute_logits(hidden[last_rows])
+            if plan.sample_index.shape[0] == 0:
+                return None
+            logits = self.model.compute_logits(hidden[_on(plan.last_rows, device)])
         finally:
             if threads and threads != default_threads:
                 torch.set_num_threads(default_threads)  # MKL's setting is process-wide
         if self.threads:
             self.threads.record(num_tokens, threads, time.perf_counter() - started)
-        batch = SamplingBatch.build(
-            [s.params for s in sampled], [s.token_ids for s in sampled],
-            [s.num_prompt_tokens for s in sampled], vocab_size=logits.shape[-1],
-            device=self.device)
-        out: SamplerOutput = self.sampler(logits, batch)
-        return StepResult(
-            sampled=sampled,
-            token_ids=out.token_ids.tolist(),
-            logprobs=out.logprobs.tolist() if out.logprobs is not None else None,
-            top_ids=out.top_ids.tolist() if out.top_ids is not None else None,
-            top_logprobs=out.top_logprobs.tolist() if out.top_logprobs is not None else None,
-        )
+        return logits
 
-    def _prepare(self, seqs: list[Sequence], num_new_tokens: list[int]):
+    def _plan(self, seqs: list[Sequence], num_new_tokens: list[int]) -> "_StepPlan":
         bs = self.block_size
         num_seqs = len(seqs)
         q_lens = np.asarray(num_new_tokens, dtype=np.int64)
@@ -202,18 +376,33 @@ class ModelRunner:
         reaches_end = context_lens == np.fromiter((s.num_tokens for s in seqs), dtype=np.int64,
                                                   count=num_seqs)
         sample_index = np.flatnonzero(reaches_end)
-        last_rows = query_start[1:][sample_index] - 1
-
-        device = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(device),
-            block_tables=torch.from_numpy(block_tables).to(device),
-            context_lens=torch.from_numpy(context_lens.astype(np.int32)).to(device),
-            query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(device),
-            max_query_len=max_query_len,
-            max_context_len=max_context_len,
+        return _StepPlan(
+            tokens=np.asarray(tokens, dtype=np.int64),
+            positions=np.ascontiguousarray(positions, dtype=np.int64),
+            slots=slots, block_tables=block_tables, context_lens=context_lens,
+            query_start=query_start, max_query_len=max_query_len,
+            max_context_len=max_context_len, sample_index=sample_index,
+            last_rows=query_start[1:][sample_index] - 1,
         )
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=device)
-        positions_t = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(device)
-        last_rows_t = torch.from_numpy(last_rows).to(device)
-        return input_ids, positions_t, meta, last_rows_t, sample_index.tolist()
+
+
+@dataclass
+class _StepPlan:
+    """A step's inputs as host arrays."""
+
+    tokens: np.ndarray  # int64 [num_tokens]
+    positions: np.ndarray  # int64 [num_tokens]
+    slots: np.ndarray  # int64 [num_tokens]
+    block_tables: np.ndarray  # int32 [num_seqs, width]
+    context_lens: np.ndarray  # int64 [num_seqs]
+    query_start: np.ndarray  # int64 [num_seqs + 1]
+    max_query_len: int
+    max_context_len: int
+    sample_index: np.ndarray  # int64: the rows that sample
+    last_rows: np.ndarray  # int64: their last token's index in the flattened batch
+
+
+def _on(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device``, copied without waiting for the device (a copy from pageable
+    memory is staged before it returns, so the array may go away at once)."""
+    return torch.from_numpy(values).to(device, non_blocking=True)

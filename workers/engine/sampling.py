@@ -7,6 +7,10 @@ a pass over a [rows, vocab] tensor.
 Random rows draw with the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which samples
 exactly from ``p``. A seeded row takes its noise from a generator keyed by (seed, output index),
 so its tokens depend on nothing else in the batch, nor on how often it was preempted.
+
+On a GPU a step never waits for the device until its results are read: the per-row settings go
+over in asynchronous copies, whatever shapes depend on them (the widest top-k) are known on the
+host, and ``SamplerOutput.to_host`` brings every result back in one transfer.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class SamplingBatch:
     sampled_rows: torch.Tensor | None  # long [S]: rows that draw at random
     temperature: torch.Tensor | None  # float [S] for the sampled rows
     top_k: torch.Tensor | None  # long [S], vocab size where disabled
+    top_k_max: int  # the largest of top_k, kept on the host (the width of one topk over the rows)
     top_p: torch.Tensor | None  # float [S]
     min_p: torch.Tensor | None  # float [S]
     seeds: list[int | None]  # per sampled row
@@ -61,15 +66,16 @@ class SamplingBatch:
         sp = [params[i] for i in sampled]
 
         def rows_tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
+            return _to_device(torch.tensor(values, dtype=dtype), device)
 
         temperature = top_k = top_p = min_p = sampled_rows = None
+        top_k_max = 0
         if sampled:
             sampled_rows = rows_tensor(sampled, torch.long)
             temperature = rows_tensor([p.temperature for p in sp], torch.float32)
             if any(0 < p.top_k < vocab_size for p in sp):
-                top_k = rows_tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size
-                                     for p in sp], torch.long)
+                ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in sp]
+                top_k, top_k_max = rows_tensor(ks, torch.long), max(ks)
             if any(p.top_p < 1.0 for p in sp):
                 top_p = rows_tensor([p.top_p for p in sp], torch.float32)
             if any(p.min_p > 0 for p in sp):
@@ -100,7 +106,7 @@ class SamplingBatch:
 
         return cls(
             num_rows=n, all_greedy=not sampled, sampled_rows=sampled_rows,
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            temperature=temperature, top_k=top_k, top_k_max=top_k_max, top_p=top_p, min_p=min_p,
             seeds=[p.seed for p in sp],
             steps=[len(token_ids[i]) - num_prompt_tokens[i] for i in sampled],
             presence=presence, frequency=frequency, repetition=repetition,
@@ -116,7 +122,13 @@ def _padded(rows: Seq[list[int]], pad: int, device) -> torch.Tensor:
     out = np.full((len(rows), width), pad, dtype=np.int64)
     for i, r in enumerate(rows):
         out[i, :len(r)] = r
-    return torch.from_numpy(out).to(device)
+    return _to_device(torch.from_numpy(out), device)
+
+
+def _to_device(values: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the device: a copy from pageable memory
+    is staged at once, so the host tensor may go away as soon as this returns."""
+    return values.to(device, non_blocking=True)
 
 
 @dataclass
@@ -125,6 +137,26 @@ class SamplerOutput:
     logprobs: torch.Tensor | None  # float [N]: the chosen token's logprob
     top_ids: torch.Tensor | None  # long [N, K]
     top_logprobs: torch.Tensor | None  # float [N, K]
+
+    def to_host(self) -> tuple[list[int], list[float] | None, list[list[int]] | None,
+                               list[list[float]] | None]:
+        """(token ids, logprobs, top ids, top logprobs) as Python lists, through one copy from
+        the device (so one wait for it). Packed as float64, which holds token ids and float32
+        logprobs exactly."""
+        if self.logprobs is None:
+            return self.token_ids.tolist(), None, None, None
+        parts = [self.token_ids[:, None].double(), self.logprobs[:, None].double()]
+        k = 0
+        if self.top_ids is not None:
+            k = self.top_ids.shape[1]
+            parts += [self.top_ids.double(), self.top_logprobs.double()]
+        packed = torch.cat(parts, dim=1).cpu().numpy()
+        token_ids = packed[:, 0].astype(np.int64).tolist()
+        logprobs = packed[:, 1].tolist()
+        if self.top_ids is None:
+            return token_ids, logprobs, None, None
+        return (token_ids, logprobs, packed[:, 2:2 + k].astype(np.int64).tolist(),
+                packed[:, 2 + k:].tolist())
 
 
 class Sampler:
@@ -182,7 +214,7 @@ class Sampler:
         """Random tokens for the sampled rows: temperature, top-k, top-p, min-p, then the race."""
         logits = logits / batch.temperature[:, None]
         if batch.top_k is not None:
-            k_max = int(batch.top_k.max())
+            k_max = batch.top_k_max
             top_values = logits.topk(k_max, dim=-1).values
             threshold = top_values.gather(1, (batch.top_k.clamp(max=k_max) - 1)[:, None])
             disabled = batch.top_k[:, None] >= logits.shape[1]

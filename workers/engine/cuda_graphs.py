@@ -1,0 +1,182 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, replayed with the batch padded.
+
+A decode step is a few dozen small kernels per layer; at small batch sizes launching them costs
+more than running them on a GPU. A graph captured once per bucket replays the whole step (the
+forward pass and the logits) with one launch. A graph replays fixed shapes at fixed addresses, so:
+
+- every input lives in a static buffer sized for the largest bucket; a step copies its rows in and
+  pads the rest of its bucket. Padded rows write no KV (slot -1) and attend over one position of a
+  zeroed block kept for them, so they compute finite values that nobody reads;
+- block tables are as wide as the longest sequence the engine allows;
+- the attention is told that longest length (``max_model_len``) instead of the step's, so its
+  launch grid is the same on every replay; the decode kernel reads each row's true length from
+  ``context_lens`` (its last context split runs to the row's end, whatever the bound).
+
+Before ``capture()`` (and on CPU, where nothing is captured) ``run`` executes the same padded
+step eagerly on the same buffers, which is how the padding is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .attention.base import AttentionMetadata
+
+
+def graph_batch_sizes(max_batch_size: int) -> list[int]:
+    """The buckets: 1, 2, 4, then every multiple of 8 below ``max_batch_size``, and it."""
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    sizes = {s for s in (1, 2, 4) if s < max_batch_size}
+    sizes.update(range(8, max_batch_size, 8))
+    sizes.add(max_batch_size)
+    return sorted(sizes)
+
+
+def bucket_for(num_seqs: int, sizes: list[int]) -> int | None:
+    """The smallest bucket holding ``num_seqs`` rows; None when the largest is too small."""
+    if num_seqs < 1:
+        raise ValueError(f"a decode step needs at least one sequence, got {num_seqs}")
+    index = bisect.bisect_left(sizes, num_seqs)
+    return sizes[index] if index < len(sizes) else None
+
+
+@dataclass
+class DecodeStep:
+    """A decode step's inputs on the host, one row per sequence (one new token each)."""
+
+    input_ids: np.ndarray  # int64 [n]
+    positions: np.ndarray  # int64 [n]
+    slot_mapping: np.ndarray  # int64 [n]
+    context_lens: np.ndarray  # int32 [n]
+    block_tables: np.ndarray  # int32 [n, width]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def pad_decode_step(step: DecodeStep, size: int, pad_block: int) -> DecodeStep:
+    """``step`` grown to ``size`` rows. An added row holds token 0 at position 0, writes nothing
+    (slot -1) and attends over the first position of ``pad_block`` (context length 1)."""
+    n = step.num_seqs
+    if size < n:
+        raise ValueError(f"cannot pad a step of {n} sequences to {size} rows")
+    extra = size - n
+
+    def grow(values: np.ndarray, fill) -> np.ndarray:
+        padding = np.full((extra,) + values.shape[1:], fill, dtype=values.dtype)
+        return np.concatenate([values, padding])
+
+    tables = grow(step.block_tables, 0)
+    tables[n:, 0] = pad_block
+    return DecodeStep(grow(step.input_ids, 0), grow(step.positions, 0),
+                      grow(step.slot_mapping, -1), grow(step.context_lens, 1), tables)
+
+
+class DecodeGraphs:
+    """Static decode inputs for up to ``max_batch_size`` sequences and a graph per bucket."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 *, max_batch_size: int, max_model_len: int, block_size: int, pad_block: int,
+                 device: str | torch.device):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sizes = graph_batch_sizes(max_batch_size)
+        self.max_model_len = max_model_len
+        self.max_blocks = -(-max_model_len // block_size)
+        self.pad_block = pad_block
+        self.device = torch.device(device)
+        rows, dev = self.sizes[-1], self.device
+        # Filled as padding, so that any row a step leaves alone is a valid padded row.
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((rows,), -1, dtype=torch.long, device=dev)
+        self.context_lens = torch.ones(rows, dtype=torch.int32, device=dev)
+        self.block_tables = torch.full((rows, self.max_blocks), pad_block, dtype=torch.int32,
+                                       device=dev)
+        self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # each graph's output, in the graphs' pool
+        self.capture_seconds: float | None = None
+        self.memory_bytes: int | None = None
+
+    @property
+    def captured(self) -> bool:
+        return bool(self.graphs)
+
+    def fits(self, num_seqs: int, width: int) -> bool:
+        """Whether a decode step of ``num_seqs`` rows and block tables ``width`` wide fits."""
+        return width <= self.max_blocks and bucket_for(num_seqs, self.sizes) is not None
+
+    def run(self, step: DecodeStep) -> torch.Tensor:
+        """Float32 logits [num_seqs, vocab] of the step's rows. They live in static memory that
+        the next ``run`` overwrites: use them (or copy them) first."""
+        n = step.num_seqs
+        size = bucket_for(n, self.sizes)
+        if size is None or step.block_tables.shape[1] > self.max_blocks:
+            raise ValueError(f"a decode step of {n} sequences, {step.block_tables.shape[1]} "
+                             f"blocks wide, does not fit the graphs (at most {self.sizes[-1]} "
+                             f"sequences, {self.max_blocks} blocks)")
+        self._load(pad_decode_step(step, size, self.pad_block))
+        graph = self.graphs.get(size)
+        if graph is None:
+            return self._forward(size)[:n]
+        graph.replay()
+        return self.logits[size][:n]
+
+    def _load(self, step: DecodeStep) -> None:
+        size, width = step.block_tables.shape
+        # Asynchronous host-to-device copies: no wait on the GPU per buffer. Columns of the block
+        # tables past ``width`` keep stale entries, which the attention never reads (they lie
+        # beyond every row's context length).
+        for dst, src in ((self.input_ids, step.input_ids), (self.positions, step.positions),
+                         (self.slot_mapping, step.slot_mapping),
+                         (self.context_lens, step.context_lens)):
+            dst[:size].copy_(torch.from_numpy(src), non_blocking=True)
+        self.block_tables[:size, :width].copy_(torch.from_numpy(step.block_tables),
+                                               non_blocking=True)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            block_tables=self.block_tables[:size],
+            context_lens=self.context_lens[:size],
+            query_start_loc=self.query_start_loc[:size + 1],
+            max_query_len=1,
+            max_context_len=self.max_model_len,  # a fixed bound: the same launch grid every time
+        )
+        hidden = self.model(self.input_ids[:size], self.positions[:size], meta, self.kv_caches)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture a graph per bucket, largest first so that the smaller ones reuse its memory
+        pool. Records how long it took and how much GPU memory the graphs hold."""
+        if self.device.type != "cuda":
+            raise RuntimeError("CUDA graphs need a CUDA device")
+        torch.cuda.synchronize(self.device)
+        started = time.perf_counter()
+        free_before, _ = torch.cuda.mem_get_info(self.device)
+        pool = None
+        for size in reversed(self.sizes):
+            # Every row is padding here (the buffers start so): nothing is written to the cache.
+            self._forward(size)  # compiles the Triton kernels and settles the allocator first
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: another engine's loop thread in this process may keep running
+            # kernels meanwhile, which the default mode would refuse.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                self.logits[size] = self._forward(size)
+            if pool is None:
+                pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - started
+        torch.cuda.empty_cache()  # hand back the warm-up runs' memory: count only the graphs'
+        self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
