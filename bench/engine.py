@@ -17,19 +17,33 @@ reduced workload that is reported but cannot be the faster baseline (``--full-bf
 full anyway). Single-stream figures alternate engine and transformers request by request, and
 transformers runs both on every thread and on one; its best is the baseline.
 
-Writes bench/results/engine-<device>.json. Not part of the test suite; it takes minutes.
+Writes bench/results/engine-cpu.json. Not part of the test suite; it takes minutes.
+
+With ``--device cuda`` (the default where a GPU is present) it measures instead, on the GPU:
+
+- single-stream decode tokens/s of the bundled model (CUDA graphs on, and off for reference);
+- the decode step time at batch 1 of a Llama-3-8B-shaped model with random bfloat16 weights,
+  against the floor of weight bytes read per step / device-to-device copy bandwidth measured in
+  the same run (target <= 1.25x), and the same with FP8 weights (per channel and per tensor);
+- output tokens/s at 256 concurrent requests (prompts 128-1024 tokens, 256 out) against
+  transformers ``generate`` on the same GPU and prompts (target >= 10x).
+
+and writes bench/results/engine-<gpu name>.json.
 
     python bench/engine.py
     python bench/engine.py --requests 16 --output-tokens 32 --skip-transformers-single
+    python bench/engine.py --device cuda
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
 import random
+import re
 import statistics
 import sys
 import threading
@@ -39,23 +53,39 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
 TARGET_RATIO_BATCHED = 3.0
+TARGET_RATIO_BATCHED_CUDA = 10.0
+TARGET_RATIO_FLOOR = 1.25
+# The workload per device: (requests, shortest prompt, longest prompt, output tokens, tokens a
+# step may batch).
+WORKLOADS = {"cpu": (64, 128, 512, 128, 2048), "cuda": (256, 128, 1024, 256, 8192)}
+# Llama-3-8B's shape (random weights: only the step time is measured).
+LLAMA3_8B = dict(architecture="llama", vocab_size=128256, hidden_size=4096,
+                 intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                 head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=None,
+                 max_position_embeddings=8192, tie_word_embeddings=False,
+                 attention_bias=False, bos_token_id=128000, eos_token_ids=(128001,))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Engine throughput vs transformers generate on the bundled model.")
-    parser.add_argument("--requests", type=int, default=64, help="concurrent requests (64)")
-    parser.add_argument("--min-prompt", type=int, default=128, help="shortest prompt (128)")
-    parser.add_argument("--max-prompt", type=int, default=512, help="longest prompt (512)")
-    parser.add_argument("--output-tokens", type=int, default=128, help="tokens per request")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="concurrent requests (64 on CPU, 256 on CUDA)")
+    parser.add_argument("--min-prompt", type=int, default=None, help="shortest prompt (128)")
+    parser.add_argument("--max-prompt", type=int, default=None,
+                        help="longest prompt (512 on CPU, 1024 on CUDA)")
+    parser.add_argument("--output-tokens", type=int, default=None,
+                        help="tokens per request (128 on CPU, 256 on CUDA)")
     parser.add_argument("--single-requests", type=int, default=4,
                         help="requests run one at a time for the single-stream figures (4)")
     parser.add_argument("--engine-dtype", default="auto",
                         help="auto (measured), float32 or bfloat16")
-    parser.add_argument("--max-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-batched-tokens", type=int, default=None,
+                        help="tokens one step may batch (2048 on CPU, 8192 on CUDA)")
     parser.add_argument("--batch-window-ms", type=float, default=0.0)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    parser.add_argument("--transformers-dtypes", default="float32,bfloat16")
+    parser.add_argument("--transformers-dtypes", default=None,
+                        help="float32,bfloat16 on CPU; bfloat16 on CUDA")
     parser.add_argument("--full-bf16", action="store_true",
                         help="run transformers in bfloat16 in full even where it is emulated")
     parser.add_argument("--reduced-requests", type=int, default=4,
@@ -69,9 +99,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="run the engine's batched phase once, not before and after "
                              "transformers (the ratio then uses the one run)")
     parser.add_argument("--seed", type=int, default=0)
+    gpu = parser.add_argument_group("CUDA only")
+    gpu.add_argument("--skip-llama8b", action="store_true",
+                     help="skip the Llama-3-8B-shaped step time (bf16 and FP8)")
+    gpu.add_argument("--skip-fp8", action="store_true", help="skip the FP8 step times")
+    gpu.add_argument("--skip-eager-reference", action="store_true",
+                     help="skip the runs with CUDA graphs off")
+    gpu.add_argument("--step-context", type=int, default=512,
+                     help="context length at which the 8B decode step is timed (512)")
+    gpu.add_argument("--timed-steps", type=int, default=200,
+                     help="decode steps timed for the 8B step time (200)")
+    gpu.add_argument("--copy-bytes", type=int, default=1 << 30,
+                     help="buffer size for the copy-bandwidth measurement (1 GiB)")
     parser.add_argument("--output", type=Path, default=None,
                         help="JSON path (default bench/results/engine-<device>.json)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    return args
+
+
+def apply_workload_defaults(args: argparse.Namespace, kind: str) -> None:
+    """Fill the workload options left unset with the defaults for ``kind`` (cpu or cuda)."""
+    requests, lo, hi, out, batched = WORKLOADS[kind]
+    for name, value in (("requests", requests), ("min_prompt", lo), ("max_prompt", hi),
+                        ("output_tokens", out), ("max_batched_tokens", batched)):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.transformers_dtypes is None:
+        args.transformers_dtypes = "float32,bfloat16" if kind == "cpu" else "bfloat16"
 
 
 def log(message: str) -> None:
@@ -234,7 +288,8 @@ def load_transformers(path: Path, dtype):
     return model.eval()
 
 
-def run_transformers_batched(model, prompts, output_tokens, pad_id: int, torch) -> dict:
+def run_transformers_batched(model, prompts, output_tokens, pad_id: int, torch,
+                             device: str = "cpu") -> dict:
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     width = max(len(p) for p in prompts)
@@ -243,6 +298,7 @@ def run_transformers_batched(model, prompts, output_tokens, pad_id: int, torch) 
     for i, p in enumerate(prompts):  # left padding
         input_ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
+    input_ids, mask = input_ids.to(device), mask.to(device)
     steps = {"n": 0, "first": None}
     start = time.perf_counter()
 
@@ -264,13 +320,14 @@ def run_transformers_batched(model, prompts, output_tokens, pad_id: int, torch) 
             "output_tokens_per_s": tokens / wall, "time_to_first_token_s": steps["first"]}
 
 
-def run_transformers_single(model, prompts, output_tokens, torch, threads=None) -> dict:
+def run_transformers_single(model, prompts, output_tokens, torch, threads=None,
+                            device: str = "cpu") -> dict:
     """One request at a time; ``threads`` runs it on that many CPU threads (then restores)."""
     if threads is not None:
         default = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            result = run_transformers_single(model, prompts, output_tokens, torch)
+            result = run_transformers_single(model, prompts, output_tokens, torch, device=device)
         finally:
             torch.set_num_threads(default)
         result["threads"] = threads
@@ -279,7 +336,7 @@ def run_transformers_single(model, prompts, output_tokens, torch, threads=None) 
 
     walls, tokens, decode_rates = [], 0, []
     for i, p in enumerate(prompts):
-        ids = torch.tensor([p])
+        ids = torch.tensor([p], device=device)
         first: list[float] = []
 
         class FirstToken(StoppingCriteria):  # called once per generated token
@@ -357,10 +414,16 @@ def main(argv: list[str] | None = None) -> int:
     from workers.engine import Engine
     from workers.engine.loader import bundled_model_path
 
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    apply_workload_defaults(args, "cuda" if device.startswith("cuda") else "cpu")
     if not (0 < args.min_prompt <= args.max_prompt):
         print("need 0 < --min-prompt <= --max-prompt", file=sys.stderr)
         return 2
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            print("--device cuda: no CUDA device is available", file=sys.stderr)
+            return 2
+        return main_cuda(args, device)
     path = bundled_model_path()
     report: dict = {"benchmark": "engine", "model": path.name, "machine": machine_info(torch),
                     "note": "Measured on a shared machine: other work on the same cores during "
@@ -500,6 +563,321 @@ def main(argv: list[str] | None = None) -> int:
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
     log(f"wrote {output.relative_to(REPO_ROOT) if output.is_relative_to(REPO_ROOT) else output}")
+    for key in ("ratio_vs_transformers_batched", "ratio_single_stream_decode"):
+        if key in report:
+            log(f"{key}: {report[key]:.2f}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------ CUDA
+
+
+def device_slug(name: str) -> str:
+    """A file-name-safe device name: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "cuda"
+
+
+def free_cuda(torch) -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def copy_bandwidth(torch, nbytes: int, repeats: int = 20) -> dict:
+    """Device-to-device copy bandwidth: bytes read plus bytes written per second, the traffic a
+    memory-bound kernel sees. A buffer far larger than the L2 cache keeps it honest."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):  # best of three timed batches
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(repeats):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000 / repeats)
+    del src, dst
+    free_cuda(torch)
+    return {"buffer_bytes": nbytes, "copy_s": best, "bytes_per_s": 2 * nbytes / best,
+            "counted": "bytes read + bytes written per second"}
+
+
+def random_model(torch, config, dtype, device: str):
+    """A CausalLM of ``config``'s shape built on ``device`` with random weights (std 0.02,
+    norms 1), as the engine's loader would build it there."""
+    from workers.engine import model as model_module
+    from workers.engine.attention import get_backend
+
+    kwargs = {}
+    if hasattr(model_module, "ops_for"):  # the fused kernels on CUDA, where the engine has them
+        kwargs["ops"] = model_module.ops_for(device)
+    with torch.device(device):
+        model = model_module.CausalLM(config, backend=get_backend(device), dtype=dtype, **kwargs)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def decode_bytes(model) -> int:
+    """Bytes of weights a decode step reads: every parameter and buffer except the embedding
+    table (one row of it is read) and the RoPE tables (one row each); a tied LM head counts."""
+    seen, total = set(), 0
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    tied = model.config.tie_word_embeddings
+    for name, tensor in tensors:
+        if name in ("rope_cos", "rope_sin") or (name == "embed" and not tied):
+            continue
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def time_decode_steps(torch, model, *, context: int, steps: int, cuda_graphs: bool) -> dict:
+    """Batch-1 decode steps of ``model`` at a context of about ``context`` tokens, through the
+    engine's runner (input prep, forward, sampling, the result's transfer). Also the graph
+    replay alone, timed on the GPU, when graphs are on."""
+    from workers.engine.model_runner import ModelRunner
+    from workers.engine.sequence import SamplingParams, Sequence
+
+    block_size, warmup = 16, 10
+    total = context + warmup + steps + 1
+    blocks = -(-total // block_size)
+    dtype = next(model.parameters()).dtype
+    runner = ModelRunner(model, num_blocks=blocks, block_size=block_size, device="cuda",
+                         dtype=dtype, max_batch_size=1, max_model_len=total,
+                         cuda_graphs=cuda_graphs)
+    rng = random.Random(0)
+    prompt = [rng.randrange(model.config.vocab_size) for _ in range(context)]
+    seq = Sequence("bench", prompt, SamplingParams(temperature=0, ignore_eos=True),
+                   max_tokens=total - context, arrival_time=0.0)
+    seq.block_table = list(range(blocks))
+
+    def step(num_new: int) -> None:
+        result = runner.execute([seq], [num_new])
+        seq.num_computed_tokens += num_new
+        seq.token_ids.append(result.token_ids[0])
+
+    step(context)  # prefill
+    for _ in range(warmup):
+        step(1)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step(1)  # each ends by reading the sampled token back: the steps do not overlap
+    step_s = (time.perf_counter() - started) / steps
+    out = {"context_tokens": context, "steps": steps, "step_s": step_s,
+           "cuda_graphs": runner.decode_graphs is not None}
+    if runner.decode_graphs is not None:
+        graphs = runner.decode_graphs
+        graph = graphs.graphs[1]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            graph.replay()  # rewrites the last step's K/V slot with the same values
+        end.record()
+        end.synchronize()
+        out["graph_replay_s"] = start.elapsed_time(end) / 1000 / steps
+        out["graph_capture_s"] = graphs.capture_seconds
+    del runner
+    free_cuda(torch)
+    return out
+
+
+def llama8b_step(torch, args, bandwidth: float, quantization: str | None) -> dict:
+    from workers.engine.config import ModelConfig
+
+    config = ModelConfig(**LLAMA3_8B)
+    model = random_model(torch, config, torch.bfloat16, "cuda")
+    if quantization is not None:
+        model.quantize_weights(quantization, "cuda")
+        free_cuda(torch)
+    weight_bytes = decode_bytes(model)
+    floor = weight_bytes / bandwidth
+    result = {"weights": quantization or "bfloat16", "weight_bytes_read_per_step": weight_bytes,
+              "floor_s": floor}
+    runs = [True] if args.skip_eager_reference else [True, False]
+    for graphs in runs:
+        log(f"  {result['weights']}: batch-1 decode steps, CUDA graphs {'on' if graphs else 'off'}")
+        timing = time_decode_steps(torch, model, context=args.step_context,
+                                   steps=args.timed_steps, cuda_graphs=graphs)
+        key = "graphs" if graphs else "eager"
+        result[key] = timing
+        log(f"  → {timing['step_s'] * 1e3:.2f} ms per step, "
+            f"{timing['step_s'] / floor:.2f}x the floor of {floor * 1e3:.2f} ms")
+    result["ratio_step_to_floor"] = result["graphs"]["step_s"] / floor
+    if "graph_replay_s" in result["graphs"]:
+        result["ratio_graph_replay_to_floor"] = result["graphs"]["graph_replay_s"] / floor
+    result["target_ratio"] = TARGET_RATIO_FLOOR
+    del model
+    free_cuda(torch)
+    return result
+
+
+def fp8_problem(torch) -> str | None:
+    """Why FP8 weights cannot be measured here, or None."""
+    try:
+        from workers.engine import fp8
+        from workers.engine.model import CausalLM
+    except ImportError:
+        return "not available"
+    if not hasattr(CausalLM, "quantize_weights"):
+        return "not available"
+    try:
+        fp8.check_fp8_support("fp8", "cuda", torch.bfloat16)
+    except fp8.Fp8Error as exc:
+        return str(exc)
+    return None
+
+
+def main_cuda(args: argparse.Namespace, device: str) -> int:
+    import torch
+
+    from workers.engine import Engine
+    from workers.engine.loader import bundled_model_path
+
+    name = torch.cuda.get_device_name(device)
+    path = bundled_model_path()
+    report: dict = {
+        "benchmark": "engine", "device_name": name, "model": path.name,
+        "machine": machine_info(torch),
+        "workload": {"requests": args.requests, "prompt_tokens": [args.min_prompt,
+                                                                  args.max_prompt],
+                     "output_tokens": args.output_tokens, "greedy": True,
+                     "single_stream_requests": args.single_requests},
+    }
+    _free, total = torch.cuda.mem_get_info(device)
+    report["machine"]["gpu_memory_bytes"] = total
+    log(f"device: {name}, torch {torch.__version__}")
+
+    log("device-to-device copy bandwidth")
+    report["copy_bandwidth"] = copy_bandwidth(torch, args.copy_bytes)
+    bandwidth = report["copy_bandwidth"]["bytes_per_s"]
+    log(f"  → {bandwidth / 1e9:.0f} GB/s")
+
+    if not args.skip_llama8b:
+        log("Llama-3-8B-shaped model, random bfloat16 weights")
+        report["llama3_8b_step"] = {"bfloat16": llama8b_step(torch, args, bandwidth, None)}
+        problem = None if not args.skip_fp8 else "skipped (--skip-fp8)"
+        problem = problem or fp8_problem(torch)
+        if problem is None:
+            for scheme in ("fp8", "fp8-per-tensor"):
+                log(f"Llama-3-8B-shaped model, {scheme} weights")
+                try:
+                    report["llama3_8b_step"][scheme] = llama8b_step(torch, args, bandwidth,
+                                                                    scheme)
+                except Exception as exc:  # keep the other figures of a long run
+                    log(f"  {scheme} failed: {exc!r}")
+                    report["llama3_8b_step"][scheme] = f"failed: {type(exc).__name__}: {exc}"
+                    free_cuda(torch)
+        else:
+            report["llama3_8b_step"]["fp8"] = problem
+
+    max_len = args.max_prompt + args.output_tokens
+    dtype = None if args.engine_dtype == "auto" else getattr(torch, args.engine_dtype)
+
+    def make_engine(model, graphs=True):
+        # The pool is sized the way a worker sizes it: from free memory (see Engine).
+        return Engine(model, dtype=dtype, device=device, max_batch_size=args.requests,
+                      max_batched_tokens=args.max_batched_tokens, max_model_len=max_len,
+                      batch_window_ms=args.batch_window_ms, cuda_graphs=graphs).start()
+
+    log("loading the engine (bundled model)")
+    started = time.perf_counter()
+    engine = make_engine(path)
+    report["engine_load_s"] = time.perf_counter() - started
+    stats = engine.stats()
+    report["engine_config"] = {
+        "dtype": stats["dtype"], "max_batch_size": args.requests,
+        "max_batched_tokens": args.max_batched_tokens, "max_model_len": max_len,
+        "kv_capacity_tokens": stats["kv_capacity_tokens"], "kv_sizing": engine.kv_sizing,
+        "cuda_graph_batch_sizes": stats["cuda_graph_batch_sizes"],
+        "cuda_graph_capture_s": stats["cuda_graph_capture_s"],
+        "cuda_graph_memory_bytes": stats["cuda_graph_memory_bytes"],
+        "device_memory_total": stats["device_memory_total"],
+    }
+    log(f"  graphs for {len(stats['cuda_graph_batch_sizes'])} batch sizes captured in "
+        f"{stats['cuda_graph_capture_s']:.2f} s; KV capacity {stats['kv_capacity_tokens']} tokens")
+    prompts = make_prompts(engine.tokenizer, args.requests, args.min_prompt, args.max_prompt,
+                           args.seed)
+    singles = make_prompts(engine.tokenizer, args.single_requests, args.min_prompt,
+                           args.max_prompt, args.seed + 1)
+
+    if not args.skip_engine_single and singles:
+        log(f"engine single stream: {len(singles)} requests one at a time")
+        report["engine_single"] = run_engine_single(engine, singles, args.output_tokens)
+    log(f"engine: {args.requests} requests at once")
+    report["engine_batched"] = run_engine_batched(engine, prompts, args.output_tokens)
+    log(f"  → {report['engine_batched']['output_tokens_per_s']:.0f} output tok/s")
+    loaded = engine.loaded
+    engine.stop()
+    del engine
+    free_cuda(torch)
+    if not args.skip_eager_reference:
+        log("engine with CUDA graphs off (reference)")
+        engine = make_engine(loaded, graphs=False)
+        if singles and not args.skip_engine_single:
+            report["engine_single_eager"] = run_engine_single(engine, singles[:2],
+                                                              args.output_tokens)
+        report["engine_batched_eager"] = run_engine_batched(engine, prompts, args.output_tokens)
+        log(f"  → {report['engine_batched_eager']['output_tokens_per_s']:.0f} output tok/s")
+        engine.stop()
+        del engine
+    del loaded
+    free_cuda(torch)
+
+    report["transformers"] = {}
+    dtypes = [] if args.skip_transformers else \
+        [d.strip() for d in args.transformers_dtypes.split(",") if d.strip()]
+    for dtype_name in dtypes:
+        log(f"loading transformers ({dtype_name}) on {device}")
+        model = load_transformers(path, getattr(torch, dtype_name)).to(device)
+        runs: dict = {}
+        if not args.skip_transformers_batched:
+            log(f"transformers {dtype_name}: {len(prompts)} requests in one padded batch")
+            runs["batched"] = run_transformers_batched(model, prompts, args.output_tokens, 0,
+                                                       torch, device=device)
+            log(f"  → {runs['batched']['output_tokens_per_s']:.0f} output tok/s")
+        if not args.skip_transformers_single and singles:
+            log(f"transformers {dtype_name}: {len(singles)} requests one at a time")
+            runs["single"] = run_transformers_single(model, singles, args.output_tokens, torch,
+                                                     device=device)
+        report["transformers"][dtype_name] = runs
+        del model
+        free_cuda(torch)
+
+    batched = [v["batched"]["output_tokens_per_s"] for v in report["transformers"].values()
+               if "batched" in v]
+    if batched:
+        report["transformers_batched_best_tokens_per_s"] = max(batched)
+        report["ratio_vs_transformers_batched"] = (
+            report["engine_batched"]["output_tokens_per_s"] / max(batched))
+        report["target_ratio_vs_transformers_batched"] = TARGET_RATIO_BATCHED_CUDA
+    single = [v["single"]["decode_tokens_per_s"] for v in report["transformers"].values()
+              if v.get("single", {}).get("decode_tokens_per_s")]
+    if single and "engine_single" in report:
+        report["ratio_single_stream_decode"] = (
+            report["engine_single"]["decode_tokens_per_s"] / max(single))
+
+    output = args.output or RESULTS_DIR / f"engine-{device_slug(name)}.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2) + "\n")
+    log(f"wrote {output.relative_to(REPO_ROOT) if output.is_relative_to(REPO_ROOT) else output}")
+    step = report.get("llama3_8b_step", {})
+    for weights, result in step.items():
+        if isinstance(result, dict):
+            log(f"8B step ({weights}): {result['ratio_step_to_floor']:.2f}x the floor "
+                f"(target <= {TARGET_RATIO_FLOOR})")
+        else:
+            log(f"8B step ({weights}): {result}")
     for key in ("ratio_vs_transformers_batched", "ratio_single_stream_decode"):
         if key in report:
             log(f"{key}: {report[key]:.2f}")
