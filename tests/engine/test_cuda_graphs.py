@@ -74,12 +74,15 @@ def tiny(tiny_model_dir):
     return load_model(tiny_model_dir("llama"), dtype=torch.float32)
 
 
-def prefilled_runner(tiny, num_seqs: int, *, max_batch_size=8, block_size=4, seed=0):
+def prefilled_runner(tiny, num_seqs: int, *, max_batch_size=8, block_size=4, seed=0,
+                     device="cpu", cuda_graphs=False):
     """A runner whose cache holds ``num_seqs`` prefilled sequences (each with its first sampled
     token appended, ready to decode). Every block but the padding block starts as NaN, so a read
     of a slot nobody wrote shows in the logits."""
-    runner = ModelRunner(tiny.model, num_blocks=64, block_size=block_size, device="cpu",
-                         dtype=torch.float32, max_batch_size=max_batch_size, max_model_len=64)
+    runner = ModelRunner(tiny.model, num_blocks=64, block_size=block_size, device=device,
+                         dtype=next(tiny.model.parameters()).dtype,
+                         max_batch_size=max_batch_size, max_model_len=64,
+                         cuda_graphs=cuda_graphs)
     for k_cache, v_cache in runner.kv_caches:
         k_cache[:runner.num_blocks].fill_(float("nan"))
         v_cache[:runner.num_blocks].fill_(float("nan"))
@@ -283,6 +286,26 @@ def test_the_memory_probe_step_runs_a_prefill_and_samples_with_every_feature(tin
 
 
 # ------------------------------------------------------------------------- on a GPU only
+
+
+@cuda
+@pytest.mark.parametrize("num_seqs", [1, 3, 8])
+def test_cuda_graph_replay_gives_the_eager_logits(tiny_model_dir, num_seqs):
+    loaded = load_model(tiny_model_dir("llama"), dtype=torch.bfloat16, device="cuda")
+    runner, seqs = prefilled_runner(loaded, num_seqs, device="cuda", cuda_graphs=True)
+    assert runner.decode_graphs.captured and runner.decode_graphs.sizes == [1, 2, 4, 8]
+    expected = runner._run_eager(runner._plan(seqs, [1] * num_seqs))
+    replayed = runner.decode_graphs.run(decode_step(runner, seqs))
+    assert torch.isfinite(expected).all()
+    torch.testing.assert_close(replayed, expected, rtol=3e-2, atol=3e-2)
+    # A second replay with other inputs (the next token) still follows the eager step.
+    result = runner.execute(seqs, [1] * num_seqs)
+    for seq, token in zip(seqs, result.token_ids):
+        seq.num_computed_tokens += 1
+        seq.token_ids.append(token)
+    expected = runner._run_eager(runner._plan(seqs, [1] * num_seqs))
+    torch.testing.assert_close(runner.decode_graphs.run(decode_step(runner, seqs)), expected,
+                               rtol=3e-2, atol=3e-2)
 
 
 @cuda
