@@ -22,6 +22,7 @@ from rest_framework.authentication import SessionAuthentication
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from accounts.api_errors import drf_error_response, error_response
 from accounts.authentication import ApiKeyAuthentication
 from accounts.middleware import SESSION_ORGANIZATION_KEY
 from accounts.models import ApiKey
@@ -40,47 +41,12 @@ _PERIOD = [
 _ERROR = OpenApiResponse(description='{"error": {"message", "type", "param", "code"}}')
 _ERRORS = {400: _ERROR, 401: _ERROR, 403: _ERROR}
 
-_STATUS_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    406: "invalid_request_error",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-}
-
-
-def _error_response(status: int, message: str, *, type: str | None = None, param=None, code=None, headers=None):
-    body = {"error": {"message": message, "type": type or _STATUS_TYPES.get(status, "server_error"),
-                      "param": param, "code": code}}
-    return Response(body, status=status, headers=headers)
-
-
 def billing_exception_handler(exc, context):
     """BillingError and DRF's own errors, rendered in OpenAI's shape; anything else: a 500."""
     if isinstance(exc, BillingError):
-        return _error_response(exc.status, exc.message, type=exc.type, param=exc.param, code=exc.code)
+        return error_response(exc.status, exc.message, type=exc.type, param=exc.param, code=exc.code)
     if isinstance(exc, drf_exceptions.APIException):
-        detail = exc.detail
-        if isinstance(detail, dict):
-            param, messages = next(iter(detail.items())) if detail else (None, ["invalid request"])
-            message = str(messages[0] if isinstance(messages, list) else messages)
-        elif isinstance(detail, list):
-            param, message = None, str(detail[0]) if detail else "invalid request"
-        else:
-            param, message = None, str(detail)
-        codes = exc.get_codes()
-        code = codes if isinstance(codes, str) else None
-        if isinstance(exc, drf_exceptions.NotAuthenticated):
-            code = "invalid_api_key"
-        headers = {}
-        if getattr(exc, "auth_header", None):
-            headers["WWW-Authenticate"] = exc.auth_header
-        if getattr(exc, "wait", None):
-            headers["Retry-After"] = str(int(exc.wait))
-        return _error_response(exc.status_code, message, param=param, code=code, headers=headers)
+        return drf_error_response(exc)
     return None
 
 

@@ -30,6 +30,7 @@ from rest_framework.authentication import SessionAuthentication
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from accounts.api_errors import drf_error_response, error_response
 from accounts.authentication import ApiKeyAuthentication
 from accounts.middleware import SESSION_ORGANIZATION_KEY
 from accounts.models import ApiKey, Organization
@@ -41,17 +42,6 @@ from .errors import CatalogError, InvalidCatalogModel, InvalidDeployment
 from .models import CatalogModel, Deployment
 from .selectors import catalog_models
 
-STATUS_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    406: "invalid_request_error",
-    409: "invalid_request_error",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-}
 _ERROR = OpenApiResponse(description='{"error": {"message", "type", "param", "code"}}')
 _ERRORS = {400: _ERROR, 401: _ERROR, 403: _ERROR, 404: _ERROR}
 
@@ -64,12 +54,6 @@ class ApiProblem(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-def error_response(status: int, message: str, *, param=None, code=None, headers=None) -> Response:
-    body = {"error": {"message": message, "type": STATUS_TYPES.get(status, "server_error"), "param": param,
-                      "code": code}}
-    return Response(body, status=status, headers=headers)
-
-
 def exception_handler(exc, context):
     """ApiProblem, the catalog's errors and DRF's own, in OpenAI's shape; anything else: a 500."""
     if isinstance(exc, ApiProblem):
@@ -79,20 +63,7 @@ def exception_handler(exc, context):
     if isinstance(exc, CatalogError):
         return error_response(400, exc.message, code="invalid_value")
     if isinstance(exc, drf_exceptions.APIException):
-        detail = exc.detail
-        if isinstance(detail, dict):
-            param, messages = next(iter(detail.items())) if detail else (None, ["invalid request"])
-            message = str(messages[0] if isinstance(messages, list) else messages)
-        elif isinstance(detail, list):
-            param, message = None, str(detail[0]) if detail else "invalid request"
-        else:
-            param, message = None, str(detail)
-        codes = exc.get_codes()
-        code = codes if isinstance(codes, str) else None
-        if isinstance(exc, drf_exceptions.NotAuthenticated):
-            code = "invalid_api_key"
-        headers = {"WWW-Authenticate": exc.auth_header} if getattr(exc, "auth_header", None) else {}
-        return error_response(exc.status_code, message, param=param, code=code, headers=headers)
+        return drf_error_response(exc)
     return None
 
 
