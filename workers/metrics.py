@@ -29,6 +29,9 @@ ENGINE_GAUGES = {
     "kv_blocks_used": "KV cache blocks in use",
     "kv_blocks_total": "KV cache blocks",
     "batch_size_last": "Sequences in the last engine step",
+    "kv_capacity_tokens": "Tokens the engine's KV cache holds",
+    "device_memory_free": "Free memory on the engine's GPU, in bytes",
+    "cuda_graph_capture_s": "Seconds the engine took to capture its CUDA graphs",
 }
 ENGINE_COUNTERS = {
     "steps": "Engine steps",

@@ -46,7 +46,8 @@ def world():
                                       "requests": len(latencies), "failed": 0, "prompt_tokens": 100,
                                       "completion_tokens": 600, "latencies_ms": latencies, "ttft_ms": [20] * len(latencies),
                                       "steps": 100, "generated_tokens": 250,
-                                      "engine": {"waiting": 2, "running": 1, "kv_blocks_used": 10, "steps": 1000},
+                                      "engine": {"waiting": 2, "running": 1, "kv_blocks_used": 10, "steps": 1000,
+                                                 "kv_capacity_tokens": 40960},
                                   }})
         workers.append(worker)
     FleetEvent.objects.create(kind="ready", deployment=mine, deployment_name=mine.name, worker=workers[0].hostname,
@@ -113,6 +114,7 @@ def test_prometheus_metrics_with_the_token(client, world, settings):
     assert value("inference_worker_up", worker=world["workers"][0].hostname) == 1.0
     assert value("inference_engine_waiting", worker=world["workers"][1].hostname, deployment=name) == 2.0
     assert value("inference_engine_steps", worker=world["workers"][1].hostname, deployment=name) == 1000.0
+    assert value("inference_engine_kv_capacity_tokens", worker=world["workers"][1].hostname, deployment=name) == 40960
 
 
 def test_prometheus_metrics_for_an_operator_without_a_token(client, world, settings):
