@@ -373,8 +373,16 @@ def _heartbeats() -> dict[str, dict]:
             "slots": worker.slots,
             "replicas": [{"name": r.deployment_name, "status": r.status, "in_flight": r.in_flight} for r in replicas],
             "queue_depths": worker.queue_depths or {},
+            "kv_capacity_tokens": _kv_capacity(worker.engine_stats or {}) if worker.status == "alive" else None,
         }
     return beats
+
+
+def _kv_capacity(engine_stats: dict) -> int | None:
+    """Tokens the KV caches of a worker's engines hold together (None before any engine reports it)."""
+    sizes = [(hosted.get("engine") or {}).get("kv_capacity_tokens") for hosted in engine_stats.values()]
+    sizes = [size for size in sizes if isinstance(size, int)]
+    return sum(sizes) if sizes else None
 
 
 def _answering(timeout: float) -> dict[str, dict]:
@@ -404,7 +412,7 @@ def fleet_workers(*, timeout: float = 1.0) -> list[dict]:
     they consume, their pool, their task counts) merged with the fleet's heartbeats where a worker
     sends them (its device, last heartbeat, the replicas it hosts); a worker whose heartbeats
     stopped shows as gone. Each: name, state, device, deployments served, other queues, pid,
-    concurrency, tasks processed, uptime, last heartbeat."""
+    concurrency, tasks processed, uptime, last heartbeat, KV cache capacity in tokens."""
     answering = _answering(timeout)
     beats = _heartbeats()
     workers = []
@@ -427,6 +435,7 @@ def fleet_workers(*, timeout: float = 1.0) -> list[dict]:
             "uptime_s": live["uptime_s"] if live else None,
             "last_heartbeat": beat["last_heartbeat"] if beat else None,
             "slots": beat["slots"] if beat else None,
+            "kv_capacity_tokens": beat["kv_capacity_tokens"] if beat else None,
         })
     return workers
 

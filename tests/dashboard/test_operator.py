@@ -23,3 +23,22 @@ def test_the_workers_fragment_answers_without_workers(client, acme, settings):
     client.force_login(user)
     response = client.get("/operator/fleet/_workers/")
     assert response.status_code == 200
+
+
+def test_the_workers_fragment_shows_each_workers_device_and_kv_capacity(client, acme):
+    from django.utils import timezone
+
+    from workers.models import Worker
+
+    user, _ = acme
+    user.is_staff = True
+    user.save()
+    now = timezone.now()
+    engines = {"a": {"engine": {"kv_capacity_tokens": 40960}}, "b": {"engine": {"kv_capacity_tokens": 8192}}}
+    Worker.objects.create(hostname="gpu0@rack1", instance="i1", device_kind="cuda", device_name="NVIDIA H100",
+                          device_memory_bytes=80 << 30, started_at=now, last_heartbeat=now, engine_stats=engines)
+    client.force_login(user)
+    page = client.get("/operator/fleet/_workers/").content.decode()
+    row = page[page.index('data-worker="gpu0@rack1"'):]
+    row = row[:row.index("</tr>")]
+    assert "NVIDIA H100 (80 GiB)" in row and "49,152 tokens" in row
