@@ -2,6 +2,10 @@
 FROM python:3.11-slim
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /app
+# A C compiler: Triton compiles its launchers with it on GPU workers, and CPU workers build their
+# decode-attention kernel with it.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 COPY . /app
 # GPU hosts: build with TORCH_SPEC set to a CUDA build of torch 2.13.0 from your package mirror.
 ARG TORCH_SPEC="torch==2.13.0"
