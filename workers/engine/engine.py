@@ -131,6 +131,8 @@ class Engine:
     memory of the largest step (and of the CUDA graphs); on CPU, 2 GiB (the fraction is ignored).
     ``cuda_graphs``: on CUDA, replay decode steps from graphs captured per batch-size bucket at
     start (False runs every step eagerly); ignored on CPU.
+    ``quantization``: ``"fp8"`` or ``"fp8-per-tensor"`` loads the decoder layers' linear weights
+    in FP8 (on CUDA: compute capability 8.9+, bfloat16; see ``fp8.py``); None keeps ``dtype``.
     ``batch_window_ms``: when idle, how long to wait for more requests before the first prefill,
     so that a burst starts as one batch (a full batch starts at once).
 
@@ -156,6 +158,7 @@ class Engine:
         seed: int | None = None,
         kv_memory_fraction: float | None = None,
         cuda_graphs: bool = True,
+        quantization: str | None = None,
     ):
         from .loader import LoadedModel, load_model
 
@@ -168,12 +171,15 @@ class Engine:
             model_dtype = next(loaded.model.parameters()).dtype
             if dtype is not None and dtype != model_dtype:
                 raise ValueError(f"the loaded model is {model_dtype}, not {dtype}")
+            if quantization is not None and quantization != loaded.model.quantization:
+                raise ValueError(f"the loaded model's quantization is "
+                                 f"{loaded.model.quantization}, not {quantization}")
             dtype = model_dtype
             device = str(next(loaded.model.parameters()).device)
         else:
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")
             dtype = dtype or pick_dtype(device)
-            loaded = load_model(model, dtype=dtype, device=device)
+            loaded = load_model(model, dtype=dtype, device=device, quantization=quantization)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.config = loaded.config

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import torch
 
+from . import fp8
 from .attention import get_backend
 from .config import ModelConfig, WeightsError
-from .model import CausalLM
+from .model import CausalLM, ops_for
 from .tokenizer import Tokenizer
 from .weights import read_gguf, read_safetensors_folder
 
@@ -44,9 +45,16 @@ def bundled_model_path() -> Path:
 
 
 def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
-               device: str = "cpu") -> LoadedModel:
+               device: str = "cpu", quantization: str | None = None) -> LoadedModel:
     """Load a ``.gguf`` file or a Hugging Face folder (config.json + *.safetensors +
-    tokenizer.json) onto ``device`` in ``dtype``."""
+    tokenizer.json) onto ``device`` in ``dtype``.
+
+    ``quantization``: None keeps every weight in ``dtype``; ``"fp8"`` (per-channel scales) or
+    ``"fp8-per-tensor"`` stores the decoder layers' linear weights in FP8 (see ``fp8.py``);
+    ``fp8.Fp8Error`` if the device or dtype cannot run it.
+    """
+    if quantization is not None:
+        fp8.check_fp8_support(quantization, device, dtype)  # before the slow part
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
         contents = read_gguf(path, dtype=dtype)
@@ -70,9 +78,12 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
         config = dataclasses.replace(config, eos_token_ids=eos)
     tokenizer.eos_token_ids = frozenset(eos)
 
-    model = CausalLM(config, backend=get_backend(device), dtype=dtype)
+    model = CausalLM(config, backend=get_backend(device), dtype=dtype, ops=ops_for(device))
     model.load_weights(tensors)
     del tensors
+    if quantization is not None:
+        # On the host, before the move: the device only ever holds the FP8 copy.
+        model.quantize_weights(quantization, device)
     model = model.to(device).eval()
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
 

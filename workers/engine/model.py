@@ -4,19 +4,32 @@ One forward call runs every sequence's new tokens at once (no padding): each lay
 writes their K/V into the paged cache and attends over it through the attention backend. The
 projections are fused at load time (q/k/v into one matmul, gate/up into another) and the RoPE
 tables precomputed, so a decode step is a short, fixed list of large operations.
+
+Two choices are made once, when the model is built, never per call:
+- ``ops``: the elementwise ops (RMSNorm, residual add + RMSNorm, RoPE, SiLU-and-multiply).
+  ``TorchOps`` below is plain PyTorch and matches transformers exactly (the CPU path);
+  ``fused_kernels`` has the same functions as Triton kernels (the CUDA path; see ``ops_for``).
+- ``linear``: ``F.linear``, or an FP8 matmul once ``quantize_weights`` has stored the layers'
+  weights in FP8 (see ``fp8.py``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import fp8
 from .attention import get_backend
 from .attention.base import AttentionBackend, AttentionMetadata
 from .config import ModelConfig, WeightsError
+
+# The decoder layers' matmul weights: what FP8 mode quantizes (embeddings and the LM head stay).
+LINEAR_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -42,6 +55,15 @@ def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None)
                        torch.where(wavelen < original / high, inv_freq, blended))
 
 
+def rope_tables(inv_freq: torch.Tensor, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [num_positions, head_dim] for every position up front, in float32 like
+    transformers; each row holds its angles twice ([a, a]), the "rotate half" layout."""
+    positions = torch.arange(num_positions, dtype=torch.float32)
+    angles = positions[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -61,10 +83,14 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None, *,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32,
+                 ops: type[TorchOps] | ModuleType | None = None) -> None:
         super().__init__()
         self.config = config
         self.backend = backend if backend is not None else get_backend("cpu")
+        self.ops = ops if ops is not None else TorchOps
+        self.linear: Callable[..., torch.Tensor] = F.linear
+        self.quantization: str | None = None
         self.embed = _weight(dtype, config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
         self.norm = _weight(dtype, config.hidden_size)
@@ -116,16 +142,32 @@ class CausalLM(nn.Module):
         if "rope_freqs" in tensors:
             self._set_rope_tables(rope_inv_freq(cfg, tensors["rope_freqs"]))
 
+    @torch.no_grad()
+    def quantize_weights(self, scheme: str, device: torch.device | str = "cpu") -> None:
+        """Store the layers' linear weights in FP8 (``scheme``: one of ``fp8.SCHEMES``) and run
+        their matmuls in FP8 from now on, the way ``device`` (where the model will run) does them.
+        Call after ``load_weights``."""
+        if self.quantization is not None:
+            raise ValueError(f"the weights are already quantized ({self.quantization})")
+        per_channel = fp8.per_channel_scales(scheme)
+        on_gpu = torch.device(device).type == "cuda"
+        for i, layer in enumerate(self.layers):
+            for name in LINEAR_WEIGHTS:
+                weight = getattr(layer, name)
+                if on_gpu:
+                    fp8.check_gpu_shape(f"layer {i}'s {name}", weight.shape)
+                delattr(layer, name)  # a parameter's name cannot take a module directly
+                setattr(layer, name, fp8.quantize_weight(weight, per_channel=per_channel))
+        self.linear = fp8.linear_for(device)
+        self.quantization = scheme
+
     def _set_rope_tables(self, inv_freq: torch.Tensor) -> None:
-        # cos/sin for every position up front, computed in float32 like transformers and then
-        # stored in the model's dtype (they follow .to()).
-        positions = torch.arange(self.config.max_position_embeddings, dtype=torch.float32)
-        angles = positions[:, None] * inv_freq[None, :]
-        angles = torch.cat([angles, angles], dim=-1)
+        # Stored in the model's dtype; they follow .to().
+        cos, sin = rope_tables(inv_freq, self.config.max_position_embeddings)
         dtype = self.embed.dtype
         device = self.embed.device
-        self.register_buffer("rope_cos", angles.cos().to(device, dtype), persistent=False)
-        self.register_buffer("rope_sin", angles.sin().to(device, dtype), persistent=False)
+        self.register_buffer("rope_cos", cos.to(device, dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device, dtype), persistent=False)
 
     # -- running -------------------------------------------------------------------------------
 
@@ -141,30 +183,68 @@ class CausalLM(nn.Module):
         num_tokens = input_ids.shape[0]
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
-        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D], shared by every layer
-        sin = self.rope_sin[positions].unsqueeze(1)
-        backend = self.backend
+        ops, linear, backend = self.ops, self.linear, self.backend
+        cos = self.rope_cos[positions]  # [T, D], shared by every layer
+        sin = self.rope_sin[positions]
+        # Each residual add is done by the norm that follows it: the post-attention norm, then
+        # the next layer's input norm (the final norm after the last layer).
+        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
 
-        hidden = F.embedding(input_ids, self.embed)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = _rms_norm(hidden, layer.input_norm, eps)
-            qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias).view(num_tokens, -1, head_dim)
+        residual = F.embedding(input_ids, self.embed)
+        x = ops.rms_norm(residual, self.layers[0].input_norm, eps)
+        for layer, next_norm, (k_cache, v_cache) in zip(self.layers, next_norms, kv_caches):
+            qkv = linear(x, layer.qkv_proj, layer.qkv_bias).view(num_tokens, -1, head_dim)
             # q and k sit next to each other, so one rotation covers both.
-            qk = _rotate(qkv[:, : heads + kv_heads], cos, sin)
+            qk = ops.apply_rope(qkv[:, : heads + kv_heads], cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, heads + kv_heads:]
             backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = backend.attend(q, k_cache, v_cache, meta, self.scale)
-            hidden = hidden + F.linear(attn.reshape(num_tokens, heads * head_dim), layer.o_proj,
-                                       layer.o_bias)
-            x = _rms_norm(hidden, layer.post_norm, eps)
-            gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_proj)
-        return _rms_norm(hidden, self.norm, eps)
+            out = linear(attn.reshape(num_tokens, heads * head_dim), layer.o_proj, layer.o_bias)
+            x, residual = ops.add_rms_norm(out, residual, layer.post_norm, eps)
+            out = linear(ops.silu_and_mul(linear(x, layer.gate_up_proj)), layer.down_proj)
+            x, residual = ops.add_rms_norm(out, residual, next_norm, eps)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits [N, vocab] in float32 for (already normed) hidden states [N, hidden]."""
         return F.linear(hidden, self.lm_head).float()
+
+
+class TorchOps:
+    """The decoder's elementwise ops in plain PyTorch: the reference the fused kernels match."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return _rms_norm(x, weight, eps)
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm of residual + x, residual + x)."""
+        residual = residual + x
+        return _rms_norm(residual, weight, eps), residual
+
+    @staticmethod
+    def apply_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q and k heads [T, heads, D] rotated by each token's cos/sin rows [T, D] (a new tensor;
+        the fused kernel rotates in place)."""
+        return _rotate(qk, cos.unsqueeze(1), sin.unsqueeze(1))
+
+    @staticmethod
+    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def ops_for(device: torch.device | str) -> type[TorchOps] | ModuleType:
+    """The elementwise ops for a model that runs on ``device``: fused Triton kernels on CUDA,
+    plain PyTorch elsewhere (the path checked against transformers)."""
+    if torch.device(device).type == "cuda":
+        from . import fused_kernels
+
+        return fused_kernels
+    return TorchOps
 
 
 def _weight(dtype: torch.dtype, *shape: int) -> nn.Parameter:
