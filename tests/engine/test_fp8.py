@@ -217,7 +217,8 @@ def test_gpu_shapes_must_be_multiples_of_16():
 
 
 def tokens_for(config, n=48, seed=4):
-    return torch.randint(0, config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, config.vocab_size, (n,), generator=g).tolist()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the q/k/v bias beside FP8
@@ -356,3 +357,12 @@ def test_engine_loads_fp8_weights_when_asked(tiny_model_dir):
     plain = load_model(folder)
     with pytest.raises(ValueError, match="quantization is None, not fp8"):
         Engine(plain, quantization="fp8")
+
+
+def test_gpu_shape_check_comes_before_any_weight_is_quantized(tiny_model_dir):
+    # An MLP 40 wide: the down projection's inner side is not a multiple of 16.
+    model = load_model(tiny_model_dir("llama", intermediate_size=40)).model
+    with pytest.raises(Fp8Error, match=r"down_proj has shape \(64, 40\)"):
+        model.quantize_weights("fp8", device="cuda")
+    assert model.quantization is None
+    assert all(isinstance(layer.qkv_proj, torch.nn.Parameter) for layer in model.layers)

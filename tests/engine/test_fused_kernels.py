@@ -29,7 +29,8 @@ from workers.engine.model import TorchOps, ops_for, rope_tables
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(
-    not HAS_CUDA, reason="needs an NVIDIA GPU with CUDA; on CPU the interpreter tests cover the kernels")
+    not HAS_CUDA,
+    reason="needs an NVIDIA GPU with CUDA; on CPU the interpreter tests cover the kernels")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # One rounding of each dtype (relative): what RMSNorm and SiLU may differ by from the reference.
@@ -86,6 +87,10 @@ def randn(*shape, dtype, device, seed, scale=1.0):
     return (scale * torch.randn(*shape, generator=g)).to(dtype).to(device)
 
 
+def norm_weight(hidden, dtype, device, seed):
+    return (1.0 + randn(hidden, dtype=torch.float32, device=device, seed=seed, scale=0.2)).to(dtype)
+
+
 def assert_within_one_rounding(actual, expected):
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
     tol = ONE_ROUNDING[expected.dtype]
@@ -104,7 +109,7 @@ NORM_SHAPES = [(1, 64), (7, 576), (3, 1000), (257, 128), (2, 4096)]
 @pytest.mark.parametrize("tokens,hidden", NORM_SHAPES)
 def test_rms_norm_matches_reference(target, dtype, tokens, hidden):
     x = randn(tokens, hidden, dtype=dtype, device=target.device, seed=1, scale=3.0)
-    weight = (1.0 + randn(hidden, dtype=torch.float32, device=target.device, seed=2, scale=0.2)).to(dtype)
+    weight = norm_weight(hidden, dtype, target.device, seed=2)
     before = x.clone()
     out = target.kernels.rms_norm(x, weight, 1e-5)
     assert_within_one_rounding(out, TorchOps.rms_norm(x, weight, 1e-5))
@@ -116,7 +121,7 @@ def test_rms_norm_matches_reference(target, dtype, tokens, hidden):
 def test_add_rms_norm_adds_in_place_and_normalises_the_sum(target, dtype, tokens, hidden):
     x = randn(tokens, hidden, dtype=dtype, device=target.device, seed=3)
     residual = randn(tokens, hidden, dtype=dtype, device=target.device, seed=4, scale=5.0)
-    weight = (1.0 + randn(hidden, dtype=torch.float32, device=target.device, seed=5, scale=0.2)).to(dtype)
+    weight = norm_weight(hidden, dtype, target.device, seed=5)
     expected_out, expected_sum = TorchOps.add_rms_norm(x, residual.clone(), weight, 1e-6)
 
     out, new_residual = target.kernels.add_rms_norm(x, residual, weight, 1e-6)
@@ -226,11 +231,13 @@ def test_bad_input_is_refused_with_a_clear_error():
         (lambda: fused_kernels.rms_norm(x, weight.half(), 1e-5), "weight is torch.float16"),
         (lambda: fused_kernels.rms_norm(x.int(), weight, 1e-5), "dtype torch.int32"),
         (lambda: fused_kernels.rms_norm(x.t(), torch.ones(4), 1e-5), "contiguous in its last"),
-        (lambda: fused_kernels.add_rms_norm(x, x[:3].clone(), weight, 1e-5), "residual is \\(3, 64\\)"),
+        (lambda: fused_kernels.add_rms_norm(x, x[:3].clone(), weight, 1e-5),
+         "residual is \\(3, 64\\)"),
         (lambda: fused_kernels.apply_rope(x, x, x), "expected \\[tokens, heads, head_dim\\]"),
         (lambda: fused_kernels.apply_rope(torch.randn(4, 2, 63), x, x), "even head_dim"),
         (lambda: fused_kernels.apply_rope(torch.randn(4, 2, 64), x[:3], x[:3]), "cos has shape"),
-        (lambda: fused_kernels.apply_rope(torch.randn(4, 2, 64), x, x.double()), "sin is torch.float64"),
+        (lambda: fused_kernels.apply_rope(torch.randn(4, 2, 64), x, x.double()),
+         "sin is torch.float64"),
         (lambda: fused_kernels.silu_and_mul(torch.randn(4, 63)), "even number"),
     ]
     for call, message in cases:

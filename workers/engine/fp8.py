@@ -92,8 +92,9 @@ def quantize_activation(x: torch.Tensor, *, per_token: bool) -> tuple[torch.Tens
     return _to_fp8(xf / scale), scale
 
 
-def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, W, bias)`` with W in FP8 and ``x`` quantized on the fly; result in x's dtype."""
+def fp8_linear(x: torch.Tensor, weight: Fp8Weight,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` with W in FP8 and x quantized on the fly; result in x's dtype."""
     rows, out_shape = _flatten(x, weight)
     if rows.shape[0] == 0:
         return x.new_zeros(out_shape)

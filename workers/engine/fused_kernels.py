@@ -12,8 +12,8 @@
 These functions have the same names and signatures as the model's plain PyTorch ops
 (``model.TorchOps``), which are their reference. Each kernel reproduces the reference's rounding
 steps: math in float32, a cast to the model dtype wherever PyTorch rounds (an elementwise op in
-bfloat16 computes in float32 and rounds its result). So in bfloat16/float16 the fused path
-differs from the plain one only by the order of the RMS sum. Launches turn FMA contraction off:
+bfloat16 computes in float32 and rounds its result). So the fused path differs from the plain
+one only by the order of the RMS sum and by the exp in SiLU. Launches turn FMA contraction off:
 these kernels are memory-bound, and contraction would change float32 results by an ulp.
 
 With ``TRITON_INTERPRET=1`` set while this module is imported, the kernels run on CPU tensors in
@@ -203,8 +203,8 @@ def apply_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     if num_tokens == 0 or num_heads == 0:
         return qk
     half = head_dim // 2
-    # About 2K elements per program: enough heads per program to amortise the cos/sin loads,
-    # enough programs that a single decode token still spreads over a few SMs.
+    # Up to 1K rotation pairs per program: enough heads to amortise the cos/sin loads, enough
+    # programs that a single decode token still spreads over a few SMs.
     block_half = triton.next_power_of_2(half)
     block_h = min(triton.next_power_of_2(num_heads), max(1, 1024 // block_half))
     _rope_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
@@ -222,7 +222,7 @@ def apply_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate_up`` [tokens, 2 * I] laid out ``[gate | up]`` → [tokens, I]."""
+    """``silu(gate) * up`` of ``gate_up`` [tokens, 2 * I] laid out ``[gate | up]``: [tokens, I]."""
     _check_rows("gate_up", gate_up)
     num_tokens, width = gate_up.shape
     if width % 2:
@@ -278,7 +278,8 @@ def _check_dtype_device(name: str, t: torch.Tensor, device: torch.device) -> Non
 
 def _check_rows(name: str, t: torch.Tensor) -> None:
     if t.dim() != 2:
-        raise FusedKernelInputError(f"{name} has shape {tuple(t.shape)}; expected [tokens, features]")
+        raise FusedKernelInputError(
+            f"{name} has shape {tuple(t.shape)}; expected [tokens, features]")
     _check_dtype_device(name, t, t.device)
     if t.shape[1] > 1 and t.stride(1) != 1:
         raise FusedKernelInputError(f"{name} must be contiguous in its last dimension")

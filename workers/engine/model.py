@@ -150,12 +150,12 @@ class CausalLM(nn.Module):
         if self.quantization is not None:
             raise ValueError(f"the weights are already quantized ({self.quantization})")
         per_channel = fp8.per_channel_scales(scheme)
-        on_gpu = torch.device(device).type == "cuda"
-        for i, layer in enumerate(self.layers):
+        if torch.device(device).type == "cuda":  # every layer has the same shapes
+            for name in LINEAR_WEIGHTS:
+                fp8.check_gpu_shape(name, getattr(self.layers[0], name).shape)
+        for layer in self.layers:
             for name in LINEAR_WEIGHTS:
                 weight = getattr(layer, name)
-                if on_gpu:
-                    fp8.check_gpu_shape(f"layer {i}'s {name}", weight.shape)
                 delattr(layer, name)  # a parameter's name cannot take a module directly
                 setattr(layer, name, fp8.quantize_weight(weight, per_channel=per_channel))
         self.linear = fp8.linear_for(device)
