@@ -6,8 +6,9 @@ With a CUDA GPU the same cases also run compiled.
 
 The kernels repeat the reference's rounding steps, so where the reference does the same float
 operations (the residual add, RoPE) the results must be identical; RMSNorm's sum and SiLU's exp
-may differ in order or implementation, so there the results must agree to within one rounding of
-the dtype.
+may differ in order or implementation, so there 16-bit results must agree to within two roundings
+of the dtype (the normalised value's rounding may flip, then the product is rounded), float32 ones
+to within 2^-17 relative (a GPU's rsqrt and exp are approximate).
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ needs_cuda = pytest.mark.skipif(
     reason="needs an NVIDIA GPU with CUDA; on CPU the interpreter tests cover the kernels")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# One rounding of each dtype (relative): what RMSNorm and SiLU may differ by from the reference.
-ONE_ROUNDING = {torch.float32: 2.0 ** -22, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
+# What RMSNorm and SiLU may differ by from the reference (relative): two roundings of a 16-bit
+# dtype; 2^-17 in float32.
+ROUNDING_TOLERANCE = {torch.float32: 2.0 ** -17, torch.bfloat16: 2.0 ** -6,
+                      torch.float16: 2.0 ** -9}
 
 
 def import_interpreted_fused_kernels():
@@ -91,9 +94,9 @@ def norm_weight(hidden, dtype, device, seed):
     return (1.0 + randn(hidden, dtype=torch.float32, device=device, seed=seed, scale=0.2)).to(dtype)
 
 
-def assert_within_one_rounding(actual, expected):
+def assert_within_rounding(actual, expected):
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    tol = ONE_ROUNDING[expected.dtype]
+    tol = ROUNDING_TOLERANCE[expected.dtype]
     torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol)
 
 
@@ -112,7 +115,7 @@ def test_rms_norm_matches_reference(target, dtype, tokens, hidden):
     weight = norm_weight(hidden, dtype, target.device, seed=2)
     before = x.clone()
     out = target.kernels.rms_norm(x, weight, 1e-5)
-    assert_within_one_rounding(out, TorchOps.rms_norm(x, weight, 1e-5))
+    assert_within_rounding(out, TorchOps.rms_norm(x, weight, 1e-5))
     assert torch.equal(x, before)
 
 
@@ -127,7 +130,7 @@ def test_add_rms_norm_adds_in_place_and_normalises_the_sum(target, dtype, tokens
     out, new_residual = target.kernels.add_rms_norm(x, residual, weight, 1e-6)
     assert new_residual is residual  # updated in place
     assert torch.equal(residual, expected_sum)  # the same addition, rounded the same way
-    assert_within_one_rounding(out, expected_out)
+    assert_within_rounding(out, expected_out)
 
 
 def test_rms_norm_reads_rows_by_their_stride(target):
@@ -135,7 +138,7 @@ def test_rms_norm_reads_rows_by_their_stride(target):
     wide = randn(5, 200, dtype=torch.float32, device=target.device, seed=6)
     x = wide[:, 30:130]
     weight = randn(100, dtype=torch.float32, device=target.device, seed=7)
-    assert_within_one_rounding(target.kernels.rms_norm(x, weight, 1e-5),
+    assert_within_rounding(target.kernels.rms_norm(x, weight, 1e-5),
                                TorchOps.rms_norm(x, weight, 1e-5))
 
 
@@ -192,7 +195,7 @@ def test_silu_and_mul_matches_reference(target, dtype, tokens, size):
     gate_up = randn(tokens, 2 * size, dtype=dtype, device=target.device, seed=11, scale=4.0)
     out = target.kernels.silu_and_mul(gate_up)
     assert out.shape == (tokens, size)
-    assert_within_one_rounding(out, TorchOps.silu_and_mul(gate_up))
+    assert_within_rounding(out, TorchOps.silu_and_mul(gate_up))
 
 
 # The interpreter runs on numpy, which warns where a GPU silently overflows exp(1000) to inf.
