@@ -249,6 +249,67 @@ def test_bad_input_is_refused_with_a_clear_error():
 
 
 # ------------------------------------------------------------------------------------------------
+# Compiled for a GPU, without one
+# ------------------------------------------------------------------------------------------------
+
+def bf16(*shape):
+    return torch.zeros(*shape, dtype=torch.bfloat16)
+
+
+# Each kernel's host wrapper called on Llama-3-8B-sized bfloat16 inputs (hidden 4096, 32 + 8
+# heads of 128, intermediate 14336).
+LAUNCHES = {
+    "_rms_norm_kernel": lambda: fused_kernels.add_rms_norm(bf16(2, 4096), bf16(2, 4096),
+                                                           bf16(4096), 1e-5),
+    "_rope_kernel": lambda: fused_kernels.apply_rope(bf16(2, 48, 128)[:, :40], bf16(2, 128),
+                                                     bf16(2, 128)),
+    "_silu_and_mul_kernel": lambda: fused_kernels.silu_and_mul(bf16(2, 2 * 14336)),
+}
+
+
+class LaunchRecorder:
+    """Stands in for a kernel: records the constants and options its wrapper launches it with."""
+
+    def __getitem__(self, grid):
+        return self
+
+    def __call__(self, *args, **kwargs):
+        self.kwargs = kwargs
+
+
+@pytest.mark.skipif("nvidia" not in triton.backends.backends, reason="Triton has no CUDA backend")
+@pytest.mark.parametrize("name", sorted(LAUNCHES))
+def test_kernels_compile_for_hopper_without_fma_and_with_round_to_nearest(monkeypatch, name):
+    """Compiled ahead of time for compute capability 9.0 (no GPU needed) with the constants and
+    options its wrapper launches it with: what the interpreter cannot check. Contraction is off
+    (the kernels repeat PyTorch's separate roundings) and bfloat16 results are rounded to nearest
+    even, as PyTorch rounds them."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = getattr(fused_kernels, name)
+    recorder = LaunchRecorder()
+    monkeypatch.setattr(fused_kernels, name, recorder)
+    LAUNCHES[name]()
+    constants = {k: v for k, v in recorder.kwargs.items() if k in kernel.arg_names}
+    options = {k: v for k, v in recorder.kwargs.items() if k not in kernel.arg_names}
+    assert options["enable_fp_fusion"] is False
+    signature = {}
+    for arg in kernel.arg_names:
+        if arg in constants:
+            signature[arg] = "constexpr"
+        elif arg.endswith("_ptr"):
+            signature[arg] = "*bf16"
+        else:
+            signature[arg] = "fp32" if arg == "eps" else "i32"
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    ptx = compiled.asm["ptx"]
+    assert "fma." not in ptx
+    assert "cvt.rn.bf16" in ptx
+
+
+# ------------------------------------------------------------------------------------------------
 # The model with the fused ops
 # ------------------------------------------------------------------------------------------------
 
