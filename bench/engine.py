@@ -780,6 +780,20 @@ def main_cuda(args: argparse.Namespace, device: str) -> int:
                     free_cuda(torch)
         else:
             report["llama3_8b_step"]["fp8"] = problem
+        if problem is None:
+            # What FP8 costs in quality: the bundled model's logits and perplexity on a fixed
+            # text, FP8 weights against the same model in bfloat16 on this GPU.
+            from workers.engine.accuracy import measure_fp8_accuracy
+
+            report["fp8_accuracy_vs_bfloat16"] = {}
+            for scheme in ("fp8", "fp8-per-tensor"):
+                log(f"{scheme} accuracy against bfloat16 (bundled model)")
+                try:
+                    report["fp8_accuracy_vs_bfloat16"][scheme] = measure_fp8_accuracy(
+                        scheme=scheme, device="cuda", dtype=torch.bfloat16)
+                except Exception as exc:
+                    report["fp8_accuracy_vs_bfloat16"][scheme] = f"failed: {type(exc).__name__}: {exc}"
+                free_cuda(torch)
 
     max_len = args.max_prompt + args.output_tokens
     dtype = None if args.engine_dtype == "auto" else getattr(torch, args.engine_dtype)
