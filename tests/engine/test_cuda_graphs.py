@@ -128,28 +128,11 @@ def test_a_padded_decode_step_gives_the_real_rows_the_unpadded_logits(tiny, num_
 def interpreted_triton_backend():
     """The Triton backend over a copy of the kernels imported to run in Triton's CPU
     interpreter (the rest of the process keeps its mode)."""
-    import importlib.util
-    import os
-    import sys
-
+    from tests.engine.interpreted import import_interpreted
     from workers.engine.attention import triton_kernels
     from workers.engine.attention.triton_backend import TritonBackend
 
-    name = "_triton_kernels_interpreted"
-    if name not in sys.modules:
-        saved = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-        try:
-            spec = importlib.util.spec_from_file_location(name, triton_kernels.__file__)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-        finally:
-            if saved is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = saved
-    return TritonBackend(kernels=sys.modules[name])
+    return TritonBackend(kernels=import_interpreted(triton_kernels))
 
 
 def test_the_triton_decode_kernel_gives_the_padded_step_the_same_logits(tiny_model_dir):

@@ -13,7 +13,6 @@ to within 2^-17 relative (a GPU's rsqrt and exp are approximate).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import pytest
 import torch
 import triton
 
+from tests.engine.interpreted import import_interpreted
 from workers.engine import fused_kernels
 from workers.engine.accuracy import sequence_logits
 from workers.engine.fused_kernels import FusedKernelInputError
@@ -42,22 +42,7 @@ ROUNDING_TOLERANCE = {torch.float32: 2.0 ** -17, torch.bfloat16: 2.0 ** -6,
 
 def import_interpreted_fused_kernels():
     """A separate copy of ``fused_kernels`` whose kernels run in Triton's CPU interpreter."""
-    name = "_fused_kernels_interpreted"
-    if name in sys.modules:
-        return sys.modules[name]
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        spec = importlib.util.spec_from_file_location(name, fused_kernels.__file__)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    finally:
-        if saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-    return module
+    return import_interpreted(fused_kernels)
 
 
 @dataclass

@@ -11,7 +11,6 @@ so an element a kernel forgets to write, or a slot it reads but should not, fail
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import sys
@@ -21,6 +20,7 @@ import pytest
 import torch
 import triton
 
+from tests.engine.interpreted import import_interpreted
 from workers.engine.attention import triton_kernels
 from workers.engine.attention.base import AttentionMetadata
 from workers.engine.attention.torch_backend import TorchBackend
@@ -35,22 +35,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 def import_interpreted_kernels():
     """A separate copy of ``triton_kernels`` whose kernels run in Triton's CPU interpreter."""
-    name = "_triton_kernels_interpreted"
-    if name in sys.modules:
-        return sys.modules[name]
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        spec = importlib.util.spec_from_file_location(name, triton_kernels.__file__)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    finally:
-        if saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-    return module
+    return import_interpreted(triton_kernels)
 
 
 @dataclass
