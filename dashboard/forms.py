@@ -93,10 +93,14 @@ class DeploymentSettingsForm(forms.Form):
     queue_limit = _int_field("queue_limit", "Queue limit", "Requests waiting at most; more are answered 429.")
     dtype = forms.ChoiceField(label="Precision", choices=Deployment.Dtype.choices, initial=Deployment.Dtype.AUTO,
                               help_text="auto: the best the worker's device supports.")
+    quantization = forms.ChoiceField(label="Weights", choices=Deployment.Quantization.choices,
+                                     initial=Deployment.Quantization.NONE, required=False,
+                                     help_text="FP8 halves the weights' memory and speeds decode on Hopper GPUs, "
+                                               "at a small cost in accuracy.")
 
     INITIAL = {"kind": "serverless", "batch_window_ms": 20, "max_batch_size": 32, "min_replicas": 0,
                "max_replicas": 1, "scale_to_zero": True, "scale_to_zero_seconds": 300, "queue_limit": 256,
-               "dtype": "auto"}
+               "dtype": "auto", "quantization": "none"}
 
     def clean(self):
         data = super().clean()
@@ -125,6 +129,7 @@ class DeploymentSettingsForm(forms.Form):
             "scale_to_zero_seconds": data["scale_to_zero_seconds"] if data.get("scale_to_zero") else 0,
             "queue_limit": data["queue_limit"],
             "dtype": data["dtype"],
+            "quantization": data.get("quantization") or Deployment.Quantization.NONE,
         }
 
     @classmethod
@@ -134,7 +139,7 @@ class DeploymentSettingsForm(forms.Form):
             "max_batch_size": deployment.max_batch_size, "min_replicas": deployment.min_replicas,
             "max_replicas": deployment.max_replicas, "scale_to_zero": deployment.scale_to_zero_seconds > 0,
             "scale_to_zero_seconds": deployment.scale_to_zero_seconds or 300, "queue_limit": deployment.queue_limit,
-            "dtype": deployment.dtype,
+            "dtype": deployment.dtype, "quantization": deployment.quantization,
         }
 
 

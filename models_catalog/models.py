@@ -75,6 +75,11 @@ class Deployment(models.Model):
         BFLOAT16 = "bfloat16", "bfloat16"
         FLOAT16 = "float16", "float16"
 
+    class Quantization(models.TextChoices):
+        NONE = "none", "none (weights in the compute dtype)"
+        FP8 = "fp8", "FP8, per-channel scales (Hopper and newer GPUs)"
+        FP8_PER_TENSOR = "fp8-per-tensor", "FP8, one scale per tensor (Hopper and newer GPUs)"
+
     class Status(models.TextChoices):
         PENDING = "pending", "Pending"
         LOADING = "loading", "Loading"
@@ -104,6 +109,10 @@ class Deployment(models.Model):
         default=300, help_text="idle seconds before a serverless deployment scales to zero; 0 = never"
     )
     dtype = models.CharField(max_length=16, choices=Dtype.choices, default=Dtype.AUTO)
+    quantization = models.CharField(
+        max_length=16, choices=Quantization.choices, default=Quantization.NONE,
+        help_text="weights stored in FP8 (half the memory of bfloat16, faster decode), computed in the dtype",
+    )
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
     status_reason = models.TextField(blank=True)
     created_by = models.ForeignKey(
@@ -132,6 +141,9 @@ class Deployment(models.Model):
             ),
             models.CheckConstraint(
                 condition=Q(dtype__in=["auto", "float32", "bfloat16", "float16"]), name="deployment_dtype_valid"
+            ),
+            models.CheckConstraint(
+                condition=Q(quantization__in=["none", "fp8", "fp8-per-tensor"]), name="deployment_quantization_valid"
             ),
             models.CheckConstraint(
                 condition=Q(status__in=["pending", "loading", "ready", "scaled_to_zero", "failed", "stopped"]),

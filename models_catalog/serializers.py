@@ -8,7 +8,7 @@ from rest_framework import serializers
 from .models import CatalogModel, Deployment
 from .services import INT_SETTINGS
 
-UPDATABLE_FIELDS = (*INT_SETTINGS, "kind", "dtype", "is_public")
+UPDATABLE_FIELDS = (*INT_SETTINGS, "kind", "dtype", "quantization", "is_public")
 SCALE_FIELDS = ("min_replicas", "max_replicas")
 
 
@@ -53,7 +53,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
         model = Deployment
         fields = ["object", "id", "name", "model", "kind", "public", "owned_by", "status", "status_reason",
                   "batch_window_ms", "max_batch_size", "queue_limit", "min_replicas", "max_replicas",
-                  "scale_to_zero_seconds", "dtype", "created_at", "updated_at"]
+                  "scale_to_zero_seconds", "dtype", "quantization", "created_at", "updated_at"]
 
     def get_object(self, obj) -> str:
         return "deployment"
@@ -82,6 +82,7 @@ class DeploymentCreateSerializer(serializers.Serializer):
     max_replicas = serializers.IntegerField(required=False, min_value=1)
     scale_to_zero_seconds = serializers.IntegerField(required=False, min_value=0, help_text="0: never")
     dtype = serializers.ChoiceField(choices=Deployment.Dtype.choices, required=False)
+    quantization = serializers.ChoiceField(choices=Deployment.Quantization.choices, required=False)
 
 
 class DeploymentUpdateSerializer(DeploymentCreateSerializer):

@@ -29,6 +29,7 @@ INT_SETTINGS = {
 CHOICE_SETTINGS = {
     "kind": Deployment.Kind.values,
     "dtype": Deployment.Dtype.values,
+    "quantization": Deployment.Quantization.values,
 }
 BOOL_SETTINGS = {"is_public"}
 SETTINGS = set(INT_SETTINGS) | set(CHOICE_SETTINGS) | BOOL_SETTINGS
@@ -79,7 +80,7 @@ def create_deployment(
     """A new deployment of ``model``. ``organization=None`` makes an operator's deployment.
 
     Settings: kind, is_public, batch_window_ms, max_batch_size, queue_limit, min_replicas,
-    max_replicas, scale_to_zero_seconds, dtype. Raises InvalidDeployment(field, message).
+    max_replicas, scale_to_zero_seconds, dtype, quantization. Raises InvalidDeployment(field, message).
     """
     name = _check_name(name)
     if not isinstance(model, CatalogModel) or model.pk is None:

@@ -39,6 +39,7 @@ class EngineHost:
         engine = Engine(
             spec["weights"],
             dtype=None if spec.get("dtype") in (None, "", "auto") else spec["dtype"],
+            quantization=None if spec.get("quantization") in (None, "", "none") else spec["quantization"],
             max_batch_size=spec.get("max_batch_size", 32),
             batch_window_ms=spec.get("batch_window_ms", 0),
             **_worker_engine_options(),

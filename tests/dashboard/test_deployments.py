@@ -24,7 +24,12 @@ def test_deploy_creates_a_deployment_of_the_current_organization(ada, acme, cata
     assert (deployment.kind, deployment.batch_window_ms, deployment.max_batch_size, deployment.min_replicas,
             deployment.max_replicas, deployment.scale_to_zero_seconds, deployment.queue_limit) == \
            ("serverless", 15, 16, 0, 2, 120, 100)
-    assert deployment.status == "pending"
+    assert deployment.status == "pending" and deployment.quantization == "none"
+
+
+def test_deploy_with_fp8_weights(ada, catalog):
+    ada.post("/deploy/", {**FORM, "name": "eight-bit", "quantization": "fp8"})
+    assert Deployment.objects.get(name="eight-bit").quantization == "fp8"
 
 
 def test_scale_to_zero_off_and_dedicated(ada, catalog):

@@ -61,6 +61,7 @@ def test_create_with_defaults_and_queue_name(acme, model):
         ({"kind": "dedicated", "min_replicas": 0}, "min_replicas"),
         ({"kind": "spot"}, "kind"),
         ({"dtype": "int3"}, "dtype"),
+        ({"quantization": "int4"}, "quantization"),
         ({"scale_to_zero_seconds": -5}, "scale_to_zero_seconds"),
         ({"is_public": True}, "is_public"),
         ({"gpu_count": 8}, "gpu_count"),
@@ -86,6 +87,12 @@ def test_a_taken_name_and_an_inactive_model_are_refused(acme, globex, model):
     assert info.value.field == "model"
 
 
+def test_fp8_weights_are_a_deployment_setting(acme, model):
+    deployment = create_deployment(organization=acme, model=model, name="eight", quantization="fp8")
+    assert deployment.quantization == "fp8"
+    assert create_deployment(organization=acme, model=model, name="plain").quantization == "none"
+
+
 def test_dedicated_deployments_default_to_one_replica(acme, model):
     deployment = create_deployment(organization=acme, model=model, name="ded", kind="dedicated")
     assert deployment.min_replicas == 1 and deployment.max_replicas == 1
@@ -101,6 +108,7 @@ def test_dedicated_deployments_default_to_one_replica(acme, model):
         {"kind": "dedicated", "min_replicas": 0},
         {"status": "exploded"},
         {"dtype": "int3"},
+        {"quantization": "int4"},
     ],
 )
 def test_the_database_enforces_the_invariants_too(model, values):

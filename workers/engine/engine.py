@@ -657,6 +657,7 @@ class Engine:
             "max_batched_tokens": self.max_batched_tokens,
             "max_model_len": self.max_model_len,
             "dtype": str(self.dtype).removeprefix("torch."),
+            "quantization": self.runner.model.quantization,
             "device": str(self.device),
             "device_name": self.device_name,
             **self._device_memory_stats(),
