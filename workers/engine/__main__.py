@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                      default="auto", help="compute dtype (auto: measured per machine)")
     gen.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    gen.add_argument("--quantization", choices=["fp8", "fp8-per-tensor"],
+                     help="store the decoder's linear weights in FP8 (default: in the dtype)")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -74,9 +76,9 @@ def _generate(args, parser) -> int:
     started = time.monotonic()
     engine = Engine(args.model or bundled_model_path(),
                     dtype=None if args.dtype == "auto" else args.dtype, device=args.device,
-                    max_batch_size=1)
+                    max_batch_size=1, quantization=args.quantization)
     print(f"[loaded in {time.monotonic() - started:.1f} s: {engine.config.architecture}, "
-          f"{engine.dtype}, {engine.device}]", file=sys.stderr)
+          f"{engine.dtype}{', ' + args.quantization if args.quantization else ''}, {engine.device}]", file=sys.stderr)
     progress = not sys.stdout.isatty() and sys.stderr.isatty()
     with engine:
         try:
