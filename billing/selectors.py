@@ -78,6 +78,66 @@ def api_key_limits(*, api_key: ApiKey) -> ApiKeySpendLimit | None:
     return ApiKeySpendLimit.objects.filter(api_key=api_key).first()
 
 
+@dataclass(frozen=True)
+class QuotaFigures:
+    """What the pre-dispatch quota check compares; a spend figure is None when no limit needs it."""
+
+    balance: Decimal
+    monthly_limit: Decimal | None
+    monthly_spend: Decimal | None
+    key_amount_limit: Decimal | None
+    key_token_limit: int | None
+    key_spend: KeySpend | None
+
+
+def _db_money(value) -> Decimal | None:
+    """A money figure as the driver returns it: Decimal (PostgreSQL) or int/float (SQLite stores
+    decimals as numbers; a float's shortest repr is the decimal it stands for)."""
+    if value is None:
+        return None
+    return Decimal(repr(value) if isinstance(value, float) else value).quantize(COST_QUANTUM)
+
+
+def quota_figures(*, organization: Organization, api_key: ApiKey | None = None,
+                  now: datetime | None = None) -> QuotaFigures:
+    """The balance, the spend limits and the spend they limit, in one statement: every request runs
+    this before dispatch, so it is plain SQL rather than an ORM query that costs more to compile
+    than to run. The same figures as :func:`balance`, :func:`monthly_spend` and
+    :func:`api_key_spend`; a spend is summed only when a limit applies to it."""
+    ledger, usage = LedgerEntry._meta.db_table, UsageRecord._meta.db_table
+    org_limits, key_limits = SpendLimit._meta.db_table, ApiKeySpendLimit._meta.db_table
+    key_limited = "(kl.amount_limit IS NOT NULL OR kl.token_limit IS NOT NULL)"
+    sql = f"""
+        SELECT
+            (SELECT SUM(amount) FROM {ledger} WHERE organization_id = %s),
+            ol.monthly_limit,
+            CASE WHEN ol.monthly_limit IS NOT NULL THEN
+                (SELECT SUM(cost) FROM {usage} WHERE organization_id = %s AND created_at >= %s) END,
+            kl.amount_limit,
+            kl.token_limit,
+            CASE WHEN {key_limited} THEN (SELECT SUM(cost) FROM {usage} WHERE api_key_id = %s) END,
+            CASE WHEN {key_limited} THEN
+                (SELECT SUM(prompt_tokens + completion_tokens) FROM {usage} WHERE api_key_id = %s) END
+        FROM (SELECT 1 AS anchor) AS one
+        LEFT JOIN {org_limits} AS ol ON ol.organization_id = %s
+        LEFT JOIN {key_limits} AS kl ON kl.api_key_id = %s
+    """
+    key_id = api_key.pk if api_key is not None else None
+    since = connection.ops.adapt_datetimefield_value(month_start(now))
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [organization.pk, organization.pk, since, key_id, key_id, organization.pk, key_id])
+        balance_, monthly_limit, spent, amount_limit, token_limit, key_cost, key_tokens = cursor.fetchone()
+    key_limited = amount_limit is not None or token_limit is not None
+    return QuotaFigures(
+        balance=_db_money(balance_) or ZERO,
+        monthly_limit=_db_money(monthly_limit),
+        monthly_spend=(_db_money(spent) or ZERO) if monthly_limit is not None else None,
+        key_amount_limit=_db_money(amount_limit),
+        key_token_limit=None if token_limit is None else int(token_limit),
+        key_spend=KeySpend(cost=_db_money(key_cost) or ZERO, tokens=int(key_tokens or 0)) if key_limited else None,
+    )
+
+
 # --- the ledger -----------------------------------------------------------------------------------
 
 

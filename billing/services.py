@@ -184,33 +184,28 @@ def set_api_key_spend_limit(*, api_key: ApiKey, amount_limit: Decimal | None = N
 def check_quota(*, organization: Organization, api_key: ApiKey | None = None) -> None:
     """Refuse a new request (QuotaExceeded, code ``insufficient_quota``) when the organization's
     balance is zero or below, its monthly spend limit is reached, or the key's amount or token limit
-    is reached. Every figure is computed now from the ledger and the usage records."""
-    current = selectors.balance(organization=organization)
-    if current <= 0:
+    is reached. Every figure is computed now from the ledger and the usage records, in one query."""
+    figures = selectors.quota_figures(organization=organization, api_key=api_key)
+    if figures.balance <= 0:
         raise QuotaExceeded(
-            f"You exceeded your current quota: your credit balance is {current} USD. "
+            f"You exceeded your current quota: your credit balance is {figures.balance} USD. "
             "Top up your credits in the dashboard to continue."
         )
-    monthly_limit = selectors.organization_monthly_limit(organization=organization)
-    if monthly_limit is not None:
-        spent = selectors.monthly_spend(organization=organization)
-        if spent >= monthly_limit:
+    if figures.monthly_limit is not None and figures.monthly_spend >= figures.monthly_limit:
+        raise QuotaExceeded(
+            f"You reached your organization's monthly spend limit ({figures.monthly_limit} USD; spent "
+            f"{figures.monthly_spend} USD this month). Raise the limit in the dashboard to continue."
+        )
+    spend = figures.key_spend
+    if spend is not None:
+        if figures.key_amount_limit is not None and spend.cost >= figures.key_amount_limit:
             raise QuotaExceeded(
-                f"You reached your organization's monthly spend limit ({monthly_limit} USD; spent {spent} USD "
-                "this month). Raise the limit in the dashboard to continue."
+                f"This API key reached its spend limit ({figures.key_amount_limit} USD; spent {spend.cost} USD)."
             )
-    if api_key is not None:
-        limits = selectors.api_key_limits(api_key=api_key)
-        if limits is not None and (limits.amount_limit is not None or limits.token_limit is not None):
-            spend = selectors.api_key_spend(api_key=api_key)
-            if limits.amount_limit is not None and spend.cost >= limits.amount_limit:
-                raise QuotaExceeded(
-                    f"This API key reached its spend limit ({limits.amount_limit} USD; spent {spend.cost} USD)."
-                )
-            if limits.token_limit is not None and spend.tokens >= limits.token_limit:
-                raise QuotaExceeded(
-                    f"This API key reached its token limit ({limits.token_limit} tokens; used {spend.tokens})."
-                )
+        if figures.key_token_limit is not None and spend.tokens >= figures.key_token_limit:
+            raise QuotaExceeded(
+                f"This API key reached its token limit ({figures.key_token_limit} tokens; used {spend.tokens})."
+            )
 
 
 # --- Stripe top-ups ---------------------------------------------------------------------------------
