@@ -2,6 +2,11 @@
 authenticate, admit (quota, rate limits), dispatch to the deployment's queue, and relay the
 worker's events back.
 
+Everything before dispatch is blocking work (the database, the rate-limit script, the publish on
+the broker) and runs in ONE trip to a thread (``gateway.admission``), with as few queries as the
+checks allow: each trip and each ORM query costs CPU that every concurrent request waits for, and
+the time to first token is what it adds up to.
+
 Every refusal before dispatch raises ``ApiError``; nothing refused is billed, because only a
 worker that ran the request emits usage.
 """
@@ -12,16 +17,17 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
-from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
 
 from workers import capacity, dispatch
 
-from . import ratelimit
+from . import admission, ratelimit
 from .errors import ApiError
 from .protocol import InferenceRequest
+from .timing import Stages
 
 
 @dataclass
@@ -58,27 +64,27 @@ def authenticate_sync(header, *, scope: str | None = "inference") -> Caller:
     return Caller(api_key=api_key, organization=api_key.organization)
 
 
-authenticate = sync_to_async(authenticate_sync)
+def _deployment_spec(caller: Caller, model: str) -> tuple[dict, bool]:
+    """The engine spec of the deployment ``model`` names for the caller, and whether it is ready."""
+    from models_catalog.errors import DeploymentNotFound
+    from models_catalog.models import Deployment
+    from models_catalog.selectors import deployments_visible_to
+
+    visible = deployments_visible_to(organization=caller.organization)
+    row = visible.filter(name=model).values(*dispatch.SPEC_FIELDS).first()  # no model instances: cheaper
+    if row is None:
+        raise ApiError(404, DeploymentNotFound(model).message, param="model", code="model_not_found")
+    return dispatch.spec_from_row(row), row["status"] == Deployment.Status.READY
 
 
-def _resolve(caller: Caller, model: str) -> dict:
+def _check_quota(caller: Caller) -> None:
     from billing.errors import QuotaExceeded
     from billing.services import check_quota
-    from models_catalog.errors import DeploymentNotFound
-    from models_catalog.selectors import resolve_deployment
 
-    try:
-        deployment = resolve_deployment(organization=caller.organization, name=model)
-    except DeploymentNotFound as exc:
-        raise ApiError(404, exc.message, param="model", code="model_not_found") from None
     try:
         check_quota(organization=caller.organization, api_key=caller.api_key)
     except QuotaExceeded as exc:
         raise ApiError(429, exc.message, code=exc.code, type=exc.type) from None
-    return dispatch.engine_spec(deployment)
-
-
-resolve = sync_to_async(_resolve)
 
 
 @dataclass
@@ -89,18 +95,19 @@ class Call:
     request: InferenceRequest
     spec: dict
     request_id: str
+    reply_channel: str
+    headers: dict  # the rate-limit headers every response carries
+    stages: Stages
     created: int = field(default_factory=lambda: int(time.time()))
-    reply_channel: str = ""
     prompt_tokens: int = 0
     done: bool = False  # the worker's last event arrived
     cancelled: bool = False
     tokens_used: int = 0
     queue_timeout: float | None = None  # longer while a scaled-to-zero deployment cold-starts
 
-    async def dispatch(self) -> None:
-        layer = get_channel_layer()
-        self.reply_channel = await layer.new_channel()
-        payload = {
+    def payload(self) -> dict:
+        """The task's argument: what the worker runs, and where to send the events."""
+        return {
             **self.request.payload(),
             "request_id": self.request_id,
             "reply_channel": self.reply_channel,
@@ -109,8 +116,6 @@ class Call:
             "api_key_id": self.caller.api_key.pk if self.caller.api_key is not None else None,
             "user": self.request.user,
         }
-        await sync_to_async(dispatch.enqueue, thread_sensitive=False)(payload)
-        self.queue_timeout = await sync_to_async(capacity.wake)(self.spec)
 
     async def _receive(self, timeout: float) -> dict:
         return await asyncio.wait_for(get_channel_layer().receive(self.reply_channel), timeout)
@@ -123,7 +128,8 @@ class Call:
             await self.cancel()
             raise ApiError(503, f"No worker is serving '{self.spec['name']}' right now; try again shortly.",
                            code="model_unavailable") from None
-        if event["type"] == "inference.accepted":
+        self.stages.mark("queue")
+        if event["type"] == "inference.accepted":  # the worker has to load the model first
             try:
                 event = await self._receive(settings.GATEWAY_START_TIMEOUT)
             except asyncio.TimeoutError:
@@ -133,6 +139,7 @@ class Call:
             self.done = True
             raise ApiError(event["status"], event["message"], param=event.get("param"), code=event.get("code"))
         self.prompt_tokens = event["prompt_tokens"]
+        self.stages.mark("load")  # after "queue": zero unless the worker had to load the model
 
     async def events(self):
         """Yield ``inference.delta`` events, then the ``inference.finished`` one."""
@@ -166,19 +173,65 @@ def new_request_id(kind: str) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-async def begin(caller: Caller, request: InferenceRequest) -> tuple[Call, dict]:
-    """Admit and dispatch a request; returns the started call and the rate-limit headers."""
-    spec = await resolve(caller, request.model)
-    request_id = new_request_id(request.kind)
-    decision = await ratelimit.admit(key_id=caller.key_id, org_id=caller.org_id, request_id=request_id)
+def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], request_id: str, reply_channel: str,
+          stages: Stages) -> Call:
+    """Admit and dispatch, blocking (one trip to a thread). Refusals come in the order clients see
+    them: the key and the body (``identify``), the model (404), credit and spend limits (429
+    insufficient_quota), then rate limits (429), which count the request only once it passed the
+    rest."""
+    caller, request = identify()
+    spec, ready = _deployment_spec(caller, request.model)
+    _check_quota(caller)
+    decision = ratelimit.admit(key_id=caller.key_id, org_id=caller.org_id, request_id=request_id)
     if not decision.allowed:
         raise ApiError(429, "Rate limit reached for requests or tokens per minute; retry after the reset.",
                        code="rate_limit_exceeded", headers=decision.headers)
-    call = Call(caller=caller, request=request, spec=spec, request_id=request_id)
-    await call.dispatch()
+    stages.mark("admit")
+    call = Call(caller=caller, request=request, spec=spec, request_id=request_id, reply_channel=reply_channel,
+                headers=decision.headers, stages=stages)
+    dispatch.enqueue(call.payload())
+    # A deployment with no ready replica: have the fleet load it, and wait as long as that takes.
+    call.queue_timeout = float(settings.GATEWAY_QUEUE_TIMEOUT) if ready else capacity.wake(spec)
+    stages.mark("dispatch")
+    return call
+
+
+async def _begin(kind: str, identify: Callable[[], tuple[Caller, InferenceRequest]],
+                 stages: Stages) -> tuple[Call, InferenceRequest, dict]:
+    request_id = new_request_id(kind)
+    reply_channel = await get_channel_layer().new_channel()  # a name only: no I/O
+    try:
+        call = await admission.run(_open, identify, request_id, reply_channel, stages)
+    except asyncio.CancelledError:  # the client left; the thread may still dispatch: abort it there
+        await asyncio.shield(dispatch.cancel(ratelimit.client(), request_id))
+        raise
     try:
         await call.start()
     except ApiError as exc:
-        exc.headers = {**decision.headers, **exc.headers}
+        exc.headers = {**call.headers, **exc.headers}
         raise
-    return call, decision.headers
+    except asyncio.CancelledError:
+        await asyncio.shield(call.cancel())
+        raise
+    return call, call.request, {**call.headers, "server-timing": stages.header()}
+
+
+async def begin(caller: Caller, request: InferenceRequest) -> tuple[Call, dict]:
+    """Admit, dispatch and start a request of a known caller (the WebSocket API); returns the call
+    and the response headers (rate limits and the ``Server-Timing`` of the stages so far)."""
+    call, _, headers = await _begin(request.kind, lambda: (caller, request), Stages())
+    return call, headers
+
+
+async def begin_http(header, read_request: Callable[[], InferenceRequest], *,
+                     kind: str) -> tuple[Call, InferenceRequest, dict]:
+    """:func:`begin` for an HTTP request: the key in ``header`` is checked first (401/403), then the
+    body is read by ``read_request`` (400/413), in the same trip to an admission thread."""
+    stages = Stages()
+
+    def identify():
+        caller = authenticate_sync(header)
+        stages.mark("auth")
+        return caller, read_request()
+
+    return await _begin(kind, identify, stages)

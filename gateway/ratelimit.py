@@ -8,10 +8,12 @@ updated by one Lua script, so a key gets exactly its limit in any 60 seconds, ne
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import weakref
 from dataclasses import dataclass
 
+import redis
 import redis.asyncio as aioredis
 from django.conf import settings
 
@@ -76,6 +78,8 @@ def _keys(key_id, org_id) -> list[str]:
 
 
 _clients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aioredis.Redis]" = weakref.WeakKeyDictionary()
+_admit_script = None  # the Lua script registered on the process's blocking client (EVALSHA)
+_sync_lock = threading.Lock()
 
 
 def client() -> aioredis.Redis:
@@ -86,13 +90,24 @@ def client() -> aioredis.Redis:
     return _clients[loop]
 
 
-async def admit(*, key_id, org_id, request_id: str, limits: Limits | None = None) -> Decision:
-    """Count this request if every window has room; otherwise refuse it, counting nothing."""
+def _admission_script():
+    """The admission script on a blocking client (a thread-safe pool) shared by admission threads."""
+    global _admit_script
+    with _sync_lock:
+        if _admit_script is None:
+            sync = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=10, socket_connect_timeout=5)
+            _admit_script = sync.register_script(_ADMIT)
+        return _admit_script
+
+
+def admit(*, key_id, org_id, request_id: str, limits: Limits | None = None) -> Decision:
+    """Count this request if every window has room; otherwise refuse it, counting nothing.
+    Blocking: it runs in the request's admission thread, with the database checks."""
     limits = limits or Limits.from_settings()
     now = int(time.time() * 1000)
-    out = await client().eval(
-        _ADMIT, 4, *_keys(key_id, org_id), now, WINDOW_MS,
-        limits.key_rpm, limits.org_rpm, limits.key_tpm, limits.org_tpm, request_id,
+    out = _admission_script()(
+        keys=_keys(key_id, org_id),
+        args=[now, WINDOW_MS, limits.key_rpm, limits.org_rpm, limits.key_tpm, limits.org_tpm, request_id],
     )
     allowed, retry_ms, key_req, key_req_reset, org_req, org_req_reset, key_tok, key_tok_reset, org_tok, org_tok_reset = (
         int(v) for v in out

@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from . import calls, formatting
+from . import admission, calls, formatting
 from .errors import ApiError
 from .protocol import MAX_MODEL_NAME, parse_chat, parse_completion
 
@@ -41,13 +40,12 @@ def _with_headers(response, headers: dict):
     return response
 
 
-async def _inference(request, parse):
+async def _inference(request, parse, kind: str):
     if request.method != "POST":
         return ApiError(405, f"Use POST for {request.path}.", code="method_not_allowed").response()
     try:
-        caller = await calls.authenticate(request.headers.get("Authorization"))
-        inference = parse(_read_json(request))
-        call, headers = await calls.begin(caller, inference)
+        call, inference, headers = await calls.begin_http(
+            request.headers.get("Authorization"), lambda: parse(_read_json(request)), kind=kind)
     except ApiError as exc:
         return exc.response()
     ctx = formatting.Context(kind=inference.kind, id=call.request_id, created=call.created, model=inference.model)
@@ -111,12 +109,12 @@ async def _sse(call: calls.Call, ctx: formatting.Context, include_usage: bool):
 
 @csrf_exempt
 async def chat_completions(request):
-    return await _inference(request, parse_chat)
+    return await _inference(request, parse_chat, "chat")
 
 
 @csrf_exempt
 async def completions(request):
-    return await _inference(request, parse_completion)
+    return await _inference(request, parse_completion, "completion")
 
 
 def _model_json(deployment) -> dict:
@@ -150,13 +148,13 @@ def _get_model(header, name: str) -> dict:
 
 async def models(request):
     try:
-        return JsonResponse(await sync_to_async(_list_models)(request.headers.get("Authorization")))
+        return JsonResponse(await admission.run(_list_models, request.headers.get("Authorization")))
     except ApiError as exc:
         return exc.response()
 
 
 async def model_detail(request, name: str):
     try:
-        return JsonResponse(await sync_to_async(_get_model)(request.headers.get("Authorization"), name))
+        return JsonResponse(await admission.run(_get_model, request.headers.get("Authorization"), name))
     except ApiError as exc:
         return exc.response()

@@ -16,7 +16,12 @@ from django.conf import settings  # noqa: E402
 from django.http.request import validate_host  # noqa: E402
 
 from accounts.middleware import ApiKeyAuthMiddlewareStack  # noqa: E402
+from gateway import admission  # noqa: E402
 from gateway.routing import websocket_urlpatterns  # noqa: E402
+
+# A server process: the gateway's per-request database work runs on threads that keep their
+# connections, instead of opening one per request (see gateway.admission).
+admission.use_threads()
 
 
 class BrowserOriginValidator(OriginValidator):

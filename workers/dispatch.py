@@ -15,18 +15,37 @@ from .cancellation import CHANNEL, MARK_TTL_S, mark_key
 RUN_INFERENCE = "workers.run_inference"
 
 
+# The deployment's columns a spec is made of: ``Deployment.objects.values(*SPEC_FIELDS)`` reads
+# them without building model instances (the gateway does this for every request).
+SPEC_FIELDS = ("id", "name", "status", "dtype", "quantization", "batch_window_ms", "max_batch_size",
+               "model__slug", "model__weights_path")
+
+
 def engine_spec(deployment) -> dict:
     """The settings a worker needs to host a deployment's engine (JSON-safe)."""
+    return spec_from_row({
+        "id": deployment.pk, "name": deployment.name, "dtype": deployment.dtype,
+        "quantization": deployment.quantization, "batch_window_ms": deployment.batch_window_ms,
+        "max_batch_size": deployment.max_batch_size, "model__slug": deployment.model.slug,
+        "model__weights_path": deployment.model.weights_path,
+    })
+
+
+def spec_from_row(row: dict) -> dict:
+    """:func:`engine_spec` from a ``values(*SPEC_FIELDS)`` row."""
+    from models_catalog.models import CatalogModel
     from models_catalog.weights import resolve_weights_path
 
+    weights = resolve_weights_path(CatalogModel(slug=row["model__slug"], weights_path=row["model__weights_path"]))
     return {
-        "id": deployment.pk,
-        "name": deployment.name,
-        "model": deployment.model.slug,
-        "weights": str(resolve_weights_path(deployment.model)),
-        "dtype": deployment.dtype,
-        "batch_window_ms": deployment.batch_window_ms,
-        "max_batch_size": deployment.max_batch_size,
+        "id": row["id"],
+        "name": row["name"],
+        "model": row["model__slug"],
+        "weights": str(weights),
+        "dtype": row["dtype"],
+        "quantization": row["quantization"],
+        "batch_window_ms": row["batch_window_ms"],
+        "max_batch_size": row["max_batch_size"],
     }
 
 

@@ -1,8 +1,9 @@
 """Run one request on this worker's engine and relay what it produces to the waiting gateway.
 
 Events sent to the reply channel, in order:
-    inference.accepted  a worker took the request (it may still have to load the model)
-    inference.started   prompt_tokens, cached_prompt_tokens (the request was accepted)
+    inference.accepted  a worker took the request and has to load the model first (only then:
+                        one event fewer per request otherwise)
+    inference.started   prompt_tokens, cached_prompt_tokens (the engine accepted the request)
     inference.delta     text, token_ids, logprobs (per token: token, bytes, logprob, top)
     inference.finished  finish_reason, usage, timings, error
 or, instead of all of them, inference.error (status, message, param, code) when the request is
@@ -29,7 +30,9 @@ def run(payload: dict, *, host, send, cancels, worker_name: str = "") -> dict | 
     request_id, reply = payload["request_id"], payload["reply_channel"]
     if cancels.is_cancelled(request_id):
         return None  # the client gave up while the request was queued: nothing ran
-    _send_quietly(send, reply, {"type": "inference.accepted", "worker": worker_name})
+    if host.spec(payload["deployment"]["name"]) is None:
+        # The model must be loaded first: tell the gateway to wait for the load, not the queue.
+        _send_quietly(send, reply, {"type": "inference.accepted", "worker": worker_name})
     try:
         engine = host.engine_for(payload["deployment"])
     except Exception as exc:

@@ -107,3 +107,14 @@ def test_models_lists_the_public_deployment(openai_client):
     ids = [m.id for m in openai_client.models.list().data]
     assert DEPLOYMENT in ids
     assert openai_client.models.retrieve(DEPLOYMENT).id == DEPLOYMENT
+
+
+def test_a_started_request_tells_where_its_time_went(openai_client):
+    from gateway.timing import parse
+
+    raw = openai_client.completions.with_raw_response.create(model=DEPLOYMENT, prompt="Hello", max_tokens=2,
+                                                              temperature=0)
+    stages = parse(raw.headers.get("server-timing"))
+    assert list(stages) == ["auth", "admit", "dispatch", "queue", "load"], raw.headers.get("server-timing")
+    assert all(ms >= 0 for ms in stages.values())
+    assert raw.parse().usage.completion_tokens >= 1

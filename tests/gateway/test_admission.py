@@ -1,0 +1,190 @@
+"""The checks before dispatch: their order, the one-query quota figures, and the admission threads."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
+
+import pytest
+
+CHAT = "/v1/chat/completions"
+
+
+def post(client, body, key=None):
+    headers = {"HTTP_AUTHORIZATION": f"Bearer {key}"} if key else {}
+    data = body if isinstance(body, str) else json.dumps(body)
+    return client.post(CHAT, data=data, content_type="application/json", **headers)
+
+
+def chat(model="smollm2-135m-instruct"):
+    return {"model": model, "messages": [{"role": "user", "content": "Hi"}]}
+
+
+def record(org, model_slug, *, api_key=None, tokens=(1000, 500), finished_at=None):
+    from billing.services import record_usage
+
+    return record_usage(event={
+        "request_id": f"req-{uuid.uuid4().hex}", "organization_id": org.pk,
+        "api_key_id": api_key.pk if api_key is not None else None, "deployment_id": None,
+        "model": model_slug, "deployment": "", "prompt_tokens": tokens[0], "cached_prompt_tokens": 0,
+        "completion_tokens": tokens[1], "status": "completed", "queue_ms": 1, "ttft_ms": 2, "latency_ms": 3,
+        "finished_at": (finished_at or datetime.now(timezone.utc)).isoformat(),
+    })
+
+
+# --- the order in which a client sees refusals ----------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_a_bad_key_is_reported_before_a_bad_body(client, seeded):
+    response = post(client, "{not json", key="sk-not-a-real-key")
+    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.django_db
+def test_a_bad_body_is_reported_before_an_unknown_model(client, seeded, org_key):
+    _, _, plaintext = org_key()
+    response = post(client, {"model": "no-such-model", "messages": [], "temperature": 9}, key=plaintext)
+    assert response.status_code == 400 and response.json()["error"]["param"] in ("messages", "temperature")
+
+
+@pytest.mark.django_db
+def test_an_unknown_model_is_reported_before_an_empty_balance(client, seeded, broke_org_key):
+    _, _, plaintext = broke_org_key
+    assert post(client, chat(model="no-such-model"), key=plaintext).status_code == 404
+    assert post(client, chat(), key=plaintext).json()["error"]["code"] == "insufficient_quota"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("limit", ["token_limit", "amount_limit", "monthly_limit"])
+def test_a_spend_limit_reached_is_refused_before_dispatch(client, seeded, org_key, limit):
+    from billing.models import UsageRecord
+    from billing.services import set_api_key_spend_limit, set_spend_limit
+
+    org, key, plaintext = org_key()
+    if limit == "monthly_limit":
+        set_spend_limit(organization=org, monthly_limit=Decimal("0"))
+    else:
+        set_api_key_spend_limit(api_key=key, **{limit: Decimal("0") if limit == "amount_limit" else 0})
+    response = post(client, chat(), key=plaintext)
+    assert response.status_code == 429, response.content
+    assert response.json()["error"]["code"] == "insufficient_quota"
+    assert "limit" in response.json()["error"]["message"]
+    assert not UsageRecord.objects.filter(organization=org).exists()
+
+
+# --- the quota figures: one query, the same figures as the selectors ------------------------------
+
+
+@pytest.mark.django_db
+def test_without_limits_only_the_balance_is_computed(seeded, org_key):
+    from billing import selectors
+
+    org, key, _ = org_key()
+    figures = selectors.quota_figures(organization=org, api_key=key)
+    assert figures.balance == selectors.balance(organization=org) > 0
+    assert (figures.monthly_limit, figures.monthly_spend, figures.key_spend) == (None, None, None)
+
+
+@pytest.mark.django_db
+def test_with_limits_the_figures_equal_the_selectors(seeded, org_key):
+    from billing import selectors
+    from billing.models import UsageRecord
+    from billing.services import set_api_key_spend_limit, set_spend_limit
+    from models_catalog.models import Deployment
+
+    slug = Deployment.objects.get(name=seeded).model.slug
+    org, key, _ = org_key()
+    _, other_key, _ = org_key()  # another organization's usage never counts
+    set_spend_limit(organization=org, monthly_limit=Decimal("12.5"))
+    set_api_key_spend_limit(api_key=key, amount_limit=Decimal("3"), token_limit=10**9)
+    last_month = datetime.now(timezone.utc).replace(day=1) - timedelta(days=3)
+    record(org, slug, api_key=key, finished_at=last_month)
+    record(org, slug, api_key=key, tokens=(123, 45))
+    record(org, slug, tokens=(7, 8))  # no key: the organization's, not the key's
+    record(other_key.organization, slug, api_key=other_key)
+
+    figures = selectors.quota_figures(organization=org, api_key=key)
+    assert figures.balance == selectors.balance(organization=org)
+    assert figures.monthly_limit == Decimal("12.5")
+    assert figures.monthly_spend == selectors.monthly_spend(organization=org) > 0
+    every_month = sum(r.cost for r in UsageRecord.objects.filter(organization=org))
+    assert figures.monthly_spend < every_month  # last month's record is not this month's spend
+    assert (figures.key_amount_limit, figures.key_token_limit) == (Decimal("3"), 10**9)
+    assert figures.key_spend == selectors.api_key_spend(api_key=key)
+    assert figures.key_spend.tokens == 1000 + 500 + 123 + 45
+
+
+# --- admission threads ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def admission_thread(monkeypatch):
+    """The server's setting (gateway.admission.use_threads), one thread; its connection closed after."""
+    from gateway import admission
+
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-admission")
+    monkeypatch.setattr(admission, "_executor", executor)
+    yield admission
+    executor.submit(_close_connections).result()  # the test database is dropped at the end
+    executor.shutdown()
+
+
+def _close_connections():
+    from django.db import connections
+
+    connections.close_all()
+
+
+def _backend_id():
+    """The thread, the DB-API connection object and the database's own id for it."""
+    import threading
+
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()" if connection.vendor == "postgresql" else "SELECT 1")
+        return threading.current_thread().name, connection.connection, cursor.fetchone()[0]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_admission_threads_keep_their_database_connection(admission_thread):
+    first = asyncio.run(admission_thread.run(_backend_id))
+    second = asyncio.run(admission_thread.run(_backend_id))
+    assert first[0].startswith("gateway-admission") and first[0] == second[0]
+    assert first[1] is second[1] and first[2] == second[2]
+
+
+def _break_the_connection():
+    from django.db import connection
+
+    _backend_id()
+    connection.connection.close()  # as a database restart would
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_broken_connection_is_replaced_after_the_trip_that_found_it(admission_thread):
+    from django.db import Error
+
+    before = asyncio.run(admission_thread.run(_backend_id))
+    with pytest.raises(Error):
+        asyncio.run(admission_thread.run(_break_the_connection))
+    after = asyncio.run(admission_thread.run(_backend_id))
+    assert after[1] is not before[1]
+
+
+def test_server_timing_round_trips():
+    from gateway.timing import Stages, parse
+
+    stages = Stages()
+    for name in ("auth", "admit", "auth"):
+        stages.mark(name)
+    parsed = parse(stages.header())
+    assert list(parsed) == ["auth", "admit"] and all(ms >= 0 for ms in parsed.values())
+    assert parse("cache;desc=hit, db;dur=53.2, bad;dur=x") == {"db": 53.2}
