@@ -5,8 +5,8 @@ needs on GPU workers anyway) builds it in well under a second. The library is ca
 flags and CPU, so later processes only load it. Without a compiler, or with
 ``ENGINE_NATIVE_KERNELS=0``, ``available()`` is False and the caller keeps its PyTorch path.
 
-ctypes releases the GIL during the call, so the sequences are split into ranges of about equal
-work and run on a small thread pool of the size PyTorch is using.
+The kernel parallelises itself with OpenMP, on the runtime (and so the threads) PyTorch uses;
+ctypes releases the GIL for the call.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import platform
 import subprocess
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -30,13 +29,11 @@ SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 # Vectorised float reductions need reassociation; full -ffast-math would also assume no
 # infinities, which the softmax's running maximum starts from.
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-         "-fno-trapping-math", "-ffp-contract=fast", "-shared", "-fPIC"]
+         "-fno-trapping-math", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _failed = False
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
 
 
 def available() -> bool:
@@ -127,33 +124,6 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             tables.shape[1], lens.data_ptr(), out.data_ptr())
     shape = (num_heads, num_kv_heads, head_dim, block_size, float(scale))
 
-    def run(first: int, last: int) -> int:
-        return library.paged_decode_f32(*args, first, last, *shape)
-
-    ranges = _split(lens, min(torch.get_num_threads(), num_seqs))
-    if len(ranges) == 1:
-        codes = [run(*ranges[0])]
-    else:
-        codes = list(_threads().map(lambda r: run(*r), ranges))
-    if any(codes):
+    if library.paged_decode_f32(*args, num_seqs, int(lens.max()), *shape):
         raise MemoryError("the CPU attention kernel could not allocate its score buffer")
     return out
-
-
-def _split(context_lens: torch.Tensor, parts: int) -> list[tuple[int, int]]:
-    """Contiguous ranges of sequences with about the same number of context tokens each."""
-    num_seqs = context_lens.shape[0]
-    if parts <= 1:
-        return [(0, num_seqs)]
-    work = context_lens.to(torch.int64).cumsum(0)
-    goals = work[-1] * torch.arange(1, parts, dtype=torch.int64) // parts
-    cuts = [0, *torch.searchsorted(work, goals, right=True).tolist(), num_seqs]
-    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
-
-
-def _threads() -> ThreadPoolExecutor:
-    global _pool, _pool_size
-    if _pool is None or _pool_size < torch.get_num_threads():
-        _pool_size = torch.get_num_threads()
-        _pool = ThreadPoolExecutor(_pool_size, thread_name_prefix="cpu-attention")
-    return _pool
