@@ -64,17 +64,27 @@ def authenticate_sync(header, *, scope: str | None = "inference") -> Caller:
     return Caller(api_key=api_key, organization=api_key.organization)
 
 
-def _deployment_spec(caller: Caller, model: str) -> tuple[dict, bool]:
-    """The engine spec of the deployment ``model`` names for the caller, and whether it is ready."""
+def _deployment_spec(caller: Caller, model: str) -> tuple[dict, bool, int]:
+    """The engine spec of the deployment ``model`` names for the caller, whether it is ready, and
+    its queue limit (not part of the spec: changing it must not reload the engine)."""
     from models_catalog.errors import DeploymentNotFound
     from models_catalog.models import Deployment
     from models_catalog.selectors import deployments_visible_to
 
     visible = deployments_visible_to(organization=caller.organization)
-    row = visible.filter(name=model).values(*dispatch.SPEC_FIELDS).first()  # no model instances: cheaper
+    row = visible.filter(name=model).values(*dispatch.SPEC_FIELDS, "queue_limit").first()  # no model instances
     if row is None:
         raise ApiError(404, DeploymentNotFound(model).message, param="model", code="model_not_found")
-    return dispatch.spec_from_row(row), row["status"] == Deployment.Status.READY
+    return dispatch.spec_from_row(row), row["status"] == Deployment.Status.READY, row["queue_limit"]
+
+
+def _check_queue(spec: dict, queue_limit: int) -> None:
+    """A deployment whose queue is full turns requests away rather than let them wait past any use.
+    The check and the enqueue are not atomic: a burst may overshoot the limit by its own size."""
+    if dispatch.queue_depth(spec["name"]) >= queue_limit:
+        raise ApiError(429, f"The deployment '{spec['name']}' has {queue_limit} requests waiting, its limit; "
+                            "retry shortly.", code="queue_full", type="rate_limit_error",
+                       headers={"Retry-After": "1"})
 
 
 def _check_quota(caller: Caller) -> None:
@@ -177,11 +187,12 @@ def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], request_id: s
           stages: Stages) -> Call:
     """Admit and dispatch, blocking (one trip to a thread). Refusals come in the order clients see
     them: the key and the body (``identify``), the model (404), credit and spend limits (429
-    insufficient_quota), then rate limits (429), which count the request only once it passed the
-    rest."""
+    insufficient_quota), a full deployment queue (429 queue_full), then rate limits (429), which
+    count the request only once it passed the rest."""
     caller, request = identify()
-    spec, ready = _deployment_spec(caller, request.model)
+    spec, ready, queue_limit = _deployment_spec(caller, request.model)
     _check_quota(caller)
+    _check_queue(spec, queue_limit)
     decision = ratelimit.admit(key_id=caller.key_id, org_id=caller.org_id, request_id=request_id)
     if not decision.allowed:
         raise ApiError(429, "Rate limit reached for requests or tokens per minute; retry after the reset.",

@@ -49,6 +49,13 @@ def spec_from_row(row: dict) -> dict:
     }
 
 
+def queue_depth(name: str) -> int:
+    """Requests waiting on the deployment's queue, not yet taken by a worker."""
+    from .fleet import queue_depths
+
+    return queue_depths([name])[name]
+
+
 def enqueue(payload: dict) -> None:
     """Put a request on its deployment's queue (publishing to Redis; no result backend)."""
     app.send_task(

@@ -188,3 +188,55 @@ def test_server_timing_round_trips():
     parsed = parse(stages.header())
     assert list(parsed) == ["auth", "admit"] and all(ms >= 0 for ms in parsed.values())
     assert parse("cache;desc=hit, db;dur=53.2, bad;dur=x") == {"db": 53.2}
+
+
+# --- the deployment's queue limit ---------------------------------------------------------------
+
+
+@pytest.fixture
+def waiting_requests(settings):
+    """Put n stand-in messages on a deployment's queue (as requests no worker took yet)."""
+    from inference_platform.celery import deployment_queue
+    from workers import fleet
+
+    filled = []
+
+    def fill(name, n):
+        queue = deployment_queue(name)
+        fleet.client().delete(queue)
+        if n:
+            fleet.client().rpush(queue, *[f"waiting-{i}" for i in range(n)])
+        filled.append(queue)
+
+    yield fill
+    for queue in filled:
+        fleet.client().delete(queue)
+
+
+@pytest.mark.django_db
+def test_a_full_deployment_queue_is_refused_with_429(client, seeded, org_key, waiting_requests):
+    from billing.models import UsageRecord
+    from models_catalog.models import Deployment
+
+    org, _, plaintext = org_key()
+    Deployment.objects.filter(name="smollm2-135m-instruct").update(queue_limit=2)
+    waiting_requests("smollm2-135m-instruct", 2)
+    response = post(client, chat(), key=plaintext)
+    assert response.status_code == 429, response.content
+    error = response.json()["error"]
+    assert (error["code"], error["type"]) == ("queue_full", "rate_limit_error") and "2 requests waiting" in error["message"]
+    assert response["Retry-After"] == "1"
+    assert not UsageRecord.objects.filter(organization=org).exists()
+
+
+@pytest.mark.django_db
+def test_the_queue_limit_counts_the_requests_waiting(seeded, waiting_requests):
+    from gateway import calls
+    from gateway.errors import ApiError
+
+    spec = {"name": "smollm2-135m-instruct"}
+    waiting_requests("smollm2-135m-instruct", 2)
+    calls._check_queue(spec, 3)  # one place left
+    with pytest.raises(ApiError) as refused:
+        calls._check_queue(spec, 2)
+    assert refused.value.status == 429 and refused.value.code == "queue_full"
