@@ -61,6 +61,17 @@ class InvalidParameter(BillingError):
         super().__init__(message, param=param)
 
 
+class CardDeclined(BillingError):
+    """The card was refused (or could not be read); the message says why, fit to show."""
+
+    status = 402
+    code = "card_declined"
+    default_message = "Your card was declined."
+
+    def __init__(self, message: str | None = None):
+        super().__init__(message, param="card")
+
+
 class PaymentsNotConfigured(BillingError):
     status = 503
     type = "service_unavailable"

@@ -7,6 +7,7 @@ a webhook replayed, two workers racing on the same request all end with one entr
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
 from typing import Any, Mapping
@@ -20,6 +21,7 @@ from models_catalog.models import CatalogModel, Deployment
 
 from . import selectors
 from .errors import (
+    CardDeclined,
     InvalidParameter,
     InvalidUsageEvent,
     PaymentProviderError,
@@ -281,6 +283,46 @@ def create_topup(*, organization: Organization, amount: Decimal, created_by=None
     TopUp.objects.create(organization=organization, payment_intent_id=intent.id, amount=value,
                          currency="usd", created_by=created_by)
     return TopUpIntent(id=intent.id, client_secret=intent.client_secret, amount=value, currency="usd")
+
+
+_CARD_TOKEN = re.compile(r"^tok_[A-Za-z0-9_]{4,250}$")
+
+
+@dataclass(frozen=True)
+class TopUpPayment:
+    """Where a top-up's payment stands after confirmation: ``succeeded`` / ``processing`` (the
+    webhook credits it), ``requires_action`` (Stripe.js finishes 3-D Secure with the client secret)."""
+
+    status: str
+    client_secret: str
+
+
+def pay_topup_with_card_token(*, organization: Organization, payment_intent_id: str, card_token: str) -> TopUpPayment:
+    """Confirm a pending top-up of ``organization`` (from :func:`create_topup`) with the card
+    Stripe.js tokenized in the browser (``stripe.createToken(cardElement)``): the card is saved on
+    the organization's Stripe customer, set on the PaymentIntent, and the PaymentIntent confirmed.
+    Credits nothing itself: Stripe's signed ``payment_intent.succeeded`` webhook does, once.
+    Raises CardDeclined (unreadable or refused card), InvalidParameter (unknown or finished
+    top-up), PaymentProviderError or PaymentsNotConfigured."""
+    if not isinstance(card_token, str) or not _CARD_TOKEN.match(card_token):
+        raise CardDeclined("The card details could not be read: enter them again.")
+    topup = TopUp.objects.filter(organization=organization, payment_intent_id=payment_intent_id).first()
+    if topup is None:
+        raise InvalidParameter("payment_intent", "This top-up does not exist.")
+    if topup.status != TopUp.Status.PENDING:
+        raise InvalidParameter("payment_intent", f"This top-up is already {topup.get_status_display().lower()}.")
+    customer_id = ensure_stripe_customer(organization=organization)
+    client = stripe_client()
+    try:
+        card = client.v1.customers.payment_sources.create(customer_id, params={"source": card_token})
+        client.v1.payment_intents.update(payment_intent_id, params={"payment_method": card.id})
+        intent = client.v1.payment_intents.confirm(payment_intent_id)
+    except stripe.CardError as exc:
+        raise CardDeclined(exc.user_message or None) from None
+    except stripe.StripeError as exc:
+        logger.warning("Stripe refused to confirm %s: %s", payment_intent_id, exc)
+        raise PaymentProviderError(exc.user_message or None) from exc
+    return TopUpPayment(status=intent.status, client_secret=intent.client_secret)
 
 
 def _usd_from_cents(value) -> Decimal | None:

@@ -6,14 +6,10 @@ rules, and paying a top-up with a card token from Stripe.js.
 
 from __future__ import annotations
 
-import logging
-import re
 import secrets
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
-import stripe
 
 from django.core.exceptions import ValidationError
 from django.core.mail import send_mail
@@ -24,15 +20,10 @@ from django.utils import timezone
 from accounts import services as account_services
 from accounts.errors import InvalidInput
 from accounts.models import Membership, Organization, User
-from billing import services as billing_services
-from billing.errors import PaymentProviderError
-from billing.models import TopUp
-from billing.stripe_api import stripe_client
 
 from .errors import DashboardError, InvalidInvitation, NotAllowed
 from .models import Invitation, hash_token
 
-logger = logging.getLogger(__name__)
 
 INVITATION_TTL = timedelta(days=7)
 OWNER, ADMIN, MEMBER = Membership.Role.OWNER, Membership.Role.ADMIN, Membership.Role.MEMBER
@@ -207,45 +198,3 @@ def revoke_invitation(*, organization: Organization, actor: User, invitation_id:
         raise NotAllowed("Only owners and admins can manage invitations.")
     Invitation.objects.filter(pk=invitation_id, organization=organization, accepted_at__isnull=True,
                               revoked_at__isnull=True).update(revoked_at=timezone.now())
-
-
-# --- paying a top-up --------------------------------------------------------------------------------
-
-_CARD_TOKEN = re.compile(r"^tok_[A-Za-z0-9_]{4,250}$")
-
-
-@dataclass(frozen=True)
-class TopUpPayment:
-    """Where a top-up's payment stands after confirmation: ``succeeded`` / ``processing`` (the
-    webhook credits it), ``requires_action`` (Stripe.js finishes 3-D Secure with the client secret)."""
-
-    status: str
-    client_secret: str
-
-
-def pay_topup_with_card_token(*, organization: Organization, payment_intent_id: str, card_token: str) -> TopUpPayment:
-    """Confirms a pending top-up of ``organization`` (created by ``billing.services.create_topup``)
-    with the card Stripe.js tokenized in the browser (``stripe.createToken(cardElement)``): the card
-    is saved on the organization's Stripe customer, set on the PaymentIntent, and the PaymentIntent
-    confirmed. Credits nothing itself: Stripe's signed ``payment_intent.succeeded`` webhook does,
-    once. Raises DashboardError (unknown or finished top-up, a declined card) or billing's
-    PaymentProviderError / PaymentsNotConfigured."""
-    if not isinstance(card_token, str) or not _CARD_TOKEN.match(card_token):
-        raise DashboardError("The card details could not be read: enter them again.", field="card")
-    topup = TopUp.objects.filter(organization=organization, payment_intent_id=payment_intent_id).first()
-    if topup is None:
-        raise DashboardError("This top-up does not exist.")
-    if topup.status != TopUp.Status.PENDING:
-        raise DashboardError(f"This top-up is already {topup.get_status_display().lower()}.")
-    customer_id = billing_services.ensure_stripe_customer(organization=organization)
-    client = stripe_client()
-    try:
-        card = client.v1.customers.payment_sources.create(customer_id, params={"source": card_token})
-        client.v1.payment_intents.update(payment_intent_id, params={"payment_method": card.id})
-        intent = client.v1.payment_intents.confirm(payment_intent_id)
-    except stripe.CardError as exc:
-        raise DashboardError(exc.user_message or "Your card was declined.", field="card") from None
-    except stripe.StripeError as exc:
-        logger.warning("Stripe refused to confirm %s: %s", payment_intent_id, exc)
-        raise PaymentProviderError(exc.user_message or None) from exc
-    return TopUpPayment(status=intent.status, client_secret=intent.client_secret)

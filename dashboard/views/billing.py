@@ -7,10 +7,9 @@ import json
 from django.http import JsonResponse
 from django.views.decorators.http import require_POST
 
+from billing import services as billing_services
 from billing.errors import BillingError
 
-from .. import services
-from ..errors import DashboardError
 from .common import organization_required
 
 
@@ -29,12 +28,9 @@ def topup_pay(request, payment_intent_id: str):
     if not isinstance(body, dict):
         return _error(400, "The body must be a JSON object.", code="invalid_json")
     try:
-        payment = services.pay_topup_with_card_token(organization=request.organization,
-                                                     payment_intent_id=payment_intent_id,
-                                                     card_token=body.get("token"))
-    except DashboardError as exc:
-        return _error(402 if exc.field == "card" else 400, exc.message, param=exc.field,
-                      code="card_declined" if exc.field == "card" else None)
+        payment = billing_services.pay_topup_with_card_token(organization=request.organization,
+                                                             payment_intent_id=payment_intent_id,
+                                                             card_token=body.get("token"))
     except BillingError as exc:
         return JsonResponse(exc.as_error(), status=exc.status)
     return JsonResponse({"status": payment.status, "client_secret": payment.client_secret})
