@@ -1,7 +1,7 @@
 """The CPU decode-attention kernel in ``csrc/paged_decode.c``: built on first use, called through ctypes.
 
-The kernel is plain C99 with no headers beyond libc, so the system C compiler (the one Triton
-needs on GPU workers anyway) builds it in well under a second. The library is cached per source,
+The kernel is plain C99 plus OpenMP pragmas, with no headers beyond libc, so the system C
+compiler (the one Triton needs on GPU workers anyway) builds it in well under a second. The library is cached per source,
 flags and CPU, so later processes only load it. Without a compiler, or with
 ``ENGINE_NATIVE_KERNELS=0``, ``available()`` is False and the caller keeps its PyTorch path.
 
