@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .attention.base import AttentionMetadata
+from .cpuinfo import cpuinfo_field
 from .cuda_graphs import DecodeGraphs, DecodeStep
 from .sampling import Sampler, SamplerOutput, SamplingBatch
 from .sequence import SamplingParams, Sequence
@@ -59,15 +60,8 @@ def pick_dtype(device: str | torch.device) -> torch.dtype:
 
 def cpu_has_native_bf16() -> bool:
     """AMX or AVX512-BF16 instructions (Linux; elsewhere assume not)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"amx_bf16", "avx512_bf16"})
-    except OSError:
-        pass
-    return False
+    flags = set((cpuinfo_field("flags") or "").split())
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
 
 
 def device_name(device: str | torch.device) -> str:
@@ -75,14 +69,7 @@ def device_name(device: str | torch.device) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or device.type
+    return cpuinfo_field("model name") or platform.processor() or device.type
 
 
 def device_memory(device: str | torch.device) -> tuple[int | None, int | None]:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from ..cpuinfo import cpuinfo_field
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
@@ -46,14 +48,7 @@ def cache_dir() -> Path:
 
 
 def _cpu_signature() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo_field("flags") or platform.processor() or platform.machine()
 
 
 def _build() -> Path:
