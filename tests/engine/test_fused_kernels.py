@@ -360,3 +360,28 @@ def test_model_on_cuda_uses_fused_ops_and_matches_plain_ops_and_cpu(tiny_model_d
         assert (fused - plain).abs().max() < 2.0 ** -5 * scale
     # Against CPU the matmuls and attention differ too (accumulation order).
     assert (fused - on_cpu).abs().max() < (1e-3 if dtype == torch.float32 else 0.05) * scale
+
+
+# ------------------------------------------------------------------------------------------------
+# The FP8 matmul's epilogue: both scales and the cast
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows,cols", [(1, 64), (5, 1000), (3, 3000)])
+def test_scale_rows_and_columns_matches_reference(target, dtype, rows, cols):
+    y = randn(rows, cols, dtype=torch.float32, device=target.device, seed=7, scale=50.0)
+    row_scale = randn(rows, 1, dtype=torch.float32, device=target.device, seed=8).abs()
+    col_scale = randn(cols, dtype=torch.float32, device=target.device, seed=9).abs()
+    out = target.kernels.scale_rows_and_columns(y, row_scale, col_scale, dtype)
+    # One rounding to ``dtype`` of the float32 product, whichever order it was multiplied in.
+    assert_within_rounding(out, (y * row_scale * col_scale).to(dtype))
+
+
+def test_scale_rows_and_columns_refuses_scales_that_do_not_fit():
+    y = torch.zeros(2, 8)
+    with pytest.raises(FusedKernelInputError, match="do not fit"):
+        fused_kernels.scale_rows_and_columns(y, torch.ones(3, 1), torch.ones(8), torch.bfloat16)
+    with pytest.raises(FusedKernelInputError, match="float32"):
+        fused_kernels.scale_rows_and_columns(y, torch.ones(2, 1).double(), torch.ones(8),
+                                             torch.bfloat16)

@@ -9,7 +9,8 @@ the e4m3 operands are multiplied with float32 accumulation, and both scales appl
     y[t, o] = sx[t] * sw[o] * sum_i Qx[t, i] * Qw[o, i]
 
 ``fp8_linear`` makes that one ``torch._scaled_mm`` call: on NVIDIA GPUs of compute capability 8.9
-and up (Ada, Hopper), and on CPU where the installed PyTorch has it. ``dequantized_linear`` is the
+and up (Ada, Hopper), and on CPU where the installed PyTorch has it. For a GPU decode step's few
+rows it calls it with unit scales and applies them in a fused epilogue (see ``_few_rows_linear``). ``dequantized_linear`` is the
 same math in plain float32 matmuls: the fallback where ``_scaled_mm`` is missing, and the reference
 the tests hold ``fp8_linear`` to. On CPU FP8 is an emulation (for tests and accuracy checks), not
 a speed-up.
@@ -23,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import fused_kernels
+
 FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0  # e4m3fn's largest finite value
 # Scales never go below this: an all-zero row or tensor gets a harmless scale instead of 0 / 0.
@@ -32,6 +35,8 @@ MIN_SCALE = torch.finfo(torch.float32).tiny
 SCHEMES = {"fp8": True, "fp8-per-tensor": False}
 
 MIN_CUDA_CAPABILITY = (8, 9)
+# Up to this many rows (a decode step's batch) the GPU path scales in an epilogue (``fp8_linear``).
+FEW_ROWS = 64
 
 
 class Fp8Error(ValueError):
@@ -85,7 +90,18 @@ def quantize_weight(weight: torch.Tensor, *, per_channel: bool = True) -> Fp8Wei
 
 
 def quantize_activation(x: torch.Tensor, *, per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [tokens, in] -> (e4m3 values, float32 scales [tokens, 1] or 0-d per tensor)."""
+    """``x`` [tokens, in] -> (e4m3 values, float32 scales [tokens, 1] or 0-d per tensor).
+    On CUDA one fused kernel does it (a decode step runs this for every matmul of every layer)."""
+    if x.is_cuda:
+        return fused_kernels.quantize_fp8(x, per_row=per_token, fp8_max=FP8_MAX,
+                                          min_scale=MIN_SCALE)
+    return quantize_activation_reference(x, per_token=per_token)
+
+
+def quantize_activation_reference(x: torch.Tensor, *,
+                                  per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_activation`` in plain PyTorch ops (the CPU path and the fused kernel's
+    reference)."""
     xf = x.float()
     amax = xf.abs().amax(dim=1, keepdim=True) if per_token else xf.abs().amax()
     scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
@@ -99,14 +115,40 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight,
     if rows.shape[0] == 0:
         return x.new_zeros(out_shape)
     per_channel = weight.per_channel
-    qx, x_scale = quantize_activation(rows, per_token=per_channel)
-    # _scaled_mm takes the second operand column-major: the [out, in] weight transposed is that.
-    w_scale = weight.scale[None, :] if per_channel else weight.scale
-    y = torch._scaled_mm(qx, weight.qweight.t(), scale_a=x_scale, scale_b=w_scale,
-                         out_dtype=x.dtype)
+    if rows.is_cuda and rows.shape[0] <= FEW_ROWS:
+        y = _few_rows_linear(rows, weight)
+    else:
+        qx, x_scale = quantize_activation(rows, per_token=per_channel)
+        # _scaled_mm takes the second operand column-major: the [out, in] weight transposed.
+        w_scale = weight.scale[None, :] if per_channel else weight.scale
+        y = torch._scaled_mm(qx, weight.qweight.t(), scale_a=x_scale, scale_b=w_scale,
+                             out_dtype=x.dtype)
     if bias is not None:  # added apart: GPUs' row-wise scaled matmul takes no bias
         y = y + bias
     return y.view(out_shape)
+
+
+def _few_rows_linear(rows: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """``fp8_linear`` for a decode step's few rows on a GPU. The row-wise scaled matmul runs
+    128-row tiles, which at one row reads the weights at half the memory's speed (measured on an
+    H100); the tensor-wise one picks kernels made for few rows. So: unit scales in the matmul,
+    float32 out, then both scales and the cast in one epilogue. One row's per-token scale is
+    its per-tensor scale, so per-tensor weights need no separate reduction for it either."""
+    per_token = weight.per_channel or rows.shape[0] == 1
+    qx, x_scale = quantize_activation(rows, per_token=per_token)
+    if not weight.per_channel:
+        return torch._scaled_mm(qx, weight.qweight.t(), scale_a=x_scale.reshape(()),
+                                scale_b=weight.scale, out_dtype=rows.dtype)
+    one = _unit_scale(rows.device)
+    y = torch._scaled_mm(qx, weight.qweight.t(), scale_a=one, scale_b=one,
+                         out_dtype=torch.float32)
+    return fused_kernels.scale_rows_and_columns(y, x_scale, weight.scale, rows.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    # Made once per device: created inside a CUDA graph capture, it would cost a launch a step.
+    return torch.ones((), dtype=torch.float32, device=device)
 
 
 def dequantized_linear(x: torch.Tensor, weight: Fp8Weight,
@@ -194,13 +236,17 @@ def _require_fp8_dtype() -> None:
 
 @functools.lru_cache(maxsize=None)
 def _cpu_scaled_mm_works() -> bool:
+    """Whether this PyTorch's ``_scaled_mm`` runs on CPU with both pairings of scales (some
+    versions take per-tensor scales only)."""
     if FP8_DTYPE is None:
         return False
-    a = torch.ones(1, 16).to(FP8_DTYPE)
+    a = torch.ones(2, 16).to(FP8_DTYPE)
     b = torch.ones(16, 16).to(FP8_DTYPE)
-    one = torch.tensor(1.0)
+    pairings = [(torch.tensor(1.0), torch.tensor(1.0)),
+                (torch.ones(2, 1), torch.ones(1, 16))]
     try:
-        y = torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        results = [torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+                   for sa, sb in pairings]
     except (RuntimeError, NotImplementedError):
         return False
-    return bool((y == 16).all())
+    return all(bool((y == 16).all()) for y in results)

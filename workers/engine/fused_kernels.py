@@ -8,6 +8,11 @@
   in the fused qkv projection the q heads and the k heads sit next to each other, so grouped-query
   attention (fewer k heads than q heads) needs nothing special.
 - ``silu_and_mul``: ``silu(gate) * up`` of a ``[tokens, 2 * I]`` row laid out ``[gate | up]``.
+- ``quantize_fp8``: activations to e4m3 with a scale per row or per tensor (the FP8 matmul's
+  input, see ``fp8.py``) in one kernel instead of the six small ones the PyTorch ops launch;
+  CUDA only (the interpreter has no FP8).
+- ``scale_rows_and_columns``: ``y[r, c] * row_scale[r] * col_scale[c]`` cast to the model dtype,
+  the epilogue of an FP8 matmul made with unit scales (see ``fp8.fp8_linear``).
 
 These functions have the same names and signatures as the model's plain PyTorch ops
 (``model.TorchOps``), which are their reference. Each kernel reproduces the reference's rounding
@@ -244,6 +249,105 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@triton.jit
+def _quantize_fp8_kernel(
+    x_ptr, q_ptr, scale_ptr, amax_ptr,
+    stride_x, stride_q,
+    fp8_max, min_scale,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PER_ROW: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    if PER_ROW:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, N, BLOCK):
+            x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < N, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        scale = tl.maximum(tl.max(amax, 0) / fp8_max, min_scale)
+        tl.store(scale_ptr + row, scale)
+    else:
+        # Every program stores the same scale: whichever lands last, the value is the same.
+        scale = tl.maximum(tl.load(amax_ptr) / fp8_max, min_scale)
+        tl.store(scale_ptr, scale)
+    for start in range(0, N, BLOCK):
+        mask = start + cols < N
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
+        # Clamped first: a quotient a rounding step above the largest value saturates.
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
+        tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_fp8(x: torch.Tensor, *, per_row: bool, fp8_max: float,
+                 min_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [rows, features] -> (e4m3 ``x / scale`` clamped to ``fp8_max``, float32 scales:
+    [rows, 1] with ``scale = max(amax / fp8_max, min_scale)`` of each row, or 0-d of the whole
+    tensor). Matches ``fp8.quantize_activation_reference`` element for element (the division
+    rounds to nearest, as PyTorch's does)."""
+    _check_rows("x", x)
+    if not x.is_cuda:
+        raise FusedKernelInputError("quantize_fp8 runs on CUDA tensors only")
+    rows, width = x.shape
+    q = torch.empty((rows, width), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((rows, 1) if per_row else (), dtype=torch.float32, device=x.device)
+    if rows == 0 or width == 0:
+        return q, scale.fill_(min_scale)
+    amax = scale if per_row else \
+        torch.linalg.vector_norm(x, ord=float("inf"), dtype=torch.float32)  # one reduction
+    block = min(triton.next_power_of_2(width), 2048)
+    _quantize_fp8_kernel[(rows,)](
+        x, q, scale, amax, x.stride(0), q.stride(0), fp8_max, min_scale,
+        N=width,
+        BLOCK=block,
+        PER_ROW=per_row,
+        num_warps=4 if block >= 1024 else 1,
+    )
+    return q, scale
+
+
+@triton.jit
+def _scale_rows_and_columns_kernel(
+    y_ptr, row_scale_ptr, col_scale_ptr, out_ptr,
+    stride_y, stride_out,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0)
+    scaled = y * tl.load(row_scale_ptr + row) * tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_out + cols, scaled.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_rows_and_columns(y: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
+                           dtype: torch.dtype) -> torch.Tensor:
+    """float32 ``y`` [rows, cols] times ``row_scale`` [rows, 1] and ``col_scale`` [cols] (float32),
+    in ``dtype``: ``(y * row_scale * col_scale).to(dtype)`` in one pass."""
+    _check_rows("y", y)
+    rows, cols = y.shape
+    if y.dtype != torch.float32 or row_scale.dtype != torch.float32 \
+            or col_scale.dtype != torch.float32:
+        raise FusedKernelInputError("y and both scales must be float32")
+    if row_scale.numel() != rows or col_scale.shape != (cols,) or not col_scale.is_contiguous() \
+            or not row_scale.is_contiguous():
+        raise FusedKernelInputError(
+            f"scales of shape {tuple(row_scale.shape)} and {tuple(col_scale.shape)} do not fit "
+            f"y {tuple(y.shape)}; expected contiguous [{rows}, 1] and [{cols}]")
+    out = torch.empty((rows, cols), dtype=dtype, device=y.device)
+    if rows == 0 or cols == 0:
+        return out
+    block = min(triton.next_power_of_2(cols), 1024)
+    _scale_rows_and_columns_kernel[(rows, triton.cdiv(cols, block))](
+        y, row_scale, col_scale, out, y.stride(0), out.stride(0),
+        N=cols,
+        BLOCK=block,
+        num_warps=4,
+    )
+    return out
+
+
 def _launch_rms_norm(x, residual, weight, out, eps) -> None:
     num_tokens, hidden = x.shape
     if num_tokens == 0 or hidden == 0:
@@ -300,6 +404,8 @@ __all__ = [
     "FusedKernelInputError",
     "add_rms_norm",
     "apply_rope",
+    "quantize_fp8",
     "rms_norm",
+    "scale_rows_and_columns",
     "silu_and_mul",
 ]
