@@ -103,6 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gpu.add_argument("--skip-llama8b", action="store_true",
                      help="skip the Llama-3-8B-shaped step time (bf16 and FP8)")
     gpu.add_argument("--skip-fp8", action="store_true", help="skip the FP8 step times")
+    gpu.add_argument("--llama8b-only", action="store_true",
+                     help="only the copy bandwidth and the Llama-3-8B-shaped step times (no "
+                          "bundled model needed); writes engine-<gpu>-step.json")
     gpu.add_argument("--skip-eager-reference", action="store_true",
                      help="skip the runs with CUDA graphs off")
     gpu.add_argument("--step-context", type=int, default=512,
@@ -307,7 +310,7 @@ def run_transformers_batched(model, prompts, output_tokens, pad_id: int, torch,
             steps["n"] += 1
             if steps["first"] is None:
                 steps["first"] = time.perf_counter() - start
-            return torch.zeros(ids.shape[0], dtype=torch.bool)
+            return torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
 
     with Progress(lambda: f"transformers batched: {steps['n']}/{output_tokens} steps"), \
             torch.inference_mode():
@@ -343,7 +346,8 @@ def run_transformers_single(model, prompts, output_tokens, torch, threads=None,
             def __call__(self, input_ids, scores, **kw):
                 if not first:
                     first.append(time.perf_counter())
-                return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool,
+                                   device=input_ids.device)
 
         with torch.inference_mode():
             start = time.perf_counter()
@@ -648,8 +652,8 @@ def time_decode_steps(torch, model, *, context: int, steps: int, cuda_graphs: bo
     from workers.engine.model_runner import ModelRunner
     from workers.engine.sequence import SamplingParams, Sequence
 
-    block_size, warmup = 16, 10
-    total = context + warmup + steps + 1
+    block_size, warmup, profiled = 16, 10, min(steps, 20)
+    total = context + warmup + steps + profiled + 1
     blocks = -(-total // block_size)
     dtype = next(model.parameters()).dtype
     runner = ModelRunner(model, num_blocks=blocks, block_size=block_size, device="cuda",
@@ -675,7 +679,8 @@ def time_decode_steps(torch, model, *, context: int, steps: int, cuda_graphs: bo
         step(1)  # each ends by reading the sampled token back: the steps do not overlap
     step_s = (time.perf_counter() - started) / steps
     out = {"context_tokens": context, "steps": steps, "step_s": step_s,
-           "cuda_graphs": runner.decode_graphs is not None}
+           "cuda_graphs": runner.decode_graphs is not None,
+           "profile": profile_steps(torch, step, steps=profiled)}
     if runner.decode_graphs is not None:
         graphs = runner.decode_graphs
         graph = graphs.graphs[1]
@@ -690,6 +695,52 @@ def time_decode_steps(torch, model, *, context: int, steps: int, cuda_graphs: bo
     del runner
     free_cuda(torch)
     return out
+
+
+def profile_steps(torch, step, *, steps: int) -> dict:
+    """Where a step's time goes: the GPU kernels it runs (from the profiler; graph replays show
+    their kernels one by one), per step and by name. The step's unprofiled wall time less
+    ``gpu_busy_s`` is host work and launch gaps."""
+    torch.cuda.synchronize()
+    try:
+        return _profile_steps(torch, step, steps=steps)
+    except Exception as exc:  # the profiler is a diagnosis: never lose the run's figures to it
+        log(f"    (profiler failed: {exc!r})")
+        return {"failed": f"{type(exc).__name__}: {exc}", "gpu_busy_s": float("nan"),
+                "launches_per_step": float("nan"), "kernels": []}
+
+
+def _profile_steps(torch, step, *, steps: int) -> dict:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step(1)
+        torch.cuda.synchronize()
+    kernels = []
+    for avg in prof.key_averages():
+        if avg.device_type != DeviceType.CUDA:
+            continue
+        us = getattr(avg, "self_device_time_total", None)
+        if us is None:
+            us = getattr(avg, "self_cuda_time_total", 0.0)
+        kernels.append({"name": avg.key[:120], "per_step": avg.count / steps,
+                        "s_per_step": us / 1e6 / steps})
+    kernels.sort(key=lambda k: -k["s_per_step"])
+    return {"steps": steps, "gpu_busy_s": sum(k["s_per_step"] for k in kernels),
+            "launches_per_step": sum(k["per_step"] for k in kernels), "kernels": kernels[:25]}
+
+
+def log_profile(timing: dict) -> None:
+    profile = timing["profile"]
+    log(f"    GPU busy {profile['gpu_busy_s'] * 1e3:.2f} ms of the {timing['step_s'] * 1e3:.2f} ms "
+        f"step, {profile['launches_per_step']:.0f} kernels per step"
+        + (f"; graph replay alone {timing['graph_replay_s'] * 1e3:.2f} ms"
+           if "graph_replay_s" in timing else ""))
+    for kernel in profile["kernels"][:8]:
+        log(f"    {kernel['s_per_step'] * 1e6:8.1f} us  x{kernel['per_step']:<5.0f} "
+            f"{kernel['name'][:90]}")
 
 
 def llama8b_step(torch, args, bandwidth: float, quantization: str | None) -> dict:
@@ -713,6 +764,7 @@ def llama8b_step(torch, args, bandwidth: float, quantization: str | None) -> dic
         result[key] = timing
         log(f"  → {timing['step_s'] * 1e3:.2f} ms per step, "
             f"{timing['step_s'] / floor:.2f}x the floor of {floor * 1e3:.2f} ms")
+        log_profile(timing)
     result["ratio_step_to_floor"] = result["graphs"]["step_s"] / floor
     if "graph_replay_s" in result["graphs"]:
         result["ratio_graph_replay_to_floor"] = result["graphs"]["graph_replay_s"] / floor
@@ -745,9 +797,9 @@ def main_cuda(args: argparse.Namespace, device: str) -> int:
     from workers.engine.loader import bundled_model_path
 
     name = torch.cuda.get_device_name(device)
-    path = bundled_model_path()
+    path = None if args.llama8b_only else bundled_model_path()
     report: dict = {
-        "benchmark": "engine", "device_name": name, "model": path.name,
+        "benchmark": "engine", "device_name": name, "model": path.name if path else None,
         "machine": machine_info(torch),
         "workload": {"requests": args.requests, "prompt_tokens": [args.min_prompt,
                                                                   args.max_prompt],
@@ -780,7 +832,7 @@ def main_cuda(args: argparse.Namespace, device: str) -> int:
                     free_cuda(torch)
         else:
             report["llama3_8b_step"]["fp8"] = problem
-        if problem is None:
+        if problem is None and not args.llama8b_only:
             # What FP8 costs in quality: the bundled model's logits and perplexity on a fixed
             # text, FP8 weights against the same model in bfloat16 on this GPU.
             from workers.engine.accuracy import measure_fp8_accuracy
@@ -795,6 +847,9 @@ def main_cuda(args: argparse.Namespace, device: str) -> int:
                     report["fp8_accuracy_vs_bfloat16"][scheme] = f"failed: {type(exc).__name__}: {exc}"
                 free_cuda(torch)
 
+    if args.llama8b_only:
+        return write_cuda_report(
+            report, args.output or RESULTS_DIR / f"engine-{device_slug(name)}-step.json")
     max_len = args.max_prompt + args.output_tokens
     dtype = None if args.engine_dtype == "auto" else getattr(torch, args.engine_dtype)
 
@@ -855,15 +910,19 @@ def main_cuda(args: argparse.Namespace, device: str) -> int:
         log(f"loading transformers ({dtype_name}) on {device}")
         model = load_transformers(path, getattr(torch, dtype_name)).to(device)
         runs: dict = {}
-        if not args.skip_transformers_batched:
-            log(f"transformers {dtype_name}: {len(prompts)} requests in one padded batch")
-            runs["batched"] = run_transformers_batched(model, prompts, args.output_tokens, 0,
-                                                       torch, device=device)
-            log(f"  → {runs['batched']['output_tokens_per_s']:.0f} output tok/s")
-        if not args.skip_transformers_single and singles:
-            log(f"transformers {dtype_name}: {len(singles)} requests one at a time")
-            runs["single"] = run_transformers_single(model, singles, args.output_tokens, torch,
-                                                     device=device)
+        try:  # keep the engine's figures of a long run if the baseline breaks
+            if not args.skip_transformers_batched:
+                log(f"transformers {dtype_name}: {len(prompts)} requests in one padded batch")
+                runs["batched"] = run_transformers_batched(model, prompts, args.output_tokens, 0,
+                                                           torch, device=device)
+                log(f"  → {runs['batched']['output_tokens_per_s']:.0f} output tok/s")
+            if not args.skip_transformers_single and singles:
+                log(f"transformers {dtype_name}: {len(singles)} requests one at a time")
+                runs["single"] = run_transformers_single(model, singles, args.output_tokens,
+                                                         torch, device=device)
+        except Exception as exc:
+            log(f"  transformers {dtype_name} failed: {exc!r}")
+            runs["failed"] = f"{type(exc).__name__}: {exc}"
         report["transformers"][dtype_name] = runs
         del model
         free_cuda(torch)
@@ -881,7 +940,11 @@ def main_cuda(args: argparse.Namespace, device: str) -> int:
         report["ratio_single_stream_decode"] = (
             report["engine_single"]["decode_tokens_per_s"] / max(single))
 
-    output = args.output or RESULTS_DIR / f"engine-{device_slug(name)}.json"
+    return write_cuda_report(
+        report, args.output or RESULTS_DIR / f"engine-{device_slug(name)}.json")
+
+
+def write_cuda_report(report: dict, output: Path) -> int:
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
     log(f"wrote {output.relative_to(REPO_ROOT) if output.is_relative_to(REPO_ROOT) else output}")
