@@ -32,6 +32,7 @@ class HasBlocks(Protocol):
     token_ids: list[int]
     block_table: list[int]
     block_hashes: list[int]
+    num_committed_blocks: int
     num_computed_tokens: int
 
 
@@ -103,6 +104,7 @@ class BlockManager:
         for block in cached:
             self._acquire(block)
         seq.block_table = cached
+        seq.num_committed_blocks = len(cached)
         seq.num_computed_tokens = num_cached_tokens
         if self.enable_prefix_caching:
             self.prefix_queries += len(seq.token_ids)
@@ -133,8 +135,12 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(num_computed_tokens, len(seq.token_ids)) // self.block_size
+        first = seq.num_committed_blocks  # blocks before it were dealt with at earlier steps
+        if num_full <= first:
+            return
         self._extend_hashes(seq, num_full)
-        for index in range(num_full):
+        seq.num_committed_blocks = num_full
+        for index in range(first, num_full):
             block = seq.block_table[index]
             if self._block_hash[block] is not None:
                 continue
@@ -160,6 +166,7 @@ class BlockManager:
                 else:
                     self._free.append(block)
         seq.block_table = []
+        seq.num_committed_blocks = 0
         seq.num_computed_tokens = 0
 
     def reset_prefix_cache(self) -> None:

@@ -211,6 +211,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks
+        self.num_committed_blocks = 0  # leading blocks of block_table the prefix cache has seen
         self.num_cached_prompt_tokens = 0  # prompt tokens served by the prefix cache
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
