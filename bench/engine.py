@@ -230,6 +230,7 @@ def run_engine_batched(engine, prompts, output_tokens) -> dict:
 
     params = SamplingParams(max_tokens=output_tokens, temperature=0, ignore_eos=True)
     engine.generate(prompts[0][:16], SamplingParams(max_tokens=2, temperature=0))  # warm up
+    before = engine.stats()
     start = time.perf_counter()
     handles = [engine.submit(p, params) for p in prompts]
 
@@ -253,9 +254,20 @@ def run_engine_batched(engine, prompts, output_tokens) -> dict:
         "output_tokens_per_s": tokens / wall,
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
-        "steps": stats["steps"], "batch_size_max": stats["batch_size_max"],
-        "preemptions": stats["preemptions"],
+        "steps": stats["steps"] - before["steps"], "batch_size_max": stats["batch_size_max"],
+        "preemptions": stats["preemptions"] - before["preemptions"],
+        "loop_ms_per_step": loop_breakdown(before, stats),
     }
+
+
+def loop_breakdown(before: dict, after: dict) -> dict | None:
+    """The engine loop's milliseconds per step between two ``stats()``: choosing the batch, the
+    model step (the wait for the device included), and handing out the new tokens."""
+    steps = after["steps"] - before["steps"]
+    keys = ("schedule_seconds", "execute_seconds", "postprocess_seconds")
+    if steps <= 0 or any(k not in after for k in keys):
+        return None
+    return {k.removesuffix("_seconds"): (after[k] - before[k]) / steps * 1e3 for k in keys}
 
 
 def run_engine_single(engine, prompts, output_tokens) -> dict:
@@ -645,10 +657,11 @@ def decode_bytes(model) -> int:
     return total
 
 
-def time_decode_steps(torch, model, *, context: int, steps: int, cuda_graphs: bool) -> dict:
-    """Batch-1 decode steps of ``model`` at a context of about ``context`` tokens, through the
-    engine's runner (input prep, forward, sampling, the result's transfer). Also the graph
-    replay alone, timed on the GPU, when graphs are on."""
+def time_decode_steps(torch, model, *, context: int, steps: int, cuda_graphs: bool,
+                      batch: int = 1) -> dict:
+    """Decode steps of ``batch`` sequences of ``model`` at a context of about ``context`` tokens
+    each, through the engine's runner (input prep, forward, sampling, the result's transfer).
+    Also the graph replay alone, timed on the GPU, when graphs are on."""
     from workers.engine.model_runner import ModelRunner
     from workers.engine.sequence import SamplingParams, Sequence
 
@@ -656,19 +669,23 @@ def time_decode_steps(torch, model, *, context: int, steps: int, cuda_graphs: bo
     total = context + warmup + steps + profiled + 1
     blocks = -(-total // block_size)
     dtype = next(model.parameters()).dtype
-    runner = ModelRunner(model, num_blocks=blocks, block_size=block_size, device="cuda",
-                         dtype=dtype, max_batch_size=1, max_model_len=total,
+    runner = ModelRunner(model, num_blocks=blocks * batch, block_size=block_size, device="cuda",
+                         dtype=dtype, max_batch_size=batch, max_model_len=total,
                          cuda_graphs=cuda_graphs)
     rng = random.Random(0)
-    prompt = [rng.randrange(model.config.vocab_size) for _ in range(context)]
-    seq = Sequence("bench", prompt, SamplingParams(temperature=0, ignore_eos=True),
-                   max_tokens=total - context, arrival_time=0.0)
-    seq.block_table = list(range(blocks))
+    seqs = []
+    for i in range(batch):
+        prompt = [rng.randrange(model.config.vocab_size) for _ in range(context)]
+        seq = Sequence(f"bench-{i}", prompt, SamplingParams(temperature=0, ignore_eos=True),
+                       max_tokens=total - context, arrival_time=0.0)
+        seq.block_table = list(range(i * blocks, (i + 1) * blocks))
+        seqs.append(seq)
 
     def step(num_new: int) -> None:
-        result = runner.execute([seq], [num_new])
-        seq.num_computed_tokens += num_new
-        seq.token_ids.append(result.token_ids[0])
+        result = runner.execute(seqs, [num_new] * batch)
+        for seq, token in zip(seqs, result.token_ids):
+            seq.num_computed_tokens += num_new
+            seq.token_ids.append(token)
 
     step(context)  # prefill
     for _ in range(warmup):
@@ -678,12 +695,12 @@ def time_decode_steps(torch, model, *, context: int, steps: int, cuda_graphs: bo
     for _ in range(steps):
         step(1)  # each ends by reading the sampled token back: the steps do not overlap
     step_s = (time.perf_counter() - started) / steps
-    out = {"context_tokens": context, "steps": steps, "step_s": step_s,
+    out = {"batch": batch, "context_tokens": context, "steps": steps, "step_s": step_s,
            "cuda_graphs": runner.decode_graphs is not None,
            "profile": profile_steps(torch, step, steps=profiled)}
     if runner.decode_graphs is not None:
         graphs = runner.decode_graphs
-        graph = graphs.graphs[1]
+        graph = graphs.graphs[graphs.sizes[-1]]  # the runner's largest batch is ``batch``
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(steps):
@@ -741,6 +758,43 @@ def log_profile(timing: dict) -> None:
     for kernel in profile["kernels"][:8]:
         log(f"    {kernel['s_per_step'] * 1e6:8.1f} us  x{kernel['per_step']:<5.0f} "
             f"{kernel['name'][:90]}")
+
+
+def linear_layouts(torch, bandwidth: float) -> dict:
+    """Batch-1 matmuls of the Llama-3-8B shapes in bfloat16, as cuBLAS runs them for a weight
+    stored [out, in] (``F.linear``, the model's layout) and for one stored [in, out]
+    (``x @ W``): the fraction of the copy bandwidth each reaches. Four weights per shape take
+    turns, so that none is served from the L2 cache."""
+    import torch.nn.functional as F
+
+    shapes = {"qkv_proj": (4096, 6144), "o_proj": (4096, 4096), "gate_up_proj": (4096, 28672),
+              "down_proj": (14336, 4096)}
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    out: dict = {}
+    for name, (k, n) in shapes.items():
+        xk = torch.randn(1, k, device="cuda", dtype=torch.bfloat16) if k != 4096 else x
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        transposed = [w.t().contiguous() for w in weights]
+        row = {"weight_bytes": n * k * 2}
+        for layout, call in (("out_in", lambda w: F.linear(xk, w)),
+                             ("in_out", lambda w: xk @ w)):
+            ws = weights if layout == "out_in" else transposed
+            for w in ws:
+                call(w)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for i in range(200):
+                call(ws[i % 4])
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1000 / 200
+            row[layout] = {"s": seconds, "fraction_of_copy": n * k * 2 / seconds / bandwidth}
+        out[name] = row
+        log(f"  {name:13s} [out,in] {row['out_in']['fraction_of_copy']:.0%} of copy, "
+            f"[in,out] {row['in_out']['fraction_of_copy']:.0%}")
+        del weights, transposed
+    free_cuda(torch)
+    return out
 
 
 def llama8b_step(torch, args, bandwidth: float, quantization: str | None) -> dict:
@@ -817,6 +871,11 @@ def main_cuda(args: argparse.Namespace, device: str) -> int:
 
     if not args.skip_llama8b:
         log("Llama-3-8B-shaped model, random bfloat16 weights")
+        log("Llama-3-8B matmul shapes at batch 1, by weight layout")
+        try:
+            report["llama3_8b_linear_layouts"] = linear_layouts(torch, bandwidth)
+        except Exception as exc:  # a diagnosis: never lose the run to it
+            report["llama3_8b_linear_layouts"] = f"failed: {type(exc).__name__}: {exc}"
         report["llama3_8b_step"] = {"bfloat16": llama8b_step(torch, args, bandwidth, None)}
         problem = None if not args.skip_fp8 else "skipped (--skip-fp8)"
         problem = problem or fp8_problem(torch)
@@ -885,9 +944,21 @@ def main_cuda(args: argparse.Namespace, device: str) -> int:
         report["engine_single"] = run_engine_single(engine, singles, args.output_tokens)
     log(f"engine: {args.requests} requests at once")
     report["engine_batched"] = run_engine_batched(engine, prompts, args.output_tokens)
-    log(f"  → {report['engine_batched']['output_tokens_per_s']:.0f} output tok/s")
+    log(f"  → {report['engine_batched']['output_tokens_per_s']:.0f} output tok/s; loop ms per "
+        f"step: {report['engine_batched']['loop_ms_per_step']}")
     loaded = engine.loaded
     engine.stop()
+    log(f"bundled model: decode steps of {args.requests} sequences through the runner")
+    try:  # a diagnosis: where a step of the batched run goes, device against host
+        report["bundled_step"] = time_decode_steps(
+            torch, loaded.model, context=(args.min_prompt + args.max_prompt) // 2, steps=50,
+            cuda_graphs=True, batch=args.requests)
+        log(f"  → {report['bundled_step']['step_s'] * 1e3:.2f} ms per step")
+        log_profile(report["bundled_step"])
+    except Exception as exc:
+        log(f"  failed: {exc!r}")
+        report["bundled_step"] = f"failed: {type(exc).__name__}: {exc}"
+    free_cuda(torch)
     del engine
     free_cuda(torch)
     if not args.skip_eager_reference:

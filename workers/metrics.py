@@ -39,6 +39,9 @@ ENGINE_COUNTERS = {
     "requests_finished": "Requests finished",
     "requests_failed": "Requests failed",
     "preemptions": "Sequences preempted for lack of KV blocks",
+    "schedule_seconds": "Seconds the engine loop spent choosing batches",
+    "execute_seconds": "Seconds the engine loop spent in model steps (waiting for the device too)",
+    "postprocess_seconds": "Seconds the engine loop spent handing out new tokens",
 }
 
 

@@ -224,7 +224,12 @@ class Engine:
         self.instance = uuid.uuid4().hex[:12]  # tells this engine's counters from a predecessor's
         self._counters = {"steps": 0, "batch_size_max": 0, "batch_size_last": 0,
                           "tokens_last_step": 0, "generated_tokens": 0, "requests_finished": 0,
-                          "requests_failed": 0, "requests_aborted": 0, "step_errors": 0}
+                          "requests_failed": 0, "requests_aborted": 0, "step_errors": 0,
+                          # Where the loop's time goes: choosing the batch, the model step
+                          # (inputs, forward, sampling, the wait for its result), and handing the
+                          # new tokens out (detokenizing, stop checks, delivery).
+                          "schedule_seconds": 0.0, "execute_seconds": 0.0,
+                          "postprocess_seconds": 0.0}
         self._stats = self._collect_stats()
 
     def _kv_blocks(self, num_kv_blocks: int | None, kv_memory: int | None,
@@ -499,7 +504,10 @@ class Engine:
 
     def _step(self) -> None:
         scheduler = self.scheduler
+        started = time.perf_counter()
         batch = scheduler.schedule()
+        scheduled = time.perf_counter()
+        self._counters["schedule_seconds"] += scheduled - started
         for seq in batch.finished:  # ended by the scheduler: the pool cannot hold them
             self._finish_live(seq)
         if not batch.seqs:
@@ -521,6 +529,8 @@ class Engine:
                 self._finish_live(seq)
             return
         counters = self._counters
+        executed = time.perf_counter()
+        counters["execute_seconds"] += executed - scheduled
         counters["steps"] += 1
         counters["batch_size_last"] = len(batch.seqs)
         counters["batch_size_max"] = max(counters["batch_size_max"], len(batch.seqs))
@@ -545,6 +555,7 @@ class Engine:
                 seq.error = f"processing the new token failed: {type(exc).__name__}: {exc}"
                 scheduler.finish(seq, FinishReason.ERROR)
                 self._finish_live(seq)
+        counters["postprocess_seconds"] += time.perf_counter() - executed
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None,
                       now: float) -> None:
