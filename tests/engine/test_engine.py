@@ -165,6 +165,26 @@ def test_stop_string_across_tokens_stops_and_is_left_out(engine, model):
     assert stop not in stopped.text
     assert stopped.text == free.text[:free.text.index(stop)]
     assert stopped.token_ids == free.token_ids[:boundary + 1]
+    # The stop string shows only once its token is handed out, while the next step already
+    # runs: that step's token for this request is dropped, neither delivered nor counted.
+    assert stopped.completion_tokens == boundary + 1
+    wait_until(lambda: engine.stats()["kv_blocks_used"] == 0, what="blocks to be freed")
+
+
+def test_a_stop_string_in_a_batch_leaves_the_others_running(engine, model):
+    prompt = PROMPTS[4]
+    free = engine.generate(prompt, SamplingParams(max_tokens=16, temperature=0,
+                                                  ignore_eos=True), timeout=60)
+    stop = model.tokenizer.decode(free.token_ids[5:7])
+    assert stop and stop in free.text
+    stopped, others = engine.generate(
+        [prompt, PROMPTS[1]],
+        [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop]),
+         SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)], timeout=60)
+    assert stopped.finish_reason == "stop" and stop not in stopped.text
+    assert stopped.completion_tokens == len(stopped.token_ids) <= 7
+    assert stopped.token_ids == free.token_ids[:len(stopped.token_ids)]
+    assert others.finish_reason == "length" and others.completion_tokens == 16
 
 
 def test_stop_token_ids_and_eos(engine, model):

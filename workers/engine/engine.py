@@ -8,6 +8,11 @@ table of live requests.
 
 A step that raises fails the requests in it (finish_reason "error", with the message) and the
 loop goes on serving everyone else.
+
+A step's tokens are taken in at once (appended; a stop token, EOS or the length limit ends the
+request), but handed out (detokenized, checked for stop strings, delivered) during the next
+step, while the device computes it. A stop string found then ends a request that is already in
+that step: its token from there is dropped, never delivered nor counted.
 """
 
 from __future__ import annotations
@@ -107,6 +112,16 @@ class RequestHandle:
 
     def abort(self) -> bool:
         return self._engine.abort(self.request_id)
+
+
+@dataclass
+class _Unhanded:
+    """A token the loop took in but has not handed out yet."""
+
+    seq: Sequence
+    token: int
+    logprob: TokenLogprob | None
+    by_token: bool  # a stop token or EOS: it ended the request and adds no text
 
 
 @dataclass
@@ -218,6 +233,7 @@ class Engine:
         self._wake = threading.Condition(self._lock)
         self._inbox: list[tuple[str, Any]] = []
         self._live: dict[str, _Live] = {}
+        self._unhanded: dict[str, _Unhanded] = {}  # request id -> its one token not handed out
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._crashed: BaseException | None = None
@@ -483,7 +499,9 @@ class Engine:
                 if inbox:
                     self._stats = self._collect_stats()
                 if scheduler.running:
-                    return True
+                    return True  # the last step's tokens go out while the next one runs
+                if self._unhanded:
+                    self._hand_out(locked=True)  # nothing to overlap with: deliver now
                 if scheduler.waiting:
                     # Idle: give a burst of requests the batch window to arrive together.
                     wait = scheduler.waiting[0].timings.arrival_time + self.batch_window \
@@ -500,17 +518,22 @@ class Engine:
             return
         self.scheduler.finish(live.seq, FinishReason.ABORT)
         self._counters["requests_aborted"] += 1
+        self._absorb_unhanded(live)
         self._deliver(live, finished=True, locked=True)
 
     def _step(self) -> None:
+        """Schedule and launch a step; while the device runs it, hand out the previous step's
+        tokens (detokenizing, stop strings, delivery); then take this step's tokens in."""
         scheduler = self.scheduler
+        counters = self._counters
         started = time.perf_counter()
         batch = scheduler.schedule()
         scheduled = time.perf_counter()
-        self._counters["schedule_seconds"] += scheduled - started
+        counters["schedule_seconds"] += scheduled - started
         for seq in batch.finished:  # ended by the scheduler: the pool cannot hold them
             self._finish_live(seq)
         if not batch.seqs:
+            self._hand_out()
             if not scheduler.running and scheduler.waiting:
                 # Cannot happen while submit() checks prompts against the pool; never spin.
                 seq = scheduler.waiting[0]
@@ -519,18 +542,24 @@ class Engine:
                 self._finish_live(seq)
             return
         try:
-            result = self.runner.execute(batch.seqs, batch.num_new_tokens)
+            pending = self.runner.launch(batch.seqs, batch.num_new_tokens)
+            launched = time.perf_counter()
+            self._hand_out()
+            handed_out = time.perf_counter()
+            result = pending.result()
         except Exception as exc:
             log.exception("engine step failed; failing its %d requests", len(batch.seqs))
-            self._counters["step_errors"] += 1
+            counters["step_errors"] += 1
             for seq in batch.seqs:
+                if seq.status is SequenceStatus.FINISHED:
+                    continue
                 seq.error = f"the engine step failed: {type(exc).__name__}: {exc}"
                 scheduler.finish(seq, FinishReason.ERROR, invalidate=True)
                 self._finish_live(seq)
             return
-        counters = self._counters
         executed = time.perf_counter()
-        counters["execute_seconds"] += executed - scheduled
+        counters["execute_seconds"] += (launched - scheduled) + (executed - handed_out)
+        counters["postprocess_seconds"] += handed_out - launched
         counters["steps"] += 1
         counters["batch_size_last"] = len(batch.seqs)
         counters["batch_size_max"] = max(counters["batch_size_max"], len(batch.seqs))
@@ -538,9 +567,12 @@ class Engine:
         counters["generated_tokens"] += len(result.sampled)
 
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += num_new
+            if seq.status is not SequenceStatus.FINISHED:  # a stop string ended it meanwhile
+                seq.num_computed_tokens += num_new
         now = time.monotonic()
         for row, seq in enumerate(result.sampled):
+            if seq.status is SequenceStatus.FINISHED:
+                continue  # its token from this step is dropped: never delivered nor counted
             logprob = None
             if seq.params.logprobs:
                 top = []
@@ -548,17 +580,13 @@ class Engine:
                     k = seq.params.top_logprobs
                     top = list(zip(result.top_ids[row][:k], result.top_logprobs[row][:k]))
                 logprob = TokenLogprob(result.token_ids[row], result.logprobs[row], top)
-            try:
-                self._append_token(seq, result.token_ids[row], logprob, now)
-            except Exception as exc:  # e.g. the tokenizer choking on a token: this request only
-                log.exception("request %s failed after its step", seq.request_id)
-                seq.error = f"processing the new token failed: {type(exc).__name__}: {exc}"
-                scheduler.finish(seq, FinishReason.ERROR)
-                self._finish_live(seq)
+            self._take_token(seq, result.token_ids[row], logprob, now)
         counters["postprocess_seconds"] += time.perf_counter() - executed
 
-    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None,
-                      now: float) -> None:
+    def _take_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None,
+                    now: float) -> None:
+        """A new token, as far as scheduling needs it: appended, and the request finished if
+        the token or its count ends it. Its text and delivery wait for ``_hand_out``."""
         live = self._live.get(seq.request_id)
         if live is None or live.seq is not seq:
             return
@@ -567,31 +595,72 @@ class Engine:
             seq.first_token_time = now
             seq.timings.time_to_first_token = now - seq.timings.arrival_time
         seq.last_token_time = now
-        live.pending_ids.append(token)
-        if logprob is not None:
-            live.pending_logprobs.append(logprob)
-
         params = seq.params
-        reason = None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self._eos_ids):
-            reason, seq.stop_reason = FinishReason.STOP, token
-        else:
-            text, stop = seq.stop_checker.feed(seq.detokenizer.push(token))
-            live.pending_text += text
-            if stop is not None:
-                reason, seq.stop_reason = FinishReason.STOP, stop
-        if reason is None and seq.num_output_tokens >= seq.max_tokens:
-            reason = FinishReason.LENGTH
-        if reason is None:
-            self._deliver(live, finished=False)
-            return
-        self.scheduler.finish(seq, reason)
-        self._finish_live(seq)
+        by_token = token in params.stop_token_ids or (
+            not params.ignore_eos and token in self._eos_ids)
+        if by_token:
+            seq.stop_reason = token
+            self.scheduler.finish(seq, FinishReason.STOP)
+        elif seq.num_output_tokens >= seq.max_tokens:
+            self.scheduler.finish(seq, FinishReason.LENGTH)
+        self._unhanded[seq.request_id] = _Unhanded(seq, token, logprob, by_token)
 
-    def _finish_live(self, seq: Sequence) -> None:
+    def _hand_out(self, *, locked: bool = False) -> None:
+        """Deliver the tokens ``_take_token`` took: text, stop strings, outputs."""
+        unhanded, self._unhanded = self._unhanded, {}
+        for request_id, item in unhanded.items():
+            live = self._live.get(request_id)
+            if live is None or live.seq is not item.seq:
+                continue
+            seq = item.seq
+            try:
+                stop = self._absorb(live, item)
+            except Exception as exc:  # e.g. the tokenizer choking on a token: this request only
+                log.exception("request %s failed after its step", request_id)
+                seq.error = f"processing the new token failed: {type(exc).__name__}: {exc}"
+                self.scheduler.finish(seq, FinishReason.ERROR)
+                self._finish_live(seq, locked=locked)
+                continue
+            if stop is not None:
+                seq.stop_reason = stop
+                if seq.status is SequenceStatus.FINISHED:
+                    seq.finish_reason = FinishReason.STOP  # found on a length-ending token
+                else:
+                    # It may be in the step now running: its token from there is dropped.
+                    self.scheduler.finish(seq, FinishReason.STOP)
+            if seq.status is SequenceStatus.FINISHED:
+                self._finish_live(seq, locked=locked)
+            else:
+                self._deliver(live, finished=False)
+
+    def _absorb_unhanded(self, live: _Live) -> None:
+        """A request about to end: its token not handed out yet goes with the final output."""
+        item = self._unhanded.pop(live.seq.request_id, None)
+        if item is None or item.seq is not live.seq:
+            return
+        try:
+            self._absorb(live, item)
+        except Exception:  # the request is ending anyway: its last piece of text is lost
+            log.exception("request %s: its last token could not be decoded", item.seq.request_id)
+
+    def _absorb(self, live: _Live, item: "_Unhanded") -> str | None:
+        """Add a taken token to its request's pending output; the stop string its text
+        completes, if any."""
+        live.pending_ids.append(item.token)
+        if item.logprob is not None:
+            live.pending_logprobs.append(item.logprob)
+        if item.by_token:
+            return None  # a stop token or EOS adds no text
+        seq = item.seq
+        text, stop = seq.stop_checker.feed(seq.detokenizer.push(item.token))
+        live.pending_text += text
+        return stop
+
+    def _finish_live(self, seq: Sequence, *, locked: bool = False) -> None:
         live = self._live.get(seq.request_id)
         if live is None or live.seq is not seq:
             return
+        self._absorb_unhanded(live)
         if seq.finish_reason is FinishReason.ERROR:
             self._counters["requests_failed"] += 1
         else:
@@ -599,7 +668,7 @@ class Engine:
         if seq.finish_reason is FinishReason.LENGTH:
             # Text held back as a possible stop-string start is plain text after all.
             live.pending_text += seq.stop_checker.flush()
-        self._deliver(live, finished=True)
+        self._deliver(live, finished=True, locked=locked)
 
     def _deliver(self, live: _Live, *, finished: bool, locked: bool = False) -> None:
         seq = live.seq
@@ -641,6 +710,7 @@ class Engine:
             self._inbox.clear()
         for live in lives:
             seq = live.seq
+            self._absorb_unhanded(live)
             if seq.status is not SequenceStatus.FINISHED:
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_reason = reason

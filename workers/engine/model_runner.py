@@ -6,7 +6,8 @@ array operations plus one short loop over the sequences, never a loop over token
 
 On CUDA, decode steps (one new token per sequence) replay a CUDA graph captured for their
 batch-size bucket (``cuda_graphs.py``); other steps run eagerly. Inputs reach the device through
-asynchronous copies and the results come back in one transfer at the end of the step.
+asynchronous copies and the results come back in one transfer at the end of the step, which
+``launch`` only starts: the caller works on the previous step's tokens meanwhile.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from .attention.base import AttentionMetadata
 from .cpuinfo import cpuinfo_field
 from .cuda_graphs import DecodeGraphs, DecodeStep
-from .sampling import Sampler, SamplerOutput, SamplingBatch
+from .sampling import HostCopy, Sampler, SamplerOutput, SamplingBatch
 from .sequence import SamplingParams, Sequence
 
 
@@ -212,6 +213,21 @@ class StepResult:
     top_logprobs: list[list[float]] | None
 
 
+class PendingStep:
+    """A launched step; ``result()`` waits for the device (the step's one wait)."""
+
+    def __init__(self, sampled: list[Sequence], copy: HostCopy | None) -> None:
+        self._sampled = sampled
+        self._copy = copy
+
+    def result(self) -> StepResult:
+        if self._copy is None:
+            return StepResult([], [], None, None, None)
+        token_ids, logprobs, top_ids, top_logprobs = self._copy.lists()
+        return StepResult(sampled=self._sampled, token_ids=token_ids, logprobs=logprobs,
+                          top_ids=top_ids, top_logprobs=top_logprobs)
+
+
 class ModelRunner:
     """Runs steps over a KV cache of ``num_blocks`` blocks, plus one zeroed block (index
     ``num_blocks``, never handed out) that padded decode rows attend over.
@@ -270,9 +286,14 @@ class ModelRunner:
             "cuda_graph_memory_bytes": graphs.memory_bytes if captured else None,
         }
 
-    @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepResult:
         """Run one step; sequences whose new tokens reach their end get a sampled token."""
+        return self.launch(seqs, num_new_tokens).result()
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[Sequence], num_new_tokens: list[int]) -> "PendingStep":
+        """Start one step: on a GPU it runs on while the caller does other work, until
+        ``result()`` waits for it. The sequences' token lists are read here, not later."""
         plan = self._plan(seqs, num_new_tokens)
         sampled = [seqs[i] for i in plan.sample_index.tolist()]
         graphs = self.decode_graphs
@@ -286,15 +307,13 @@ class ModelRunner:
         else:
             logits = self._run_eager(plan)
         if not sampled:
-            return StepResult([], [], None, None, None)
+            return PendingStep([], None)
         batch = SamplingBatch.build(
             [s.params for s in sampled], [s.token_ids for s in sampled],
             [s.num_prompt_tokens for s in sampled], vocab_size=logits.shape[-1],
             device=self.device)
         out: SamplerOutput = self.sampler(logits, batch)
-        token_ids, logprobs, top_ids, top_logprobs = out.to_host()  # the step's one wait
-        return StepResult(sampled=sampled, token_ids=token_ids, logprobs=logprobs,
-                          top_ids=top_ids, top_logprobs=top_logprobs)
+        return PendingStep(sampled, out.to_host_async())
 
     def _run_eager(self, plan: "_StepPlan") -> torch.Tensor | None:
         """Logits of the sampled rows (None when no row samples)."""

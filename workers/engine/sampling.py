@@ -140,20 +140,50 @@ class SamplerOutput:
 
     def to_host(self) -> tuple[list[int], list[float] | None, list[list[int]] | None,
                                list[list[float]] | None]:
-        """(token ids, logprobs, top ids, top logprobs) as Python lists, through one copy from
-        the device (so one wait for it). Packed as float64, which holds token ids and float32
-        logprobs exactly."""
+        """(token ids, logprobs, top ids, top logprobs) as Python lists."""
+        return self.to_host_async().lists()
+
+    def to_host_async(self) -> "HostCopy":
+        """Start the one copy of the results to the host (from a GPU: into pinned memory,
+        without waiting); ``lists()`` on the returned copy waits for it. With logprobs, all
+        is packed as float64, which holds token ids and float32 logprobs exactly."""
         if self.logprobs is None:
-            return self.token_ids.tolist(), None, None, None
-        parts = [self.token_ids[:, None].double(), self.logprobs[:, None].double()]
-        k = 0
-        if self.top_ids is not None:
-            k = self.top_ids.shape[1]
-            parts += [self.top_ids.double(), self.top_logprobs.double()]
-        packed = torch.cat(parts, dim=1).cpu().numpy()
+            packed, k = self.token_ids, None
+        else:
+            parts = [self.token_ids[:, None].double(), self.logprobs[:, None].double()]
+            k = 0
+            if self.top_ids is not None:
+                k = self.top_ids.shape[1]
+                parts += [self.top_ids.double(), self.top_logprobs.double()]
+            packed = torch.cat(parts, dim=1)
+        if not packed.is_cuda:
+            return HostCopy(packed, None, k)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return HostCopy(host, done, k)
+
+
+@dataclass
+class HostCopy:
+    """Sampler results on their way to the host."""
+
+    values: torch.Tensor  # token ids [N], or the float64 packing of ids and logprobs
+    done: "torch.cuda.Event | None"  # recorded after the copy; None when already on the host
+    top_k: int | None  # None: no logprobs; else how many top logprobs per row
+
+    def lists(self) -> tuple[list[int], list[float] | None, list[list[int]] | None,
+                             list[list[float]] | None]:
+        if self.done is not None:
+            self.done.synchronize()
+        if self.top_k is None:
+            return self.values.tolist(), None, None, None
+        packed = self.values.numpy()
+        k = self.top_k
         token_ids = packed[:, 0].astype(np.int64).tolist()
         logprobs = packed[:, 1].tolist()
-        if self.top_ids is None:
+        if k == 0:
             return token_ids, logprobs, None, None
         return (token_ids, logprobs, packed[:, 2:2 + k].astype(np.int64).tolist(),
                 packed[:, 2 + k:].tolist())
