@@ -28,7 +28,12 @@ With ``--device cuda`` (the default where a GPU is present) it measures instead,
 - output tokens/s at 256 concurrent requests (prompts 128-1024 tokens, 256 out) against
   transformers ``generate`` on the same GPU and prompts (target >= 10x).
 
-and writes bench/results/engine-<gpu name>.json.
+To show where time goes it also records the profiler's kernels of each timed step (GPU busy time
+against the step's wall time), the 8B matmul shapes in both weight layouts, the engine loop's
+milliseconds per step (schedule / execute / postprocess) in the batched run, and a decode step of
+the bundled model at the batched run's width. It writes bench/results/engine-<gpu name>.json
+(``--llama8b-only``: the copy and 8B figures alone, engine-<gpu name>-step.json, no bundled
+model needed).
 
     python bench/engine.py
     python bench/engine.py --requests 16 --output-tokens 32 --skip-transformers-single
