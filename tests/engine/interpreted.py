@@ -1,4 +1,5 @@
-"""Copies of our Triton modules whose kernels run in Triton's CPU interpreter.
+"""Copies of our Triton modules whose kernels run in Triton's CPU interpreter, and the
+``target`` fixture that runs a kernel test both there and, where there is one, on a GPU.
 
 Triton decides between compiling and interpreting when ``@triton.jit`` decorates a kernel, so a
 module imported with ``TRITON_INTERPRET=1`` set (for that import only) holds interpreted kernels
@@ -10,7 +11,35 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from dataclasses import dataclass
 from types import ModuleType
+
+import pytest
+import torch
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs an NVIDIA GPU with CUDA; on CPU the interpreter tests cover the kernels")
+
+
+@dataclass
+class Target:
+    kernels: ModuleType  # the module: its interpreted copy, or the compiled original
+    device: str  # where the test's tensors live: "cpu" for the interpreter, else "cuda"
+
+
+def kernel_targets(module: ModuleType):
+    """A module-scoped ``target`` fixture: the interpreted copy of ``module`` on CPU tensors,
+    and ``module`` itself on CUDA where a GPU is present (skipped with the reason otherwise)."""
+
+    @pytest.fixture(scope="module", params=[
+        "interpreter", pytest.param("cuda", marks=[needs_cuda, pytest.mark.gpu])])
+    def target(request) -> Target:
+        if request.param == "interpreter":
+            return Target(import_interpreted(module), "cpu")
+        return Target(module, "cuda")
+
+    return target
 
 
 def import_interpreted(module: ModuleType) -> ModuleType:

@@ -15,23 +15,18 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 
 import pytest
 import torch
 import triton
 
-from tests.engine.interpreted import import_interpreted
+from tests.engine.interpreted import import_interpreted, kernel_targets, needs_cuda
 from workers.engine import fused_kernels
 from workers.engine.accuracy import sequence_logits
 from workers.engine.fused_kernels import FusedKernelInputError
 from workers.engine.loader import load_model
 from workers.engine.model import TorchOps, ops_for, rope_tables
 
-HAS_CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(
-    not HAS_CUDA,
-    reason="needs an NVIDIA GPU with CUDA; on CPU the interpreter tests cover the kernels")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # What RMSNorm and SiLU may differ by from the reference (relative): two roundings of a 16-bit
@@ -45,19 +40,7 @@ def import_interpreted_fused_kernels():
     return import_interpreted(fused_kernels)
 
 
-@dataclass
-class Target:
-    kernels: object  # the fused_kernels module (interpreted copy or the compiled original)
-    device: str
-
-
-@pytest.fixture(
-    scope="module",
-    params=["interpreter", pytest.param("cuda", marks=[needs_cuda, pytest.mark.gpu])])
-def target(request) -> Target:
-    if request.param == "interpreter":
-        return Target(import_interpreted_fused_kernels(), "cpu")
-    return Target(fused_kernels, "cuda")
+target = kernel_targets(fused_kernels)
 
 
 def test_interpreter_copy_leaves_the_process_mode_alone(monkeypatch):

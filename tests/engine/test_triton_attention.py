@@ -20,15 +20,12 @@ import pytest
 import torch
 import triton
 
-from tests.engine.interpreted import import_interpreted
+from tests.engine.interpreted import import_interpreted, kernel_targets, needs_cuda
 from workers.engine.attention import triton_kernels
 from workers.engine.attention.base import AttentionMetadata
 from workers.engine.attention.torch_backend import TorchBackend
 from workers.engine.attention.triton_backend import TritonBackend
 
-HAS_CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(
-    not HAS_CUDA, reason="needs an NVIDIA GPU with CUDA; on CPU the interpreter tests cover the kernels")
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
@@ -38,19 +35,7 @@ def import_interpreted_kernels():
     return import_interpreted(triton_kernels)
 
 
-@dataclass
-class Target:
-    kernels: object  # the triton_kernels module (interpreted copy or the compiled original)
-    device: str
-
-
-@pytest.fixture(
-    scope="module",
-    params=["interpreter", pytest.param("cuda", marks=[needs_cuda, pytest.mark.gpu])])
-def target(request) -> Target:
-    if request.param == "interpreter":
-        return Target(import_interpreted_kernels(), "cpu")
-    return Target(triton_kernels, "cuda")
+target = kernel_targets(triton_kernels)
 
 
 def test_interpreter_copy_leaves_the_process_mode_alone(monkeypatch):
