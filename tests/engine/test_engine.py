@@ -187,6 +187,28 @@ def test_a_stop_string_in_a_batch_leaves_the_others_running(engine, model):
     assert others.finish_reason == "length" and others.completion_tokens == 16
 
 
+def test_an_abort_after_the_last_token_was_taken_reports_how_the_request_ended(model,
+                                                                              monkeypatch):
+    # The loop is driven by hand here: a request's last token is taken in at the end of a step
+    # and handed out at the next one, and an abort may arrive in between.
+    engine = make_engine(model)
+    monkeypatch.setattr(engine, "start", lambda: engine)
+    short = engine.submit(PROMPTS[0], SamplingParams(max_tokens=1, temperature=0,
+                                                     ignore_eos=True))
+    engine.submit(PROMPTS[1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert engine._wait_for_work()
+    engine._step()  # both prompts prefilled; the short one's only token ends it
+    assert not short.finished
+    assert engine.abort(short.request_id)
+    assert engine._wait_for_work()  # takes the abort in; the other request still runs
+    result = short.result(timeout=5)
+    assert result.finish_reason == "length" and result.completion_tokens == 1
+    assert len(result.token_ids) == 1 and result.text
+    counts = engine._collect_stats()
+    assert counts["requests_finished"] == 1 and counts["requests_aborted"] == 0
+    engine.stop()
+
+
 def test_stop_token_ids_and_eos(engine, model):
     free = engine.generate(PROMPTS[2], GREEDY, timeout=60)
     target = free.token_ids[3]

@@ -516,6 +516,11 @@ class Engine:
         live = self._live.get(request_id)
         if live is None:
             return
+        if live.seq.status is SequenceStatus.FINISHED:
+            # It ended at the last step and only its final output is pending: that is how it
+            # ended, not an abort.
+            self._finish_live(live.seq, locked=True)
+            return
         self.scheduler.finish(live.seq, FinishReason.ABORT)
         self._counters["requests_aborted"] += 1
         self._absorb_unhanded(live)
