@@ -171,20 +171,27 @@ def test_stop_string_across_tokens_stops_and_is_left_out(engine, model):
     wait_until(lambda: engine.stats()["kv_blocks_used"] == 0, what="blocks to be freed")
 
 
-def test_a_stop_string_in_a_batch_leaves_the_others_running(engine, model):
-    prompt = PROMPTS[4]
-    free = engine.generate(prompt, SamplingParams(max_tokens=16, temperature=0,
-                                                  ignore_eos=True), timeout=60)
-    stop = model.tokenizer.decode(free.token_ids[5:7])
-    assert stop and stop in free.text
-    stopped, others = engine.generate(
-        [prompt, PROMPTS[1]],
-        [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop]),
-         SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)], timeout=60)
-    assert stopped.finish_reason == "stop" and stop not in stopped.text
-    assert stopped.completion_tokens == len(stopped.token_ids) <= 7
-    assert stopped.token_ids == free.token_ids[:len(stopped.token_ids)]
-    assert others.finish_reason == "length" and others.completion_tokens == 16
+@pytest.mark.parametrize("launches_async", [False, True], ids=["cpu-order", "gpu-order"])
+def test_a_stop_string_in_a_batch_leaves_the_others_running(model, launches_async):
+    # In the GPU order, tokens are handed out while the next step runs (here on the CPU, whose
+    # launch only returns when the step is done): the stop string is found when the request is
+    # already in the next step, whose token for it must then be dropped.
+    with make_engine(model) as engine:
+        engine.runner.launches_async = launches_async
+        prompt = PROMPTS[4]
+        free = engine.generate(prompt, SamplingParams(max_tokens=16, temperature=0,
+                                                      ignore_eos=True), timeout=60)
+        stop = model.tokenizer.decode(free.token_ids[5:7])
+        assert stop and stop in free.text
+        stopped, others = engine.generate(
+            [prompt, PROMPTS[1]],
+            [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop]),
+             SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)], timeout=60)
+        assert stopped.finish_reason == "stop" and stop not in stopped.text
+        assert stopped.completion_tokens == len(stopped.token_ids) <= 7
+        assert stopped.token_ids == free.token_ids[:len(stopped.token_ids)]
+        assert others.finish_reason == "length" and others.completion_tokens == 16
+        wait_until(lambda: engine.stats()["kv_blocks_used"] == 0, what="blocks to be freed")
 
 
 def test_an_abort_after_the_last_token_was_taken_reports_how_the_request_ended(model,

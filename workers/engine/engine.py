@@ -10,9 +10,10 @@ A step that raises fails the requests in it (finish_reason "error", with the mes
 loop goes on serving everyone else.
 
 A step's tokens are taken in at once (appended; a stop token, EOS or the length limit ends the
-request), but handed out (detokenized, checked for stop strings, delivered) during the next
-step, while the device computes it. A stop string found then ends a request that is already in
-that step: its token from there is dropped, never delivered nor counted.
+request) and handed out (detokenized, checked for stop strings, delivered) before the next step
+is scheduled, or on a GPU during the next step, while the device computes it. A stop string
+found then ends a request that is already in that step: its token from there is dropped, never
+delivered nor counted.
 """
 
 from __future__ import annotations
@@ -531,6 +532,11 @@ class Engine:
         tokens (detokenizing, stop strings, delivery); then take this step's tokens in."""
         scheduler = self.scheduler
         counters = self._counters
+        if not self.runner.launches_async:
+            # Nothing would run meanwhile: handing out after the step would only delay tokens.
+            handing_out = time.perf_counter()
+            self._hand_out()
+            counters["postprocess_seconds"] += time.perf_counter() - handing_out
         started = time.perf_counter()
         batch = scheduler.schedule()
         scheduled = time.perf_counter()
@@ -576,8 +582,6 @@ class Engine:
                 seq.num_computed_tokens += num_new
         now = time.monotonic()
         for row, seq in enumerate(result.sampled):
-            if seq.status is SequenceStatus.FINISHED:
-                continue  # its token from this step is dropped: never delivered nor counted
             logprob = None
             if seq.params.logprobs:
                 top = []
@@ -594,7 +598,7 @@ class Engine:
         the token or its count ends it. Its text and delivery wait for ``_hand_out``."""
         live = self._live.get(seq.request_id)
         if live is None or live.seq is not seq:
-            return
+            return  # aborted, or ended by a stop string while this step ran: token dropped
         seq.token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = now

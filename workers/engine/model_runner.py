@@ -247,6 +247,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.pad_block = num_blocks
         self.device = torch.device(device)
+        # Whether ``launch`` returns before the step is computed (a GPU runs it meanwhile); on
+        # a CPU it returns only when the step is done.
+        self.launches_async = self.device.type == "cuda"
         self.vocab_size = config.vocab_size
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len or config.max_position_embeddings
