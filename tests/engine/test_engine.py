@@ -216,6 +216,31 @@ def test_an_abort_after_the_last_token_was_taken_reports_how_the_request_ended(m
     engine.stop()
 
 
+# 3: the token that fails is also the one that reaches max_tokens.
+@pytest.mark.parametrize("max_tokens", [6, 3])
+def test_a_token_that_cannot_be_decoded_fails_only_its_request(model, monkeypatch, max_tokens):
+    from workers.engine.tokenizer import IncrementalDetokenizer
+
+    class Choking(IncrementalDetokenizer):
+        def push(self, token_id: int) -> str:
+            if len(self.ids) == 2:
+                raise ValueError("cannot decode this one")
+            return super().push(token_id)
+
+    with make_engine(model) as engine:
+        monkeypatch.setattr(engine, "_detokenizer", lambda: Choking(model.tokenizer))
+        bad = engine.submit(PROMPTS[0], SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                       ignore_eos=True))
+        monkeypatch.undo()
+        good = engine.submit(PROMPTS[1], SamplingParams(max_tokens=6, temperature=0,
+                                                        ignore_eos=True))
+        failed, finished = bad.result(timeout=60), good.result(timeout=60)
+    assert failed.finish_reason == "error" and "cannot decode this one" in failed.error
+    # What it produced is what it reports (and what billing would charge): three tokens.
+    assert failed.completion_tokens == len(failed.token_ids) == 3
+    assert finished.finish_reason == "length" and finished.completion_tokens == 6
+
+
 def test_stop_token_ids_and_eos(engine, model):
     free = engine.generate(PROMPTS[2], GREEDY, timeout=60)
     target = free.token_ids[3]

@@ -628,6 +628,7 @@ class Engine:
                 log.exception("request %s failed after its step", request_id)
                 seq.error = f"processing the new token failed: {type(exc).__name__}: {exc}"
                 self.scheduler.finish(seq, FinishReason.ERROR)
+                seq.finish_reason = FinishReason.ERROR  # also if its last token had ended it
                 self._finish_live(seq, locked=locked)
                 continue
             if stop is not None:
