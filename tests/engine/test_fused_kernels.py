@@ -13,8 +13,6 @@ to within 2^-17 relative (a GPU's rsqrt and exp are approximate).
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
@@ -35,22 +33,7 @@ ROUNDING_TOLERANCE = {torch.float32: 2.0 ** -17, torch.bfloat16: 2.0 ** -6,
                       torch.float16: 2.0 ** -9}
 
 
-def import_interpreted_fused_kernels():
-    """A separate copy of ``fused_kernels`` whose kernels run in Triton's CPU interpreter."""
-    return import_interpreted(fused_kernels)
-
-
 target = kernel_targets(fused_kernels)
-
-
-def test_interpreter_copy_leaves_the_process_mode_alone(monkeypatch):
-    before = os.environ.get("TRITON_INTERPRET")
-    monkeypatch.delitem(sys.modules, "_fused_kernels_interpreted", raising=False)
-    interpreted = import_interpreted_fused_kernels()
-    assert type(interpreted._rms_norm_kernel).__name__ == "InterpretedFunction"
-    assert interpreted._INTERPRETED
-    assert os.environ.get("TRITON_INTERPRET") == before
-    assert triton.knobs.runtime.interpret == (before == "1")
 
 
 def randn(*shape, dtype, device, seed, scale=1.0):
@@ -306,7 +289,7 @@ def run_mixed_steps(paged_runner, model, seed=0):
 def test_model_with_fused_ops_matches_plain_ops(paged_runner, tiny_model_dir, arch):
     loaded = load_model(tiny_model_dir(arch), dtype=torch.float32)
     plain = run_mixed_steps(paged_runner, loaded.model)
-    loaded.model.ops = import_interpreted_fused_kernels()
+    loaded.model.ops = import_interpreted(fused_kernels)
     fused = run_mixed_steps(paged_runner, loaded.model)
     # Only RMSNorm's sum order (and SiLU's exp) differ: float32 rounding, through two layers.
     torch.testing.assert_close(fused, plain, atol=1e-4, rtol=1e-4)
@@ -315,7 +298,7 @@ def test_model_with_fused_ops_matches_plain_ops(paged_runner, tiny_model_dir, ar
 def test_model_with_fused_ops_in_bfloat16_tracks_plain_ops(paged_runner, tiny_model_dir):
     loaded = load_model(tiny_model_dir("qwen2"), dtype=torch.bfloat16)
     plain = run_mixed_steps(paged_runner, loaded.model)
-    loaded.model.ops = import_interpreted_fused_kernels()
+    loaded.model.ops = import_interpreted(fused_kernels)
     fused = run_mixed_steps(paged_runner, loaded.model)
     # A one-rounding difference in a norm can flip later bfloat16 roundings; it must stay at
     # the level of bfloat16's precision (2^-8 relative), far below the logits' spread.

@@ -12,39 +12,21 @@ so an element a kernel forgets to write, or a slot it reads but should not, fail
 from __future__ import annotations
 
 import math
-import os
-import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
-import triton
 
-from tests.engine.interpreted import import_interpreted, kernel_targets, needs_cuda
+from tests.engine.interpreted import kernel_targets, needs_cuda
 from workers.engine.attention import triton_kernels
 from workers.engine.attention.base import AttentionMetadata
 from workers.engine.attention.torch_backend import TorchBackend
 from workers.engine.attention.triton_backend import TritonBackend
 
-
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
-def import_interpreted_kernels():
-    """A separate copy of ``triton_kernels`` whose kernels run in Triton's CPU interpreter."""
-    return import_interpreted(triton_kernels)
-
-
 target = kernel_targets(triton_kernels)
-
-
-def test_interpreter_copy_leaves_the_process_mode_alone(monkeypatch):
-    before = os.environ.get("TRITON_INTERPRET")
-    monkeypatch.delitem(sys.modules, "_triton_kernels_interpreted", raising=False)
-    interpreted = import_interpreted_kernels()
-    assert type(interpreted._paged_decode_kernel).__name__ == "InterpretedFunction"
-    assert os.environ.get("TRITON_INTERPRET") == before
-    assert triton.knobs.runtime.interpret == (before == "1")
 
 
 # ------------------------------------------------------------------------------------------------
