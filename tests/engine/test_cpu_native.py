@@ -24,7 +24,8 @@ def random_decode_case(*, num_seqs, num_heads, num_kv_heads, head_dim, block_siz
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
-    (9, 3, 64, 16), (4, 4, 128, 16), (8, 1, 64, 32), (6, 2, 80, 8)])
+    (9, 3, 64, 16), (4, 4, 128, 16), (8, 1, 64, 32), (6, 2, 80, 8), (2, 1, 256, 16),
+    (14, 2, 64, 1)])
 def test_the_kernel_matches_the_gather_path(num_heads, num_kv_heads, head_dim, block_size):
     assert cpu_native.available()
     query, k_cache, v_cache, tables, lens = random_decode_case(
@@ -88,9 +89,27 @@ def test_it_can_be_switched_off(monkeypatch):
     assert not cpu_native.available()
 
 
-def test_other_dtypes_are_not_its_case():
-    query = torch.zeros(2, 4, 8, dtype=torch.bfloat16)
-    cache = torch.zeros(3, 4, 2, 8, dtype=torch.bfloat16)
-    assert not cpu_native.supports(query, cache, cache)
+def test_a_bfloat16_cache_is_read_exactly_and_attended_in_float32():
+    query, k_cache, v_cache, tables, lens = random_decode_case(
+        num_seqs=11, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=7)
+    query, k_cache, v_cache = (t.to(torch.bfloat16) for t in (query, k_cache, v_cache))
+    got = cpu_native.paged_decode(query, k_cache, v_cache, tables, lens, 0.125)
+    assert got.dtype == torch.bfloat16
+    # The same bfloat16 values widened to float32 first: only the output's rounding differs.
+    expected = _decode_gathered(query.float(), k_cache.float(), v_cache.float(), tables, lens,
+                                int(lens.max()), 0.125)
+    torch.testing.assert_close(got.float(), expected.to(torch.bfloat16).float(), atol=1e-2,
+                               rtol=1e-2)
+    assert (got.float() - expected).abs().max() <= expected.abs().max() * 2 ** -8
+
+
+def test_other_dtypes_and_layouts_are_not_its_case():
+    query = torch.zeros(2, 4, 16, dtype=torch.bfloat16)
+    cache = torch.zeros(3, 4, 2, 16, dtype=torch.bfloat16)
+    assert cpu_native.supports(query, cache, cache)
     assert cpu_native.supports(query.float(), cache.float(), cache.float())
+    assert not cpu_native.supports(query, cache.half(), cache.half())
+    assert not cpu_native.supports(query, cache, cache.float())
     assert not cpu_native.supports(query.float(), cache.float().transpose(1, 2), cache.float())
+    odd = torch.zeros(2, 4, 72)  # not a whole number of the kernel's 16-float vectors
+    assert not cpu_native.supports(odd, torch.zeros(3, 4, 2, 72), torch.zeros(3, 4, 2, 72))

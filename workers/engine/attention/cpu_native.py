@@ -32,6 +32,9 @@ SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 # infinities, which the softmax's running maximum starts from.
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
+if platform.machine() in ("x86_64", "AMD64"):
+    # Where AVX-512 is there, use all of it: compilers default to half width on some CPUs.
+    FLAGS.insert(2, "-mprefer-vector-width=512")
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -89,17 +92,27 @@ def _load() -> ctypes.CDLL | None:
             log.warning("CPU attention kernel unavailable, using the PyTorch path: %s", detail)
             _failed = True
             return None
-        fn = library.paged_decode_f32
         ptr, num = ctypes.c_void_p, ctypes.c_int
-        fn.argtypes = [ptr, ptr, ptr, ptr, num, ptr, ptr, num, num, num, num, num, num, ctypes.c_float]
-        fn.restype = ctypes.c_int
+        for fn in (library.paged_decode_f32, library.paged_decode_bf16):
+            fn.argtypes = [ptr, ptr, ptr, ptr, num, ptr, ptr, num, num, num, num, num, num,
+                           ctypes.c_float]
+            fn.restype = ctypes.c_int
         _library = library
         return library
 
 
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether these tensors are the kernel's case: float32 on the CPU, the caches contiguous."""
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (query, k_cache, v_cache)) \
+    """Whether these tensors are the kernel's case: on the CPU, the caches contiguous and both
+    float32 or both bfloat16 (the query may be either; the kernel computes in float32), and a
+    head size the kernel's 16-float vectors divide, up to 256."""
+    head_dim = query.shape[-1]
+    return head_dim % 16 == 0 and head_dim <= 256 \
+        and all(t.device.type == "cpu" for t in (query, k_cache, v_cache)) \
+        and query.dtype in CACHE_DTYPES and k_cache.dtype in CACHE_DTYPES \
+        and k_cache.dtype == v_cache.dtype \
         and k_cache.is_contiguous() and v_cache.is_contiguous()
 
 
@@ -109,7 +122,8 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     library = _load()
     if library is None:
         raise RuntimeError("the CPU attention kernel is not available")
-    query = query.contiguous()
+    dtype = query.dtype
+    query = query.to(torch.float32).contiguous()
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     tables = block_tables.to(torch.int32).contiguous()
@@ -119,6 +133,8 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             tables.shape[1], lens.data_ptr(), out.data_ptr())
     shape = (num_heads, num_kv_heads, head_dim, block_size, float(scale))
 
-    if library.paged_decode_f32(*args, num_seqs, int(lens.max()), *shape):
+    kernel = library.paged_decode_bf16 if k_cache.dtype == torch.bfloat16 \
+        else library.paged_decode_f32
+    if kernel(*args, num_seqs, int(lens.max()), *shape):
         raise MemoryError("the CPU attention kernel could not allocate its score buffer")
-    return out
+    return out.to(dtype)

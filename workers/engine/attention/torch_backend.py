@@ -1,11 +1,11 @@
 """Paged attention in plain PyTorch: the CPU backend and the reference the Triton kernels match.
 
 Decode rows (one new token per sequence) are the hot path at large batch sizes, so they are done
-together: in float32 by the C kernel of ``cpu_native``, which reads the blocks where they lie;
-otherwise (other dtypes, or no C compiler) by one gather of every sequence's blocks through the
-block table and one masked batched grouped-query attention. Rows with several new tokens (prefill, chunked prefill, extend after a
-prefix-cache hit) are compute-bound and done one sequence at a time with a causal mask whose
-diagonal is shifted by the cached prefix.
+together: on the CPU by the C kernel of ``cpu_native``, which reads the blocks where they lie;
+otherwise (CUDA, or no C compiler) by one gather of every sequence's blocks through the block
+table and one masked batched grouped-query attention. Rows with several new tokens (prefill,
+chunked prefill, extend after a prefix-cache hit) are compute-bound and done one sequence at a
+time with a causal mask whose diagonal is shifted by the cached prefix.
 """
 
 from __future__ import annotations
@@ -127,16 +127,23 @@ def _extend_one(query, k_cache, v_cache, block_table, context_len, scale):
     keys = _gather(k_cache, block_table[None], num_blocks)[0, :context_len]  # [C, KV, D]
     values = _gather(v_cache, block_table[None], num_blocks)[0, :context_len]
 
-    q = query.transpose(0, 1)  # [H, Q, D]
+    # Batched 4-D inputs with as many K/V heads as query heads: the shape for which SDPA takes
+    # its fused flash kernel on the CPU (with enable_gqa, or 3-D inputs, it falls back to the
+    # unfused math path, 3x slower at a few hundred tokens). Repeating K/V costs a copy of this
+    # one sequence's keys, small next to the attention itself; transformers does the same.
+    q = query.transpose(0, 1)[None]  # [1, H, Q, D]
     k = keys.transpose(0, 1).to(query.dtype)  # [KV, C, D]
     v = values.transpose(0, 1).to(query.dtype)
-    gqa = num_heads != num_kv_heads
+    if num_heads != num_kv_heads:
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=0)
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=0)
+    k, v = k[None], v[None]
     if q_len == context_len:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
         # Query i sits at position context_len - q_len + i and sees every key up to it.
         offset = context_len - q_len
         rows = torch.arange(q_len, device=query.device)[:, None] + offset
         mask = torch.arange(context_len, device=query.device)[None, :] <= rows
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1)
