@@ -433,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from workers.engine import Engine
+    from workers.engine.engine import on_a_passing_thread
     from workers.engine.loader import bundled_model_path
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -487,14 +488,23 @@ def main(argv: list[str] | None = None) -> int:
     report["transformers"] = {}
     dtypes = [] if args.skip_transformers else \
         [d.strip() for d in args.transformers_dtypes.split(",") if d.strip()]
-    emulated, probe = bf16_is_emulated(torch) if device == "cpu" and dtypes else (False, {})
+    # Whatever runs PyTorch operators here does so on a passing thread, and the engine is stopped
+    # while transformers runs: each thread that calls them keeps an OpenMP pool, and with more
+    # pooled threads than cores OpenMP sleeps between operators, which would slow whichever side
+    # ran second (see Engine.__init__). Alternating single streams share the machine evenly.
+    if dtypes:
+        loaded = engine.loaded
+        engine.stop()
+        engine = None
+    emulated, probe = on_a_passing_thread(bf16_is_emulated, torch) \
+        if device == "cpu" and dtypes else (False, {})
     if probe:
         report["bf16_probe_s"] = probe
     single_done = False
     for name in dtypes:
         reduced = name == "bfloat16" and emulated and not args.full_bf16
         log(f"loading transformers ({name})")
-        model = load_transformers(path, getattr(torch, name)).to(device)
+        model = on_a_passing_thread(load_transformers, path, getattr(torch, name)).to(device)
         runs: dict = {}
         if reduced:
             runs["reduced"] = (
@@ -507,14 +517,16 @@ def main(argv: list[str] | None = None) -> int:
         out_tokens = args.reduced_output_tokens if reduced else args.output_tokens
         if not args.skip_transformers_batched:
             log(f"transformers {name}: {len(batch_prompts)} requests in one padded batch")
-            runs["batched"] = phase(lambda: run_transformers_batched(
-                model, batch_prompts, out_tokens, 0, torch))
+            if engine is not None:
+                loaded = engine.loaded
+                engine.stop()
+                engine = None
+            runs["batched"] = phase(lambda: on_a_passing_thread(
+                run_transformers_batched, model, batch_prompts, out_tokens, 0, torch))
             log(f"  → {runs['batched']['output_tokens_per_s']:.1f} output tok/s")
             if not reduced and not args.no_repeat and "engine_batched_repeat" not in report:
                 # Again after transformers, on a fresh engine (cold prefix cache), so that a
                 # change in how busy the machine is shows up instead of skewing the ratio.
-                loaded = engine.loaded
-                engine.stop()
                 engine = make_engine(loaded)
                 log(f"engine again: {args.requests} requests at once")
                 report["engine_batched_repeat"] = phase(
@@ -530,13 +542,16 @@ def main(argv: list[str] | None = None) -> int:
             # (the engine picks its own thread count for one-token steps by measurement).
             one_thread = device == "cpu" and torch.get_num_threads() > 1
             hf_parts, hf_one_parts, engine_parts = [], [], []
+            if interleave and engine is None:
+                engine = make_engine(loaded)
             for prompt in single_prompts:
                 if interleave:
                     engine_parts.append(run_engine_single(engine, [prompt], out_tokens))
-                hf_parts.append(run_transformers_single(model, [prompt], out_tokens, torch))
+                hf_parts.append(on_a_passing_thread(run_transformers_single, model, [prompt],
+                                                    out_tokens, torch))
                 if one_thread:
-                    hf_one_parts.append(run_transformers_single(model, [prompt], out_tokens,
-                                                                torch, threads=1))
+                    hf_one_parts.append(on_a_passing_thread(
+                        run_transformers_single, model, [prompt], out_tokens, torch, threads=1))
             runs["single"] = merge_single(hf_parts)
             log(f"  → {runs['single']['decode_tokens_per_s'] or 0:.1f} decode tok/s")
             if hf_one_parts:
@@ -550,6 +565,8 @@ def main(argv: list[str] | None = None) -> int:
                 single_done = True
         report["transformers"][name] = runs
         del model
+    if engine is None:
+        engine = make_engine(loaded)
     if not single_done and not args.skip_engine_single and singles:
         log(f"engine: {len(singles)} requests one at a time")
         report["engine_single"] = phase(lambda: run_engine_single(

@@ -437,3 +437,21 @@ def test_stopping_aborts_what_is_in_flight(model):
     assert last.finish_reason == "abort"
     with pytest.raises(Exception):
         eng.submit("Hello", GREEDY)
+
+
+def test_loading_runs_on_a_thread_of_its_own_and_its_errors_reach_the_caller(monkeypatch):
+    # A PyTorch thread pool left on the caller's thread would slow the loop's steps (see
+    # Engine.__init__), so the loading must not run there; what it raises still must.
+    from workers.engine import loader
+
+    seen = []
+
+    def failing_load(*args, **kwargs):
+        seen.append(threading.current_thread())
+        raise loader.WeightsError("the weights are truncated")
+
+    monkeypatch.setattr(loader, "load_model", failing_load)
+    with pytest.raises(loader.WeightsError, match="truncated"):
+        Engine("/nowhere/model.gguf", device="cpu", dtype="float32")
+    assert seen and seen[0] is not threading.current_thread()
+    assert not seen[0].is_alive()

@@ -157,7 +157,17 @@ class Engine:
     ends with finish_reason "length".
     """
 
-    def __init__(
+    def __init__(self, model: Any, **options: Any):
+        """Load ``model`` (a path, or a ``LoadedModel``) with the options above."""
+        # The loading runs on a thread of its own, which ends with it. PyTorch's CPU operators run
+        # on an OpenMP thread pool that belongs to the thread calling them and lives as long as
+        # that thread: a pool left on the caller's thread by the loading would double the
+        # threads OpenMP manages, and with more threads than cores it stops spinning between
+        # operators and sleeps instead, which made the engine loop's decode steps a quarter
+        # slower on two cores. The loop thread then has the only pool.
+        on_a_passing_thread(self._build, model, **options)
+
+    def _build(
         self,
         model: Any,
         *,
@@ -764,6 +774,24 @@ class Engine:
             self._memory_checked = now
         total, free = self._memory
         return {"device_memory_total": total, "device_memory_free": free}
+
+
+def on_a_passing_thread(fn, /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` on a new thread that ends when it returns; its result or error."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = fn(*args, **kwargs)
+        except BaseException as exc:  # handed to the caller as is
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="engine-setup", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 def _parse_dtype(name: str) -> torch.dtype:
