@@ -89,15 +89,21 @@ def test_it_can_be_switched_off(monkeypatch):
     assert not cpu_native.available()
 
 
-def test_a_bfloat16_cache_is_read_exactly_and_attended_in_float32():
+# Query heads per KV head 3, 4 and 2 are attended together; 5 vectors of 16, and 16, are not.
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [
+    (9, 3, 64), (8, 2, 64), (4, 2, 64), (8, 4, 128), (6, 2, 80), (2, 1, 256)])
+def test_a_bfloat16_cache_is_read_exactly_and_attended_in_float32(num_heads, num_kv_heads,
+                                                                  head_dim):
     query, k_cache, v_cache, tables, lens = random_decode_case(
-        num_seqs=11, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=7)
+        num_seqs=11, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=16, seed=7)
     query, k_cache, v_cache = (t.to(torch.bfloat16) for t in (query, k_cache, v_cache))
-    got = cpu_native.paged_decode(query, k_cache, v_cache, tables, lens, 0.125)
+    scale = head_dim ** -0.5
+    got = cpu_native.paged_decode(query, k_cache, v_cache, tables, lens, scale)
     assert got.dtype == torch.bfloat16
     # The same bfloat16 values widened to float32 first: only the output's rounding differs.
     expected = _decode_gathered(query.float(), k_cache.float(), v_cache.float(), tables, lens,
-                                int(lens.max()), 0.125)
+                                int(lens.max()), scale)
     torch.testing.assert_close(got.float(), expected.to(torch.bfloat16).float(), atol=1e-2,
                                rtol=1e-2)
     assert (got.float() - expected).abs().max() <= expected.abs().max() * 2 ** -8

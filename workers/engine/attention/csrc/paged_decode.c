@@ -30,6 +30,7 @@
 
 #define LANES 16
 #define MAX_VECTORS 16 /* head_dim up to 256 */
+#define MAX_HEADS 4    /* query heads attended together */
 
 typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
 typedef uint32_t vu32 __attribute__((vector_size(LANES * sizeof(uint32_t))));
@@ -83,10 +84,16 @@ static inline void softmax(float *row, int n, float peak) {
 
 /* Defines paged_decode_NAME over a cache of ELEM, read through LOAD.
  *
- * attend_head_NAME: one query head of one sequence. k_cache and v_cache point at its KV head's
- * first element, token_stride apart from one token to the next; a block's tokens are consecutive.
- * row holds the context's scores. `vectors` is a constant where it is inlined (4 for head_dim 64,
- * 8 for 128), so the compiler unrolls over it and keeps q and the output in registers. */
+ * attend_head_NAME: one query head of one sequence. attend_heads_NAME: `heads` query heads of one
+ * sequence that share one KV head (grouped-query attention), so that each cached key and value is
+ * loaded and widened once for all of them. k_cache and v_cache point at that KV head's first
+ * element, token_stride apart from one token to the next; a block's tokens are consecutive. rows
+ * holds heads * context scores. `vectors` and `heads` are constants where they are inlined, so the
+ * compiler unrolls over them and keeps the queries, dot products and outputs in registers.
+ *
+ * Measured on a Zen 4 core (64 sequences of 300-540 tokens, 9 query heads over 3 KV heads): taking
+ * a group's heads together makes the bfloat16 kernel 1.4x faster, since widening dominates, and
+ * the float32 one slower, so float32 attends one head at a time. */
 #define DEFINE_PAGED_DECODE(NAME, ELEM, LOAD)                                                      \
 static inline __attribute__((always_inline)) void attend_head_##NAME(                               \
         const float *q, const ELEM *k_cache, const ELEM *v_cache, const int32_t *table,           \
@@ -119,44 +126,109 @@ static inline __attribute__((always_inline)) void attend_head_##NAME(           
     for (int c = 0; c < vectors; c++) memcpy(o + c * LANES, &acc[c], sizeof acc[c]);               \
 }                                                                                                  \
                                                                                                    \
-/* Returns 0, or -1 when a thread could not allocate its score row. */                             \
+static inline __attribute__((always_inline)) void attend_heads_##NAME(                              \
+        const float *q, const ELEM *k_cache, const ELEM *v_cache, const int32_t *table,           \
+        int context, float *o, float *rows, int block_size, int64_t token_stride, float scale,    \
+        const int vectors, const int heads) {                                                      \
+    const int head_dim = vectors * LANES;                                                          \
+    vfloat qv[MAX_HEADS][MAX_VECTORS], kv[MAX_VECTORS];                                            \
+    float peak[MAX_HEADS];                                                                         \
+    for (int j = 0; j < heads; j++) {                                                              \
+        peak[j] = -INFINITY;                                                                       \
+        for (int c = 0; c < vectors; c++)                                                          \
+            qv[j][c] = load_f32(q + j * head_dim + c * LANES) * scale;                             \
+    }                                                                                              \
+    for (int t0 = 0; t0 < context; t0 += block_size) {                                             \
+        const ELEM *k = k_cache + (int64_t)table[t0 / block_size] * block_size * token_stride;    \
+        const int end = context - t0 < block_size ? context - t0 : block_size;                     \
+        for (int t = 0; t < end; t++, k += token_stride) {                                         \
+            for (int c = 0; c < vectors; c++) kv[c] = LOAD(k + c * LANES);                         \
+            for (int j = 0; j < heads; j++) {                                                      \
+                vfloat dot = qv[j][0] * kv[0];                                                     \
+                for (int c = 1; c < vectors; c++) dot += qv[j][c] * kv[c];                         \
+                const float score = sum_lanes(dot);                                                \
+                rows[(int64_t)j * context + t0 + t] = score;                                       \
+                peak[j] = score > peak[j] ? score : peak[j];                                       \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    for (int j = 0; j < heads; j++) softmax(rows + (int64_t)j * context, context, peak[j]);       \
+    vfloat acc[MAX_HEADS][MAX_VECTORS];                                                            \
+    for (int j = 0; j < heads; j++)                                                                \
+        for (int c = 0; c < vectors; c++) acc[j][c] = (vfloat){0};                                 \
+    for (int t0 = 0; t0 < context; t0 += block_size) {                                             \
+        const ELEM *v = v_cache + (int64_t)table[t0 / block_size] * block_size * token_stride;    \
+        const int end = context - t0 < block_size ? context - t0 : block_size;                     \
+        for (int t = 0; t < end; t++, v += token_stride) {                                         \
+            for (int c = 0; c < vectors; c++) kv[c] = LOAD(v + c * LANES);                         \
+            for (int j = 0; j < heads; j++) {                                                      \
+                const float p = rows[(int64_t)j * context + t0 + t];                               \
+                for (int c = 0; c < vectors; c++) acc[j][c] += p * kv[c];                          \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    for (int j = 0; j < heads; j++)                                                                \
+        for (int c = 0; c < vectors; c++)                                                          \
+            memcpy(o + j * head_dim + c * LANES, &acc[j][c], sizeof acc[j][c]);                    \
+}                                                                                                  \
+                                                                                                   \
+/* Returns 0, or -1 when a thread could not allocate its score rows. */                            \
 int paged_decode_##NAME(const float *query, const ELEM *k_cache, const ELEM *v_cache,              \
                         const int32_t *block_tables, int table_width,                              \
                         const int32_t *context_lens, float *out, int num_seqs, int max_context,    \
                         int num_heads, int num_kv_heads, int head_dim, int block_size,             \
                         float scale) {                                                             \
     const int group = num_heads / num_kv_heads, vectors = head_dim / LANES;                        \
+    /* Query heads taken together (bfloat16): as many of a group as registers hold and divide it. */\
+    const int together = sizeof(ELEM) == 4 ? 1                                                     \
+                         : vectors == 4 && group % 3 == 0 ? 3                                      \
+                         : vectors == 4 && group % 4 == 0 ? 4                                      \
+                         : vectors <= 8 && group % 2 == 0 ? 2 : 1;                                 \
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;                                 \
+    const size_t context_cap = (size_t)(max_context > 0 ? max_context : 1);                        \
     int failed = 0;                                                                                \
     _Pragma("omp parallel")                                                                        \
     {                                                                                              \
-        float *row = malloc(sizeof(float) * (size_t)(max_context > 0 ? max_context : 1));         \
-        if (!row) {                                                                                \
+        float *rows = malloc(sizeof(float) * context_cap * (size_t)together);                      \
+        if (!rows) {                                                                               \
             _Pragma("omp atomic write")                                                            \
             failed = 1;                                                                            \
         }                                                                                          \
         /* Dynamic: contexts differ in length, so equal shares of sequences are not equal work. */ \
         _Pragma("omp for schedule(dynamic, 1)")                                                    \
         for (int s = 0; s < num_seqs; s++) {                                                       \
-            if (!row) continue;                                                                    \
+            if (!rows) continue;                                                                   \
             const int32_t *table = block_tables + (int64_t)s * table_width;                        \
-            for (int h = 0; h < num_heads; h++) {                                                  \
+            for (int h = 0; h < num_heads; h += together) {                                        \
                 const int64_t at = ((int64_t)s * num_heads + h) * head_dim;                        \
                 const int64_t kv_head = (int64_t)(h / group) * head_dim;                           \
                 const float *q = query + at;                                                       \
                 const ELEM *k = k_cache + kv_head, *v = v_cache + kv_head;                         \
-                if (vectors == 4)                                                                  \
-                    attend_head_##NAME(q, k, v, table, context_lens[s], out + at, row,            \
-                                       block_size, token_stride, scale, 4);                        \
-                else if (vectors == 8)                                                             \
-                    attend_head_##NAME(q, k, v, table, context_lens[s], out + at, row,            \
-                                       block_size, token_stride, scale, 8);                        \
+                const int n = context_lens[s];                                                     \
+                if (vectors == 4 && together == 3)                                                 \
+                    attend_heads_##NAME(q, k, v, table, n, out + at, rows, block_size,            \
+                                        token_stride, scale, 4, 3);                                \
+                else if (vectors == 4 && together == 4)                                            \
+                    attend_heads_##NAME(q, k, v, table, n, out + at, rows, block_size,            \
+                                        token_stride, scale, 4, 4);                                \
+                else if (vectors == 4 && together == 2)                                            \
+                    attend_heads_##NAME(q, k, v, table, n, out + at, rows, block_size,            \
+                                        token_stride, scale, 4, 2);                                \
+                else if (vectors == 8 && together == 2)                                            \
+                    attend_heads_##NAME(q, k, v, table, n, out + at, rows, block_size,            \
+                                        token_stride, scale, 8, 2);                                \
+                else if (together == 1 && vectors == 4)                                            \
+                    attend_head_##NAME(q, k, v, table, n, out + at, rows, block_size,             \
+                                       token_stride, scale, 4);                                    \
+                else if (together == 1 && vectors == 8)                                            \
+                    attend_head_##NAME(q, k, v, table, n, out + at, rows, block_size,             \
+                                       token_stride, scale, 8);                                    \
                 else                                                                               \
-                    attend_head_##NAME(q, k, v, table, context_lens[s], out + at, row,            \
-                                       block_size, token_stride, scale, vectors);                  \
+                    attend_heads_##NAME(q, k, v, table, n, out + at, rows, block_size,            \
+                                        token_stride, scale, vectors, together);                   \
             }                                                                                      \
         }                                                                                          \
-        free(row);                                                                                 \
+        free(rows);                                                                                \
     }                                                                                              \
     return failed ? -1 : 0;                                                                        \
 }
