@@ -85,6 +85,7 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
         # On the host, before the move: the device only ever holds the FP8 copy.
         model.quantize_weights(quantization, device)
     model = model.to(device).eval()
+    model.pack_for_cpu()
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
 
 

@@ -10,7 +10,8 @@ Two choices are made once, when the model is built, never per call:
   ``TorchOps`` below is plain PyTorch and matches transformers exactly (the CPU path);
   ``fused_kernels`` has the same functions as Triton kernels (the CUDA path; see ``ops_for``).
 - ``linear``: ``F.linear``, or an FP8 matmul once ``quantize_weights`` has stored the layers'
-  weights in FP8 (see ``fp8.py``).
+  weights in FP8 (see ``fp8.py``), or oneDNN's once ``pack_for_cpu`` has packed them (bfloat16
+  on the CPU; see ``onednn.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fp8
+from . import fp8, onednn
 from .attention import get_backend
 from .attention.base import AttentionBackend, AttentionMetadata
 from .config import ModelConfig, WeightsError
@@ -160,6 +161,22 @@ class CausalLM(nn.Module):
                 setattr(layer, name, fp8.quantize_weight(weight, per_channel=per_channel))
         self.linear = fp8.linear_for(device)
         self.quantization = scheme
+
+    @torch.no_grad()
+    def pack_for_cpu(self) -> bool:
+        """On the CPU in bfloat16, store the layers' linear weights packed for oneDNN and
+        multiply through it from now on (see ``onednn.py``). Call last: packed weights no longer
+        move with ``.to()``. Returns whether it packed."""
+        if self.embed.device.type != "cpu" or self.embed.dtype != torch.bfloat16 \
+                or self.quantization is not None or not onednn.available():
+            return False
+        for layer in self.layers:
+            for name in LINEAR_WEIGHTS:
+                weight = getattr(layer, name)
+                delattr(layer, name)
+                setattr(layer, name, onednn.pack(weight))
+        self.linear = onednn.linear
+        return True
 
     def _set_rope_tables(self, inv_freq: torch.Tensor) -> None:
         # Stored in the model's dtype; they follow .to().
