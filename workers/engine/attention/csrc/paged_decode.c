@@ -82,6 +82,13 @@ static inline void softmax(float *row, int n, float peak) {
     for (int t = 0; t < n; t++) row[t] *= norm;
 }
 
+/* The dispatch's calls, in the scope of paged_decode_NAME's loop. */
+#define ATTEND_HEADS(NAME, VECTORS, HEADS)                                                         \
+    attend_heads_##NAME(q, k, v, table, n, out + at, rows, block_size, token_stride, scale,       \
+                        VECTORS, HEADS)
+#define ATTEND_HEAD(NAME, VECTORS)                                                                 \
+    attend_head_##NAME(q, k, v, table, n, out + at, rows, block_size, token_stride, scale, VECTORS)
+
 /* Defines paged_decode_NAME over a cache of ELEM, read through LOAD.
  *
  * attend_head_NAME: one query head of one sequence. attend_heads_NAME: `heads` query heads of one
@@ -205,27 +212,14 @@ int paged_decode_##NAME(const float *query, const ELEM *k_cache, const ELEM *v_c
                 const float *q = query + at;                                                       \
                 const ELEM *k = k_cache + kv_head, *v = v_cache + kv_head;                         \
                 const int n = context_lens[s];                                                     \
-                if (vectors == 4 && together == 3)                                                 \
-                    attend_heads_##NAME(q, k, v, table, n, out + at, rows, block_size,            \
-                                        token_stride, scale, 4, 3);                                \
-                else if (vectors == 4 && together == 4)                                            \
-                    attend_heads_##NAME(q, k, v, table, n, out + at, rows, block_size,            \
-                                        token_stride, scale, 4, 4);                                \
-                else if (vectors == 4 && together == 2)                                            \
-                    attend_heads_##NAME(q, k, v, table, n, out + at, rows, block_size,            \
-                                        token_stride, scale, 4, 2);                                \
-                else if (vectors == 8 && together == 2)                                            \
-                    attend_heads_##NAME(q, k, v, table, n, out + at, rows, block_size,            \
-                                        token_stride, scale, 8, 2);                                \
-                else if (together == 1 && vectors == 4)                                            \
-                    attend_head_##NAME(q, k, v, table, n, out + at, rows, block_size,             \
-                                       token_stride, scale, 4);                                    \
-                else if (together == 1 && vectors == 8)                                            \
-                    attend_head_##NAME(q, k, v, table, n, out + at, rows, block_size,             \
-                                       token_stride, scale, 8);                                    \
-                else                                                                               \
-                    attend_heads_##NAME(q, k, v, table, n, out + at, rows, block_size,            \
-                                        token_stride, scale, vectors, together);                   \
+                /* Constant shapes where they are common, so that each is unrolled. */              \
+                if (vectors == 4 && together == 3) ATTEND_HEADS(NAME, 4, 3);                       \
+                else if (vectors == 4 && together == 4) ATTEND_HEADS(NAME, 4, 4);                  \
+                else if (vectors == 4 && together == 2) ATTEND_HEADS(NAME, 4, 2);                  \
+                else if (vectors == 8 && together == 2) ATTEND_HEADS(NAME, 8, 2);                  \
+                else if (vectors == 4 && together == 1) ATTEND_HEAD(NAME, 4);                      \
+                else if (vectors == 8 && together == 1) ATTEND_HEAD(NAME, 8);                      \
+                else ATTEND_HEADS(NAME, vectors, together);                                        \
             }                                                                                      \
         }                                                                                          \
         free(rows);                                                                                \
