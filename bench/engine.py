@@ -488,19 +488,16 @@ def main(argv: list[str] | None = None) -> int:
     report["transformers"] = {}
     dtypes = [] if args.skip_transformers else \
         [d.strip() for d in args.transformers_dtypes.split(",") if d.strip()]
-    # Whatever runs PyTorch operators here does so on a passing thread, and the engine is stopped
-    # while transformers runs: each thread that calls them keeps an OpenMP pool, and with more
+    # Whatever runs PyTorch operators here does so on a passing thread, and no engine runs
+    # while transformers does: each thread that calls them keeps an OpenMP pool, and with more
     # pooled threads than cores OpenMP sleeps between operators, which would slow whichever side
     # ran second (see Engine.__init__). Alternating single streams share the machine evenly.
-    if dtypes:
-        loaded = engine.loaded
-        engine.stop()
-        engine = None
+    loaded = engine.loaded
+    engine.stop()
     emulated, probe = on_a_passing_thread(bf16_is_emulated, torch) \
         if device == "cpu" and dtypes else (False, {})
     if probe:
         report["bf16_probe_s"] = probe
-    single_done = False
     for name in dtypes:
         reduced = name == "bfloat16" and emulated and not args.full_bf16
         log(f"loading transformers ({name})")
@@ -517,10 +514,6 @@ def main(argv: list[str] | None = None) -> int:
         out_tokens = args.reduced_output_tokens if reduced else args.output_tokens
         if not args.skip_transformers_batched:
             log(f"transformers {name}: {len(batch_prompts)} requests in one padded batch")
-            if engine is not None:
-                loaded = engine.loaded
-                engine.stop()
-                engine = None
             runs["batched"] = phase(lambda: on_a_passing_thread(
                 run_transformers_batched, model, batch_prompts, out_tokens, 0, torch))
             log(f"  → {runs['batched']['output_tokens_per_s']:.1f} output tok/s")
@@ -531,21 +524,22 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"engine again: {args.requests} requests at once")
                 report["engine_batched_repeat"] = phase(
                     lambda eng=engine: run_engine_batched(eng, prompts, args.output_tokens))
+                engine.stop()
                 log(f"  → {report['engine_batched_repeat']['output_tokens_per_s']:.1f} "
                     f"output tok/s")
         if not args.skip_transformers_single and singles:
             single_prompts = singles[:1] if reduced else singles
-            interleave = not single_done and not reduced and not args.skip_engine_single
+            interleave = "engine_single" not in report and not reduced \
+                and not args.skip_engine_single
             log(f"transformers {name}: {len(single_prompts)} requests one at a time"
                 + (", alternating with the engine" if interleave else ""))
             # transformers on every thread and on one: its best single stream is the baseline
             # (the engine picks its own thread count for one-token steps by measurement).
             one_thread = device == "cpu" and torch.get_num_threads() > 1
             hf_parts, hf_one_parts, engine_parts = [], [], []
-            if interleave and engine is None:
-                engine = make_engine(loaded)
+            engine = make_engine(loaded) if interleave else None
             for prompt in single_prompts:
-                if interleave:
+                if engine is not None:
                     engine_parts.append(run_engine_single(engine, [prompt], out_tokens))
                 hf_parts.append(on_a_passing_thread(run_transformers_single, model, [prompt],
                                                     out_tokens, torch))
@@ -558,22 +552,17 @@ def main(argv: list[str] | None = None) -> int:
                 runs["single_one_thread"] = merge_single(hf_one_parts)
                 log(f"  → {runs['single_one_thread']['decode_tokens_per_s'] or 0:.1f} decode "
                     f"tok/s on one thread")
-            if interleave:
-                report["engine_single"] = merge_single(engine_parts)
+            if engine is not None:
+                report["engine_single"] = finish_single(merge_single(engine_parts), engine)
                 log(f"  → engine {report['engine_single']['decode_tokens_per_s']:.1f} "
                     f"decode tok/s")
-                single_done = True
         report["transformers"][name] = runs
         del model
-    if engine is None:
-        engine = make_engine(loaded)
-    if not single_done and not args.skip_engine_single and singles:
+    if "engine_single" not in report and not args.skip_engine_single and singles:
         log(f"engine: {len(singles)} requests one at a time")
-        report["engine_single"] = phase(lambda: run_engine_single(
-            engine, singles, args.output_tokens))
-    if "engine_single" in report and engine.runner.threads is not None:
-        report["engine_single"]["threads_for_one_token_steps"] = engine.runner.threads.choice
-    engine.stop()
+        engine = make_engine(loaded)
+        report["engine_single"] = finish_single(
+            phase(lambda: run_engine_single(engine, singles, args.output_tokens)), engine)
 
     # Ratios against the faster full-size transformers runs.
     full = {k: v for k, v in report["transformers"].items() if "reduced" not in v}
@@ -1052,6 +1041,15 @@ def write_cuda_report(report: dict, output: Path) -> int:
         if key in report:
             log(f"{key}: {report[key]:.2f}")
     return 0
+
+
+def finish_single(result: dict, engine) -> dict:
+    """A single-stream result with the thread count the engine chose for one-token steps; the
+    engine is stopped."""
+    if engine.runner.threads is not None:
+        result["threads_for_one_token_steps"] = engine.runner.threads.choice
+    engine.stop()
+    return result
 
 
 def merge_single(parts: list[dict]) -> dict:

@@ -118,4 +118,8 @@ def test_other_dtypes_and_layouts_are_not_its_case():
     assert not cpu_native.supports(query, cache, cache.float())
     assert not cpu_native.supports(query.float(), cache.float().transpose(1, 2), cache.float())
     odd = torch.zeros(2, 4, 72)  # not a whole number of the kernel's 16-float vectors
-    assert not cpu_native.supports(odd, torch.zeros(3, 4, 2, 72), torch.zeros(3, 4, 2, 72))
+    odd_cache = torch.zeros(3, 4, 2, 72)
+    assert not cpu_native.supports(odd, odd_cache, odd_cache)
+    with pytest.raises(ValueError, match="head size 72"):
+        cpu_native.paged_decode(odd, odd_cache, odd_cache, torch.zeros(2, 1, dtype=torch.int32),
+                                torch.ones(2, dtype=torch.int32), 1.0)

@@ -36,6 +36,8 @@ def test_a_bfloat16_cpu_model_is_packed_and_its_logits_do_not_change(
     monkeypatch.setattr(onednn, "available", lambda: False)
     plain = load_model(path, dtype=torch.bfloat16).model
     assert packed.linear is onednn.linear and plain.linear is F.linear
+    monkeypatch.undo()
+    assert not packed.pack_for_cpu()  # already packed: a second call changes nothing
 
     logits = []
     for model in (packed, plain):

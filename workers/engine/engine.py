@@ -777,7 +777,8 @@ class Engine:
 
 
 def on_a_passing_thread(fn, /, *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` on a new thread that ends when it returns; its result or error."""
+    """``fn(*args, **kwargs)`` on a new thread that ends when it returns; its result or error.
+    An interrupt while waiting (Ctrl-C) reaches the caller, and the thread runs on to its end."""
     outcome: dict[str, Any] = {}
 
     def run() -> None:
@@ -790,7 +791,7 @@ def on_a_passing_thread(fn, /, *args: Any, **kwargs: Any) -> Any:
     thread.start()
     thread.join()
     if "error" in outcome:
-        raise outcome["error"]
+        raise outcome.pop("error")  # popped: its traceback would otherwise keep ``outcome`` alive
     return outcome["result"]
 
 

@@ -168,7 +168,8 @@ class CausalLM(nn.Module):
         multiply through it from now on (see ``onednn.py``). Call last: packed weights no longer
         move with ``.to()``. Returns whether it packed."""
         if self.embed.device.type != "cpu" or self.embed.dtype != torch.bfloat16 \
-                or self.quantization is not None or not onednn.available():
+                or self.quantization is not None or self.linear is onednn.linear \
+                or not onednn.available():
             return False
         for layer in self.layers:
             for name in LINEAR_WEIGHTS:

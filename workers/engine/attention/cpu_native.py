@@ -122,6 +122,9 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     library = _load()
     if library is None:
         raise RuntimeError("the CPU attention kernel is not available")
+    if not supports(query, k_cache, v_cache):  # past these, the kernel would read out of bounds
+        raise ValueError(f"the CPU attention kernel does not take these tensors (head size "
+                         f"{query.shape[-1]}, {query.dtype}, cache {k_cache.dtype})")
     dtype = query.dtype
     query = query.to(torch.float32).contiguous()
     num_seqs, num_heads, head_dim = query.shape
