@@ -171,11 +171,11 @@ def step_memory_reserve(model: torch.nn.Module, *, max_batched_tokens: int, max_
 class SmallStepThreads:
     """How many CPU threads the smallest steps (single-stream decode) should use, by measurement.
 
-    A one-token step is a chain of small, memory-bound operations; on a small CPU, waking and
-    joining the other threads for each one can cost more than the work they share (measured on
-    a 2-core machine: 55 ms per token on one thread against 64 ms on two). On a big server one
-    core cannot saturate memory bandwidth and the answer flips. So the first small steps
-    alternate between one thread and all of them, and the faster (by best time) is kept.
+    A one-token step is a chain of small, memory-bound operations; waking and joining the other
+    threads for each one can cost more than the work they share, or not: on a 2-core Zen 4 two
+    threads win (14 ms per token), and one thread won (55 against 64 ms) while a second OpenMP
+    pool made the threads sleep between operators (see ``Engine.__init__``). So the first small
+    steps alternate between one thread and all of them, and the faster (by best time) is kept.
     Larger steps always use every thread.
     """
 
