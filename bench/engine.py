@@ -820,6 +820,11 @@ def llama8b_step(torch, args, bandwidth: float, quantization: str | None) -> dic
     floor = weight_bytes / bandwidth
     result = {"weights": quantization or "bfloat16", "weight_bytes_read_per_step": weight_bytes,
               "floor_s": floor}
+    if hasattr(model, "tune_small_batch_linear"):  # as the engine's loader does on a GPU
+        tuned = model.tune_small_batch_linear()
+        if tuned is not None:
+            result["small_batch_linear"] = tuned
+            log_small_batch_linear(tuned)
     runs = [True] if args.skip_eager_reference else [True, False]
     for graphs in runs:
         log(f"  {result['weights']}: batch-1 decode steps, CUDA graphs {'on' if graphs else 'off'}")
@@ -837,6 +842,15 @@ def llama8b_step(torch, args, bandwidth: float, quantization: str | None) -> dic
     del model
     free_cuda(torch)
     return result
+
+
+def log_small_batch_linear(report: dict) -> None:
+    log(f"  small-batch matmul kernel tuned in {report['tune_s']:.1f} s:")
+    for shape, choice in report["shapes"].items():
+        one = choice["timings"].get(1, {})
+        log(f"    {shape:>11s}: kernel up to {choice['max_rows']} rows; at 1 row "
+            f"{one.get('kernel_s', float('nan')) * 1e6:.1f} us vs cuBLAS "
+            f"{one.get('cublas_s', float('nan')) * 1e6:.1f} us; config {choice['config']}")
 
 
 def fp8_problem(torch) -> str | None:
@@ -943,6 +957,9 @@ def main_cuda(args: argparse.Namespace, device: str) -> int:
         "cuda_graph_memory_bytes": stats["cuda_graph_memory_bytes"],
         "device_memory_total": stats["device_memory_total"],
     }
+    linear = engine.loaded.model.linear
+    if hasattr(linear, "report"):
+        report["engine_config"]["small_batch_linear"] = linear.report()
     log(f"  graphs for {len(stats['cuda_graph_batch_sizes'])} batch sizes captured in "
         f"{stats['cuda_graph_capture_s']:.2f} s; KV capacity {stats['kv_capacity_tokens']} tokens")
     prompts = make_prompts(engine.tokenizer, args.requests, args.min_prompt, args.max_prompt,

@@ -125,6 +125,33 @@ def test_a_padded_decode_step_gives_the_real_rows_the_unpadded_logits(tiny, num_
     assert torch.isfinite(padded._forward(bucket)).all()
 
 
+@pytest.mark.parametrize("num_seqs", [1, 3, 8])
+def test_a_decode_step_read_straight_from_the_sequences_matches_the_planned_one(tiny, num_seqs):
+    """``run_decode`` (the runner's path for decode steps) fills the inputs from the sequences
+    themselves: the same rows, padding and logits as the planned ``run``, after a larger step
+    left other rows in the buffers."""
+    runner, seqs = prefilled_runner(tiny, 8)
+    padded = runner.padded_decode()
+    expected = padded.run(decode_step(runner, seqs[:num_seqs])).clone()
+    planned = [t.clone() for t in (padded.input_ids, padded.positions, padded.slot_mapping,
+                                   padded.context_lens)]
+    padded.run(decode_step(runner, seqs))  # all eight rows: stale rows for the smaller step
+    logits = padded.run_decode(seqs[:num_seqs])
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    size = bucket_for(num_seqs, padded.sizes)
+    for mine, theirs in zip((padded.input_ids, padded.positions, padded.slot_mapping,
+                             padded.context_lens), planned):
+        assert torch.equal(mine[:size], theirs[:size])
+    assert padded.block_tables[num_seqs:size, 0].eq(runner.pad_block).all()
+
+
+def test_a_decode_step_past_the_graphs_longest_context_is_left_to_the_eager_path(tiny):
+    runner, seqs = prefilled_runner(tiny, 2)
+    padded = runner.padded_decode()
+    seqs[1].num_computed_tokens = padded.max_blocks * runner.block_size
+    assert padded.run_decode(seqs) is None
+
+
 def interpreted_triton_backend():
     """The Triton backend over a copy of the kernels imported to run in Triton's CPU
     interpreter (the rest of the process keeps its mode)."""

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from workers.engine.sampling import Sampler, SamplingBatch
+from workers.engine.sampling import Sampler, SamplingBatch, argmax_rows, chunked_argmax
 from workers.engine.sequence import InvalidRequestError, SamplingParams, StopStringMatcher
 
 VOCAB = 50
@@ -35,6 +35,24 @@ def test_greedy_takes_the_argmax_of_each_row(logits):
     out = run(logits, [SamplingParams(temperature=0)] * 4)
     assert out.token_ids.tolist() == logits.argmax(-1).tolist()
     assert out.logprobs is None
+
+
+@pytest.mark.parametrize("vocab,chunk", [(1000, 128), (1024, 128), (130, 1024)],
+                         ids=["ragged-last-chunk", "whole-chunks", "one-short-chunk"])
+def test_chunked_argmax_is_argmax_first_index_included(vocab, chunk):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=gen)
+    logits[1, :] = -1e30  # every value tied: the first index
+    logits[2, [3, vocab - 1]] = 100.0  # tied across chunks: the first
+    logits[3, vocab - 1] = 100.0  # in the padded last chunk
+    if vocab > chunk:
+        logits[4, [chunk - 1, chunk]] = 100.0  # tied across a chunk boundary
+    assert torch.equal(chunked_argmax(logits, chunk=chunk), logits.argmax(dim=-1))
+
+
+def test_argmax_rows_keeps_plain_argmax_off_the_gpu():
+    logits = torch.randn(2, 40000)
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
 
 
 def test_temperature_spreads_and_concentrates():

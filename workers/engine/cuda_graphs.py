@@ -64,19 +64,30 @@ class DecodeStep:
 def pad_decode_step(step: DecodeStep, size: int, pad_block: int) -> DecodeStep:
     """``step`` grown to ``size`` rows. An added row holds token 0 at position 0, writes nothing
     (slot -1) and attends over the first position of ``pad_block`` (context length 1)."""
-    n = step.num_seqs
+    width = step.block_tables.shape[1]
+    padded = DecodeStep(np.empty(size, np.int64), np.empty(size, np.int64),
+                        np.empty(size, np.int64), np.empty(size, np.int32),
+                        np.empty((size, width), np.int32))
+    write_padded(step, padded, pad_block)
+    return padded
+
+
+def write_padded(step: DecodeStep, into: DecodeStep, pad_block: int) -> None:
+    """Write ``step`` padded (see ``pad_decode_step``) into the first rows of ``into``'s arrays,
+    as many rows as ``into`` has; block table columns past the step's width are left alone."""
+    n, size = step.num_seqs, into.num_seqs
     if size < n:
         raise ValueError(f"cannot pad a step of {n} sequences to {size} rows")
-    extra = size - n
-
-    def grow(values: np.ndarray, fill) -> np.ndarray:
-        padding = np.full((extra,) + values.shape[1:], fill, dtype=values.dtype)
-        return np.concatenate([values, padding])
-
-    tables = grow(step.block_tables, 0)
-    tables[n:, 0] = pad_block
-    return DecodeStep(grow(step.input_ids, 0), grow(step.positions, 0),
-                      grow(step.slot_mapping, -1), grow(step.context_lens, 1), tables)
+    width = step.block_tables.shape[1]
+    for dst, src, fill in ((into.input_ids, step.input_ids, 0),
+                           (into.positions, step.positions, 0),
+                           (into.slot_mapping, step.slot_mapping, -1),
+                           (into.context_lens, step.context_lens, 1)):
+        dst[:n] = src
+        dst[n:] = fill
+    into.block_tables[:n, :width] = step.block_tables
+    into.block_tables[n:, :width] = 0
+    into.block_tables[n:, 0] = pad_block
 
 
 class DecodeGraphs:
@@ -90,16 +101,29 @@ class DecodeGraphs:
         self.sizes = graph_batch_sizes(max_batch_size)
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // block_size)
+        self.block_size = block_size
         self.pad_block = pad_block
         self.device = torch.device(device)
         rows, dev = self.sizes[-1], self.device
-        # Filled as padding, so that any row a step leaves alone is a valid padded row.
-        self.input_ids = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((rows,), -1, dtype=torch.long, device=dev)
-        self.context_lens = torch.ones(rows, dtype=torch.int32, device=dev)
-        self.block_tables = torch.full((rows, self.max_blocks), pad_block, dtype=torch.int32,
-                                       device=dev)
+        # The inputs share one byte buffer, the per-row fields first and the block tables last,
+        # with a twin in pinned host memory: a step writes its rows into the twin and sends
+        # them over in ONE copy (its rows of the fields and of the tables, a prefix of the
+        # buffer), where five copies from pageable memory each cost the host a staging pass.
+        self._tables_offset = rows * (3 * 8 + 4)
+        nbytes = self._tables_offset + rows * self.max_blocks * 4
+        self._device_bytes = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        self._host_bytes = torch.empty(nbytes, dtype=torch.uint8,
+                                       pin_memory=dev.type == "cuda")
+        self._sent: torch.cuda.Event | None = None  # recorded after the last copy
+        (self.input_ids, self.positions, self.slot_mapping, self.context_lens,
+         self.block_tables) = self._views(self._device_bytes)
+        self._host = DecodeStep(*(t.numpy() for t in self._views(self._host_bytes)))
+        # Filled as padding: the graphs are captured over these rows, writing nothing.
+        all_padding = DecodeStep(*(np.empty((0,) + a.shape[1:], a.dtype)
+                                   for a in vars(self._host).values()))
+        write_padded(all_padding, self._host, pad_block)
+        self._host.block_tables[:] = pad_block
+        self._device_bytes.copy_(self._host_bytes)
         self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # each graph's output, in the graphs' pool
@@ -123,24 +147,68 @@ class DecodeGraphs:
             raise ValueError(f"a decode step of {n} sequences, {step.block_tables.shape[1]} "
                              f"blocks wide, does not fit the graphs (at most {self.sizes[-1]} "
                              f"sequences, {self.max_blocks} blocks)")
-        self._load(pad_decode_step(step, size, self.pad_block))
+        self._wait_for_last_copy()
+        host = self._host
+        write_padded(step, DecodeStep(host.input_ids[:size], host.positions[:size],
+                                      host.slot_mapping[:size], host.context_lens[:size],
+                                      host.block_tables[:size]), self.pad_block)
+        return self._send_and_replay(n, size)
+
+    def run_decode(self, seqs: list) -> torch.Tensor | None:
+        """``run`` for sequences that each take their next token (one new token, the last one
+        they hold), read straight from the sequences into the pinned inputs: this is the host
+        work the GPU waits for between two decode steps, so it is kept to one pass. None when
+        the step does not fit the graphs."""
+        n, bs = len(seqs), self.block_size
+        size = bucket_for(n, self.sizes)
+        if size is None or max(s.num_computed_tokens for s in seqs) // bs >= self.max_blocks:
+            return None
+        self._wait_for_last_copy()
+        host = self._host
+        ids, positions, slots, lens, tables = (host.input_ids, host.positions, host.slot_mapping,
+                                               host.context_lens, host.block_tables)
+        for i, seq in enumerate(seqs):
+            position = seq.num_computed_tokens
+            table = seq.block_table
+            width = position // bs + 1
+            ids[i] = seq.token_ids[position]
+            positions[i] = position
+            slots[i] = table[width - 1] * bs + position % bs
+            lens[i] = position + 1
+            tables[i, :width] = table[:width]
+        if size > n:  # padded rows, as ``pad_decode_step`` makes them
+            ids[n:size], positions[n:size], slots[n:size], lens[n:size] = 0, 0, -1, 1
+            tables[n:size, 0] = self.pad_block
+        return self._send_and_replay(n, size)
+
+    def _views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """input_ids, positions, slot_mapping, context_lens, block_tables over ``buffer``."""
+        rows = self.sizes[-1]
+        int64s = buffer[:rows * 24].view(torch.int64)
+        context_lens = buffer[rows * 24:self._tables_offset].view(torch.int32)
+        tables = buffer[self._tables_offset:].view(torch.int32).view(rows, self.max_blocks)
+        return int64s[:rows], int64s[rows:2 * rows], int64s[2 * rows:], context_lens, tables
+
+    def _wait_for_last_copy(self) -> None:
+        """Before the host buffer is written again: the last copy has read it (long since)."""
+        if self._sent is not None:
+            self._sent.synchronize()
+
+    def _send_and_replay(self, n: int, size: int) -> torch.Tensor:
+        """Send the first ``size`` rows of the host buffer over in one copy, then run the
+        bucket's graph (or, uncaptured, the same padded step eagerly). Block table columns past
+        a row's length keep stale entries, which the attention never reads."""
+        # Every per-row field for all rows (a few KB), then this step's rows of the tables.
+        nbytes = self._tables_offset + size * self.max_blocks * 4
+        self._device_bytes[:nbytes].copy_(self._host_bytes[:nbytes], non_blocking=True)
+        if self.device.type == "cuda":
+            self._sent = torch.cuda.Event()
+            self._sent.record()
         graph = self.graphs.get(size)
         if graph is None:
             return self._forward(size)[:n]
         graph.replay()
         return self.logits[size][:n]
-
-    def _load(self, step: DecodeStep) -> None:
-        size, width = step.block_tables.shape
-        # Asynchronous host-to-device copies: no wait on the GPU per buffer. Columns of the block
-        # tables past ``width`` keep stale entries, which the attention never reads (they lie
-        # beyond every row's context length).
-        for dst, src in ((self.input_ids, step.input_ids), (self.positions, step.positions),
-                         (self.slot_mapping, step.slot_mapping),
-                         (self.context_lens, step.context_lens)):
-            dst[:size].copy_(torch.from_numpy(src), non_blocking=True)
-        self.block_tables[:size, :width].copy_(torch.from_numpy(step.block_tables),
-                                               non_blocking=True)
 
     def _forward(self, size: int) -> torch.Tensor:
         meta = AttentionMetadata(

@@ -86,6 +86,7 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
         model.quantize_weights(quantization, device)
     model = model.to(device).eval()
     model.pack_for_cpu()
+    model.tune_small_batch_linear()
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
 
 

@@ -11,7 +11,8 @@ Two choices are made once, when the model is built, never per call:
   ``fused_kernels`` has the same functions as Triton kernels (the CUDA path; see ``ops_for``).
 - ``linear``: ``F.linear``, or an FP8 matmul once ``quantize_weights`` has stored the layers'
   weights in FP8 (see ``fp8.py``), or oneDNN's once ``pack_for_cpu`` has packed them (bfloat16
-  on the CPU; see ``onednn.py``).
+  on the CPU; see ``onednn.py``), or, on a GPU once ``tune_small_batch_linear`` has measured
+  where it wins, a Triton kernel for decode steps' few rows (see ``small_batch_linear.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fp8, onednn
+from . import fp8, onednn, small_batch_linear
 from .attention import get_backend
 from .attention.base import AttentionBackend, AttentionMetadata
 from .config import ModelConfig, WeightsError
@@ -178,6 +179,22 @@ class CausalLM(nn.Module):
                 setattr(layer, name, onednn.pack(weight))
         self.linear = onednn.linear
         return True
+
+    @torch.no_grad()
+    def tune_small_batch_linear(self) -> dict | None:
+        """On a CUDA GPU in bfloat16 or float16 (not FP8): time the small-batch matmul kernel
+        against cuBLAS on the layers' weights and route decode steps' matmuls to it where it
+        wins. Call after the move to the GPU and before CUDA graphs are captured. Returns what
+        it decided (None where it does not apply)."""
+        if self.embed.device.type != "cuda" or self.quantization is not None \
+                or self.embed.dtype not in small_batch_linear.SUPPORTED_DTYPES:
+            return None
+        linear = small_batch_linear.SmallBatchLinear()
+        linear.tune([[(layer.qkv_proj, layer.qkv_bias), (layer.o_proj, layer.o_bias),
+                      (layer.gate_up_proj, None), (layer.down_proj, None)]
+                     for layer in self.layers])
+        self.linear = linear
+        return linear.report()
 
     def _set_rope_tables(self, inv_freq: torch.Tensor) -> None:
         # Stored in the model's dtype; they follow .to().

@@ -297,9 +297,13 @@ class ModelRunner:
     def launch(self, seqs: list[Sequence], num_new_tokens: list[int]) -> "PendingStep":
         """Start one step: on a GPU it runs on while the caller does other work, until
         ``result()`` waits for it. The sequences' token lists are read here, not later."""
+        graphs = self.decode_graphs
+        if graphs is not None and _each_takes_its_next_token(seqs, num_new_tokens):
+            logits = graphs.run_decode(seqs)  # the lean path of every decode step
+            if logits is not None:
+                return self._sample(seqs, logits)
         plan = self._plan(seqs, num_new_tokens)
         sampled = [seqs[i] for i in plan.sample_index.tolist()]
-        graphs = self.decode_graphs
         if graphs is not None and plan.max_query_len == 1 \
                 and graphs.fits(len(seqs), plan.block_tables.shape[1]):
             logits = graphs.run(DecodeStep(plan.tokens, plan.positions, plan.slots,
@@ -311,6 +315,9 @@ class ModelRunner:
             logits = self._run_eager(plan)
         if not sampled:
             return PendingStep([], None)
+        return self._sample(sampled, logits)
+
+    def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> "PendingStep":
         batch = SamplingBatch.build(
             [s.params for s in sampled], [s.token_ids for s in sampled],
             [s.num_prompt_tokens for s in sampled], vocab_size=logits.shape[-1],
@@ -409,6 +416,12 @@ class _StepPlan:
     max_context_len: int
     sample_index: np.ndarray  # int64: the rows that sample
     last_rows: np.ndarray  # int64: their last token's index in the flattened batch
+
+
+def _each_takes_its_next_token(seqs: list[Sequence], num_new_tokens: list[int]) -> bool:
+    """Whether a step is a pure decode step: one new token per sequence, its last."""
+    return all(n == 1 and s.num_computed_tokens + 1 == s.num_tokens
+               for s, n in zip(seqs, num_new_tokens))
 
 
 def _on(values: np.ndarray, device: torch.device) -> torch.Tensor:

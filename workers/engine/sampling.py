@@ -189,6 +189,27 @@ class HostCopy:
                 packed[:, 2 + k:].tolist())
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)``. On a GPU, a few rows over a large vocabulary go in two stages:
+    PyTorch reduces each row with one thread block, which leaves the GPU idle (27 us for one row
+    of 128k logits on an H100, against a few for the two stages)."""
+    rows, vocab = logits.shape
+    if not logits.is_cuda or rows > 8 or vocab < 32768:
+        return logits.argmax(dim=-1)
+    return chunked_argmax(logits, chunk=1024)
+
+
+def chunked_argmax(logits: torch.Tensor, *, chunk: int) -> torch.Tensor:
+    """The argmax of each row from the maxima of its ``chunk``-wide pieces: the first index of
+    the largest value, as ``argmax`` gives it (the first maximum of the first chunk holding it)."""
+    rows, vocab = logits.shape
+    chunks = -(-vocab // chunk)
+    padded = torch.nn.functional.pad(logits, (0, chunks * chunk - vocab), value=float("-inf"))
+    values, index = padded.view(rows, chunks, chunk).max(dim=-1)
+    best = values.argmax(dim=-1, keepdim=True)
+    return (best * chunk + index.gather(1, best)).squeeze(1)
+
+
 class Sampler:
     def __init__(self, device: torch.device | str = "cpu", seed: int | None = None):
         self.device = torch.device(device)
@@ -206,7 +227,7 @@ class Sampler:
         logprobs = top_ids = top_logprobs = None
         log_probs = torch.log_softmax(logits, dim=-1) if batch.want_logprobs else None
 
-        token_ids = logits.argmax(dim=-1)
+        token_ids = argmax_rows(logits)
         if not batch.all_greedy:
             rows = batch.sampled_rows
             token_ids[rows] = self._draw(logits[rows], batch)
