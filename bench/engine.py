@@ -848,9 +848,9 @@ def log_small_batch_linear(report: dict) -> None:
     log(f"  small-batch matmul kernel tuned in {report['tune_s']:.1f} s:")
     for shape, choice in report["shapes"].items():
         one = choice["timings"].get(1, {})
-        log(f"    {shape:>11s}: kernel up to {choice['max_rows']} rows; at 1 row "
-            f"{one.get('kernel_s', float('nan')) * 1e6:.1f} us vs cuBLAS "
-            f"{one.get('cublas_s', float('nan')) * 1e6:.1f} us; config {choice['config']}")
+        log(f"    {shape:>22s}: kernel up to {choice['max_rows']} rows; at 1 row "
+            f"{one.get('kernel_s', float('nan')) * 1e6:.1f} us vs "
+            f"{one.get('fallback_s', float('nan')) * 1e6:.1f} us; config {choice['config']}")
 
 
 def fp8_problem(torch) -> str | None:

@@ -4,8 +4,8 @@ A decode step is a few dozen small kernels per layer; at small batch sizes launc
 more than running them on a GPU. A graph captured once per bucket replays the whole step (the
 forward pass and the logits) with one launch. A graph replays fixed shapes at fixed addresses, so:
 
-- every input lives in a static buffer sized for the largest bucket; a step copies its rows in and
-  pads the rest of its bucket. Padded rows write no KV (slot -1) and attend over one position of a
+- every input lives in a static buffer sized for the largest bucket; a step writes its rows and
+  pads the rest of its bucket in a pinned host twin of those buffers, then sends them in one copy. Padded rows write no KV (slot -1) and attend over one position of a
   zeroed block kept for them, so they compute finite values that nobody reads;
 - block tables are as wide as the longest sequence the engine allows;
 - the attention is told that longest length (``max_model_len``) instead of the step's, so its

@@ -182,17 +182,19 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def tune_small_batch_linear(self) -> dict | None:
-        """On a CUDA GPU in bfloat16 or float16 (not FP8): time the small-batch matmul kernel
-        against cuBLAS on the layers' weights and route decode steps' matmuls to it where it
-        wins. Call after the move to the GPU and before CUDA graphs are captured. Returns what
-        it decided (None where it does not apply)."""
-        if self.embed.device.type != "cuda" or self.quantization is not None \
+        """On a CUDA GPU in bfloat16 or float16 (FP8 weights too): time the small-batch matmul
+        kernel against the model's matmul on the layers' weights and route decode steps'
+        matmuls to it where it wins. Call after the move to the GPU and before CUDA graphs are
+        captured. Returns what it decided (None where it does not apply)."""
+        if self.embed.device.type != "cuda" \
                 or self.embed.dtype not in small_batch_linear.SUPPORTED_DTYPES:
             return None
-        linear = small_batch_linear.SmallBatchLinear()
+        if isinstance(self.linear, small_batch_linear.SmallBatchLinear):
+            return self.linear.report()  # tuned already
+        linear = small_batch_linear.SmallBatchLinear(fallback=self.linear)
         linear.tune([[(layer.qkv_proj, layer.qkv_bias), (layer.o_proj, layer.o_bias),
                       (layer.gate_up_proj, None), (layer.down_proj, None)]
-                     for layer in self.layers])
+                     for layer in self.layers], activation_dtype=self.embed.dtype)
         self.linear = linear
         return linear.report()
 

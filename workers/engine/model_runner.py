@@ -5,7 +5,9 @@ The step's sequences are flattened into one run of tokens without padding. Index
 array operations plus one short loop over the sequences, never a loop over tokens.
 
 On CUDA, decode steps (one new token per sequence) replay a CUDA graph captured for their
-batch-size bucket (``cuda_graphs.py``); other steps run eagerly. Inputs reach the device through
+batch-size bucket (``cuda_graphs.py``), their inputs written straight from the sequences into
+pinned memory with no planning pass (between two batch-1 steps the GPU waits for exactly this
+host work); other steps run eagerly. Inputs reach the device through
 asynchronous copies and the results come back in one transfer at the end of the step, which
 ``launch`` only starts: the caller works on the previous step's tokens meanwhile.
 """

@@ -11,6 +11,12 @@ Nothing is assumed about which wins where: ``SmallBatchLinear.tune`` times both 
 weights (a CUDA graph of one call per layer, as decode steps replay them), per weight shape and
 per decode batch-size bucket, and a call goes to the kernel only where it measured faster.
 
+FP8 weights (``fp8.Fp8Weight``: e4m3 values and per-channel or per-tensor scales) go through the
+same kernel: it reads the e4m3 values (half the bytes), widens them to the activations' dtype in
+registers and applies the scales to the result. The activations stay as they are, so at decode
+sizes this skips the two kernels per matmul that quantizing them and scaling the result cost the
+``torch._scaled_mm`` path, and is closer to the unquantized model besides.
+
 With ``TRITON_INTERPRET=1`` set while this module is imported, the kernel runs on CPU tensors in
 Triton's interpreter (how the tests check it without a GPU).
 """
@@ -18,18 +24,21 @@ Triton's interpreter (how the tests check it without a GPU).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 # The kernel pads the rows to this (the smallest tile a Triton dot takes): up to it, a call
 # reads each weight once whatever the row count.
 MAX_ROWS = 16
 ROW_BUCKETS = (1, 2, 4, 8, 16)
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)  # of the activations (and unscaled weights)
+FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
 
 # Triton decided at decoration time (at import) whether the kernel is interpreted. The
 # interpreter's dot misreads bfloat16 operands, so interpreted, it multiplies in float32.
@@ -62,18 +71,20 @@ CANDIDATES = (
 
 @triton.jit
 def _small_batch_linear_kernel(
-    x_ptr, w_ptr, bias_ptr, y_ptr,
+    x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr,
     M, N,
     stride_x, stride_w, stride_y,
     K: tl.constexpr,  # a constant: one compile per weight shape, and no masks where it divides
     HAS_BIAS: tl.constexpr,
+    SCALES: tl.constexpr,  # 0: none; 1: one per output column; 2: one for the whole weight
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """y[M, N] = x[M, K] @ w[N, K]^T (+ bias) for M <= BLOCK_M; one program per BLOCK_N columns."""
+    """y[M, N] = x[M, K] @ (w[N, K] * scale)^T (+ bias) for M <= BLOCK_M; one program per
+    BLOCK_N columns. ``w`` may be narrower than ``x`` (FP8): it is widened to x's dtype."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -90,14 +101,18 @@ def _small_batch_linear_kernel(
             k_ok = (k + ks) < K
             x_mask = x_mask & k_ok[None, :]
             w_mask = w_mask & k_ok[None, :]
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(x.dtype)
         if INTERPRETED:  # the interpreter's dot misreads bfloat16 operands
             x = x.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if SCALES == 1:
+        acc *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    elif SCALES == 2:
+        acc *= tl.load(scale_ptr)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + rows[:, None] * stride_y + cols[None, :]
@@ -105,16 +120,26 @@ def _small_batch_linear_kernel(
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       config: TileConfig = CANDIDATES[0]) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for at most ``MAX_ROWS`` rows of ``x`` through the kernel."""
+                       config: TileConfig = CANDIDATES[0], *,
+                       scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight * scale, bias)`` for at most ``MAX_ROWS`` rows of ``x`` through the
+    kernel. ``scale`` (float32, one per output row of ``weight`` or a single one) comes with FP8
+    weights; without it the weight has x's dtype."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply "
                          f"(need x [M, K], weight [N, K])")
     if x.shape[0] > MAX_ROWS:
         raise ValueError(f"small_batch_linear takes at most {MAX_ROWS} rows, got {x.shape[0]}")
-    if x.dtype not in SUPPORTED_DTYPES or weight.dtype != x.dtype:
-        raise ValueError(f"small_batch_linear needs bfloat16 or float16 x and weight of one "
-                         f"dtype, got {x.dtype} and {weight.dtype}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"small_batch_linear needs bfloat16 or float16 x, got {x.dtype}")
+    if weight.dtype != x.dtype and (scale is None or weight.dtype != FP8_DTYPE):
+        raise ValueError(f"small_batch_linear needs a weight of x's dtype ({x.dtype}), or FP8 "
+                         f"with its scales; got {weight.dtype}"
+                         + ("" if scale is not None else " and no scales"))
+    if scale is not None and (scale.dtype != torch.float32
+                              or scale.shape not in ((), (weight.shape[0],))):
+        raise ValueError(f"scales must be float32, one per output ({weight.shape[0]}) or one "
+                         f"in all; got {scale.dtype} {tuple(scale.shape)}")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias {tuple(bias.shape)} does not match {weight.shape[0]} outputs")
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -125,10 +150,11 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if m == 0:
         return y
     _small_batch_linear_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, bias if bias is not None else weight, y,
+        x, weight, scale if scale is not None else y, bias if bias is not None else y, y,
         m, n,
         x.stride(0), weight.stride(0), y.stride(0),
-        K=k, HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0,
+        K=k, HAS_BIAS=bias is not None,
+        SCALES=0 if scale is None else 1 if scale.dim() == 1 else 2, EVEN_K=k % config.block_k == 0,
         BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         INTERPRETED=_INTERPRETED,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -140,39 +166,40 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 class ShapeChoice:
     """What ``tune`` decided for one weight shape."""
 
-    config: TileConfig | None  # the fastest tile configuration; None: cuBLAS everywhere
+    config: TileConfig | None  # the fastest tile configuration; None: the fallback everywhere
     max_rows: int  # the kernel runs calls of up to this many rows (0: none)
-    timings: dict = field(default_factory=dict)  # per bucket: kernel and cuBLAS seconds per call
+    timings: dict = field(default_factory=dict)  # per bucket: kernel and fallback, seconds a call
 
 
 class SmallBatchLinear:
-    """The model's ``linear``: ``F.linear`` unless ``tune`` found the kernel faster for the weight's
-    shape at the call's row count. Untuned, it is ``F.linear``."""
+    """The model's ``linear``: its ``fallback`` (``F.linear``, or the FP8 matmul for FP8 weights)
+    unless ``tune`` found the kernel faster for the weight's shape at the call's row count.
+    Untuned, it is the fallback."""
 
-    def __init__(self) -> None:
-        self.choices: dict[tuple[int, int, torch.dtype], ShapeChoice] = {}
+    def __init__(self, fallback: Callable[..., torch.Tensor] = F.linear) -> None:
+        self.fallback = fallback
+        self.choices: dict[tuple, ShapeChoice] = {}
         self.tune_seconds: float | None = None
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-        choice = self.choices.get((weight.shape[0], weight.shape[1], weight.dtype))
+    def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        choice = self.choices.get(_key(weight))
         if choice is not None and x.dim() == 2 and x.shape[0] <= choice.max_rows:
-            return small_batch_linear(x, weight, bias, choice.config)
-        return F.linear(x, weight, bias)
+            values, scale = _operands(weight)
+            return small_batch_linear(x, values, bias, choice.config, scale=scale)
+        return self.fallback(x, weight, bias)
 
-    def tune(self, layers: list[list[tuple[torch.Tensor, torch.Tensor | None]]], *,
+    def tune(self, layers: list[list[tuple]], *, activation_dtype: torch.dtype,
              candidates: tuple[TileConfig, ...] = CANDIDATES, replays: int = 5) -> None:
         """Decide per weight shape. ``layers[i]`` holds layer i's (weight, bias) pairs, the same
         shapes in the same order in every layer; each timing runs one call per layer, so that
         the weights stream from memory as in a decode step rather than sit in the L2 cache."""
         started = time.perf_counter()
         for column in zip(*layers):
-            weight = column[0][0]
-            key = (weight.shape[0], weight.shape[1], weight.dtype)
-            if key in self.choices or weight.dtype not in SUPPORTED_DTYPES \
-                    or not weight.is_cuda:
+            key = _key(column[0][0])
+            if key in self.choices or not _tunable(column[0][0], activation_dtype):
                 continue
-            self.choices[key] = _tune_shape(list(column), candidates, replays)
+            self.choices[key] = _tune_shape(list(column), candidates, replays,
+                                            activation_dtype, self.fallback)
         self.tune_seconds = time.perf_counter() - started
 
     def report(self) -> dict:
@@ -180,37 +207,64 @@ class SmallBatchLinear:
         return {
             "tune_s": self.tune_seconds,
             "shapes": {
-                f"{n}x{k}": {"config": None if c.config is None else vars(c.config),
-                             "max_rows": c.max_rows, "timings": c.timings}
-                for (n, k, _), c in self.choices.items()},
+                f"{n}x{k}" + ("" if scales is None else f" {dtype} scaled"): {
+                    "config": None if c.config is None else vars(c.config),
+                    "max_rows": c.max_rows, "timings": c.timings}
+                for (n, k, dtype, scales), c in self.choices.items()},
         }
 
 
-def _tune_shape(pairs: list[tuple[torch.Tensor, torch.Tensor | None]],
-                candidates: tuple[TileConfig, ...], replays: int) -> ShapeChoice:
+def _operands(weight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(values, scales or None): an FP8 weight (``fp8.Fp8Weight``) is its e4m3 values and scales."""
+    if isinstance(weight, torch.Tensor):
+        return weight, None
+    return weight.qweight, weight.scale
+
+
+def _key(weight) -> tuple:
+    values, scale = _operands(weight)
+    return (values.shape[0], values.shape[1], str(values.dtype).removeprefix("torch."),
+            None if scale is None else scale.dim())
+
+
+def _tunable(weight, activation_dtype: torch.dtype) -> bool:
+    values, scale = _operands(weight)
+    if not values.is_cuda or activation_dtype not in SUPPORTED_DTYPES:
+        return False
+    return values.dtype == activation_dtype if scale is None else values.dtype == FP8_DTYPE
+
+
+def _tune_shape(pairs: list[tuple], candidates: tuple[TileConfig, ...], replays: int,
+                dtype: torch.dtype, fallback: Callable[..., torch.Tensor]) -> ShapeChoice:
     """The fastest configuration at one row (what the kernel is for), then per bucket whether it
-    beats cuBLAS."""
-    weight = pairs[0][0]
-    k = weight.shape[1]
-    device, dtype = weight.device, weight.dtype
-    x = {rows: torch.randn(rows, k, device=device, dtype=dtype) for rows in ROW_BUCKETS}
+    beats the fallback."""
+    values = _operands(pairs[0][0])[0]
+    x = {rows: torch.randn(rows, values.shape[1], device=values.device, dtype=dtype)
+         for rows in ROW_BUCKETS}
+    operands = [(*_operands(w), b) for w, b in pairs]
 
     def kernel(config, rows):
-        return lambda: [small_batch_linear(x[rows], w, b, config) for w, b in pairs]
+        return lambda: [small_batch_linear(x[rows], v, b, config, scale=s)
+                        for v, s, b in operands]
 
-    def cublas(rows):
-        return lambda: [F.linear(x[rows], w, b) for w, b in pairs]
+    def other(rows):
+        return lambda: [fallback(x[rows], w, b) for w, b in pairs]
 
     best, best_s = None, float("inf")
     for config in candidates:
-        seconds = _time_per_call(kernel(config, 1), len(pairs), replays)
+        try:
+            seconds = _time_per_call(kernel(config, 1), len(pairs), replays)
+        except OutOfResources:  # more shared memory than this GPU has: not a candidate here
+            continue
         if seconds < best_s:
             best, best_s = config, seconds
+    if best is None:
+        return ShapeChoice(config=None, max_rows=0)
     timings, max_rows = {}, 0
     for rows in ROW_BUCKETS:
         ours = best_s if rows == 1 else _time_per_call(kernel(best, rows), len(pairs), replays)
-        theirs = _time_per_call(cublas(rows), len(pairs), replays)
-        timings[rows] = {"kernel_s": ours, "cublas_s": theirs}
+        theirs = _time_per_call(other(rows), len(pairs), replays)
+        timings[rows] = {"kernel_s": ours, "fallback_s": theirs}
         if ours >= theirs:
             break
         max_rows = rows
