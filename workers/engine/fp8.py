@@ -11,7 +11,9 @@ the e4m3 operands are multiplied with float32 accumulation, and both scales appl
 ``fp8_linear`` makes that one ``torch._scaled_mm`` call: on NVIDIA GPUs of compute capability 8.9
 and up (Ada, Hopper), and on CPU where the installed PyTorch has it. For a GPU decode step's few
 rows it calls it with unit scales and applies them in a fused epilogue (``_few_rows_linear``).
-``dequantized_linear`` is the same math in plain float32 matmuls: the fallback where
+Where ``small_batch_linear`` measured faster (see ``CausalLM.tune_small_batch_linear``), a GPU
+decode step's matmul reads the e4m3 weights in that kernel instead, with the activations left
+unquantized. ``dequantized_linear`` is the same math in plain float32 matmuls: the fallback where
 ``_scaled_mm`` is missing, and the reference the tests hold ``fp8_linear`` to. On CPU FP8 is an
 emulation (for tests and accuracy checks), not a speed-up.
 """
