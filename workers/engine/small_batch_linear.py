@@ -2,8 +2,9 @@
 
 A decode step multiplies a handful of rows by each weight matrix, so its matmuls are reads of the
 weights: a good one keeps every SM streaming them. cuBLAS chooses its tiles for larger products
-and for some decode shapes leaves most SMs idle (measured on an H100: a Llama-3-8B ``o_proj``,
-4096 x 4096 at batch 1, ran at 44% of the copy bandwidth on 64 tiles). The kernel here gives each
+and for some decode shapes leaves SMs idle (measured on an H100: a Llama-3-8B ``o_proj``,
+4096 x 4096 at batch 1, took 20.7 us in a decode step, 54% of the copy bandwidth, on 64 tiles
+for 132 SMs; this kernel takes 14). The kernel here gives each
 program a narrow band of output columns and streams that band's weight rows through the
 pipeline, so even a square weight makes one or two programs per SM.
 
