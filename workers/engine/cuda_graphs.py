@@ -5,8 +5,9 @@ more than running them on a GPU. A graph captured once per bucket replays the wh
 forward pass and the logits) with one launch. A graph replays fixed shapes at fixed addresses, so:
 
 - every input lives in a static buffer sized for the largest bucket; a step writes its rows and
-  pads the rest of its bucket in a pinned host twin of those buffers, then sends them in one copy. Padded rows write no KV (slot -1) and attend over one position of a
-  zeroed block kept for them, so they compute finite values that nobody reads;
+  pads the rest of its bucket in a pinned host twin of those buffers, then sends them in one
+  copy. Padded rows write no KV (slot -1) and attend over one position of a zeroed block kept
+  for them, so they compute finite values that nobody reads;
 - block tables are as wide as the longest sequence the engine allows;
 - the attention is told that longest length (``max_model_len``) instead of the step's, so its
   launch grid is the same on every replay; the decode kernel reads each row's true length from
@@ -67,27 +68,32 @@ def pad_decode_step(step: DecodeStep, size: int, pad_block: int) -> DecodeStep:
     width = step.block_tables.shape[1]
     padded = DecodeStep(np.empty(size, np.int64), np.empty(size, np.int64),
                         np.empty(size, np.int64), np.empty(size, np.int32),
-                        np.empty((size, width), np.int32))
+                        np.zeros((size, width), np.int32))
     write_padded(step, padded, pad_block)
     return padded
 
 
 def write_padded(step: DecodeStep, into: DecodeStep, pad_block: int) -> None:
-    """Write ``step`` padded (see ``pad_decode_step``) into the first rows of ``into``'s arrays,
-    as many rows as ``into`` has; block table columns past the step's width are left alone."""
+    """Write ``step`` into the first rows of ``into``'s arrays and make the rest of them padding
+    rows (see ``pad_decode_step``); block table columns past the step's width are left alone."""
     n, size = step.num_seqs, into.num_seqs
     if size < n:
         raise ValueError(f"cannot pad a step of {n} sequences to {size} rows")
-    width = step.block_tables.shape[1]
-    for dst, src, fill in ((into.input_ids, step.input_ids, 0),
-                           (into.positions, step.positions, 0),
-                           (into.slot_mapping, step.slot_mapping, -1),
-                           (into.context_lens, step.context_lens, 1)):
-        dst[:n] = src
-        dst[n:] = fill
-    into.block_tables[:n, :width] = step.block_tables
-    into.block_tables[n:, :width] = 0
-    into.block_tables[n:, 0] = pad_block
+    into.input_ids[:n] = step.input_ids
+    into.positions[:n] = step.positions
+    into.slot_mapping[:n] = step.slot_mapping
+    into.context_lens[:n] = step.context_lens
+    into.block_tables[:n, :step.block_tables.shape[1]] = step.block_tables
+    pad_rows(into, n, size, pad_block)
+
+
+def pad_rows(into: DecodeStep, start: int, stop: int, pad_block: int) -> None:
+    """Make rows ``start:stop`` of ``into``'s arrays padding rows (see ``pad_decode_step``)."""
+    into.input_ids[start:stop] = 0
+    into.positions[start:stop] = 0
+    into.slot_mapping[start:stop] = -1
+    into.context_lens[start:stop] = 1
+    into.block_tables[start:stop, 0] = pad_block
 
 
 class DecodeGraphs:
@@ -119,10 +125,8 @@ class DecodeGraphs:
          self.block_tables) = self._views(self._device_bytes)
         self._host = DecodeStep(*(t.numpy() for t in self._views(self._host_bytes)))
         # Filled as padding: the graphs are captured over these rows, writing nothing.
-        all_padding = DecodeStep(*(np.empty((0,) + a.shape[1:], a.dtype)
-                                   for a in vars(self._host).values()))
-        write_padded(all_padding, self._host, pad_block)
         self._host.block_tables[:] = pad_block
+        pad_rows(self._host, 0, rows, pad_block)
         self._device_bytes.copy_(self._host_bytes)
         self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -176,9 +180,8 @@ class DecodeGraphs:
             slots[i] = table[width - 1] * bs + position % bs
             lens[i] = position + 1
             tables[i, :width] = table[:width]
-        if size > n:  # padded rows, as ``pad_decode_step`` makes them
-            ids[n:size], positions[n:size], slots[n:size], lens[n:size] = 0, 0, -1, 1
-            tables[n:size, 0] = self.pad_block
+        if size > n:
+            pad_rows(host, n, size, self.pad_block)
         return self._send_and_replay(n, size)
 
     def _views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
