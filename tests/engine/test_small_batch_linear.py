@@ -125,6 +125,7 @@ def test_routing_sends_only_tuned_shapes_and_row_counts_to_the_kernel(monkeypatc
         x = torch.randn(rows, 64)
         assert torch.allclose(linear(x, w), F.linear(x, w))
     linear(torch.randn(1, 64), other)  # a shape tune did not choose: cuBLAS
+    linear(torch.randn(MAX_ROWS + 1, 64), w)  # more rows than the kernel takes: cuBLAS
     assert calls == [(1, config), (4, config)]
     assert linear.report()["shapes"]["32x64"]["max_rows"] == 4
 

@@ -183,8 +183,10 @@ class SmallBatchLinear:
         self.tune_seconds: float | None = None
 
     def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[0] > MAX_ROWS:  # a prefill: no key to look up
+            return self.fallback(x, weight, bias)
         choice = self.choices.get(_key(weight))
-        if choice is not None and x.dim() == 2 and x.shape[0] <= choice.max_rows:
+        if choice is not None and x.shape[0] <= choice.max_rows:
             values, scale = _operands(weight)
             return small_batch_linear(x, values, bias, choice.config, scale=scale)
         return self.fallback(x, weight, bias)
@@ -208,7 +210,8 @@ class SmallBatchLinear:
         return {
             "tune_s": self.tune_seconds,
             "shapes": {
-                f"{n}x{k}" + ("" if scales is None else f" {dtype} scaled"): {
+                f"{n}x{k}" + ("" if scales is None
+                              else f" {str(dtype).removeprefix('torch.')} scaled"): {
                     "config": None if c.config is None else vars(c.config),
                     "max_rows": c.max_rows, "timings": c.timings}
                 for (n, k, dtype, scales), c in self.choices.items()},
@@ -224,8 +227,7 @@ def _operands(weight) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def _key(weight) -> tuple:
     values, scale = _operands(weight)
-    return (values.shape[0], values.shape[1], str(values.dtype).removeprefix("torch."),
-            None if scale is None else scale.dim())
+    return values.shape[0], values.shape[1], values.dtype, None if scale is None else scale.dim()
 
 
 def _tunable(weight, activation_dtype: torch.dtype) -> bool:
