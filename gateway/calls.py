@@ -128,7 +128,8 @@ class Call:
         }
 
     async def _receive(self, timeout: float) -> dict:
-        return await asyncio.wait_for(get_channel_layer().receive(self.reply_channel), timeout)
+        async with asyncio.timeout(timeout):  # not wait_for: no task per token
+            return await get_channel_layer().receive(self.reply_channel)
 
     async def start(self) -> None:
         """Wait for a worker to accept and the engine to admit the request; raise ApiError if not."""

@@ -99,7 +99,7 @@ CACHES = {
 }
 CHANNEL_LAYERS = {
     "default": {
-        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "BACKEND": "inference_platform.channel_layer.RedisChannelLayer",
         # The socket timeout must outlast channels_redis's 5 s blocking pops (redis-py's default is 5 s).
         "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}], "capacity": 1000, "expiry": 120},
     }
