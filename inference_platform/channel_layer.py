@@ -2,25 +2,28 @@
 
 Every streamed token is one message on a gateway process's reply channel. channels_redis moves
 each message on its own: four Redis round trips to send it, three or four to receive it, and a
-turn of its receive lock among every coroutine waiting in that process. That cost about as much
-CPU per token as a decode step of the bundled model on a 2-core machine. Here:
+turn of its receive lock among the coroutines waiting in that process. With 32 streams on a
+2-core machine that was 1.5-2 ms of the gateway's CPU per token. Here:
 
 - ``send`` to a process-specific channel queues the message; the messages queued when the event
   loop turns go out in one script call that does channels_redis's steps for each (drop expired
   messages, refuse a full channel with ``ChannelFull``, add, refresh the expiry).
-- ``receive`` on a process-specific channel waits on that channel's own queue; one reader per
-  process pops what has arrived for all of them in one call and sorts it into those queues. A
-  popped batch is kept in a backup key until it is sorted, as channels_redis keeps each message,
-  so a reader cancelled mid-pop loses nothing: the next one puts the backup back first.
+- ``receive`` on a process-specific channel waits for that channel's messages; one reader per
+  process pops what has arrived for all its channels in one call and sorts it. A popped batch
+  stays in a backup key until it is sorted, as channels_redis keeps each message, so a reader
+  cancelled mid-pop loses nothing: the next one puts the batch back first. Messages for a channel
+  nobody asks for within the expiry are dropped, as Redis drops them unread.
 
 The keys, the wire format and the capacity and expiry rules are channels_redis's, so either side
-can be plain channels_redis. Group and general channels are left to it unchanged.
+can be plain channels_redis (``group_send`` to these channels included). Other channels are left
+to it unchanged. As with channels_redis, one event loop at a time receives on a layer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 import weakref
 from collections import deque
@@ -28,6 +31,8 @@ from dataclasses import dataclass, field
 
 from channels.exceptions import ChannelFull
 from channels_redis.core import RedisChannelLayer as BaseRedisChannelLayer
+
+log = logging.getLogger(__name__)
 
 # KEYS: the channels' keys. ARGV: expired-before cutoff, expiry, then per message its score, its
 # payload and its channel's capacity. Returns the 1-based positions of the messages refused.
@@ -46,21 +51,25 @@ for i, key in ipairs(KEYS) do
 end
 return full
 """
-# KEYS: the channel, its backup. ARGV: how many. Pops the oldest messages into the backup (after
-# putting back any a cancelled reader left there) and returns them, oldest first.
+# KEYS: the channel, its backup. ARGV: how many, whether the backup's batch was handed out, the
+# expiry. A batch not handed out (its reader was cancelled before sorting it) goes back first;
+# then the oldest messages move to the backup until they are sorted, and are returned, oldest first.
 POP_SCRIPT = """
-local left = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
-for i = 1, #left, 2 do
-    redis.call('ZADD', KEYS[1], left[i + 1], left[i])
+if ARGV[2] == '0' then
+    local left = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
+    for i = 1, #left, 2 do
+        redis.call('ZADD', KEYS[1], left[i + 1], left[i])
+    end
 end
-local popped = redis.call('ZPOPMIN', KEYS[1], tonumber(ARGV[1]))
 redis.call('DEL', KEYS[2])
-for i = 1, #popped, 2 do
-    redis.call('ZADD', KEYS[2], popped[i + 1], popped[i])
-end
+local popped = redis.call('ZPOPMIN', KEYS[1], tonumber(ARGV[1]))
 local members = {}
 for i = 1, #popped, 2 do
+    redis.call('ZADD', KEYS[2], popped[i + 1], popped[i])
     members[#members + 1] = popped[i]
+end
+if #members > 0 then
+    redis.call('EXPIRE', KEYS[2], tonumber(ARGV[3]))
 end
 return members
 """
@@ -70,10 +79,12 @@ RECEIVE_BATCH = 256
 
 @dataclass(eq=False)
 class _LoopState:
-    """What one event loop has going on this layer (channels_redis's pools are per loop, too)."""
+    """What one event loop has going on this layer (channels_redis's pools are per loop, too).
+    The messages received are the layer's, not a loop's: a loop that ends (``async_to_sync``)
+    leaves them to the next."""
 
-    outgoing: list = field(default_factory=list)  # (channel, message, future) not sent yet
-    inboxes: dict = field(default_factory=dict)  # channel -> _Inbox of its received messages
+    outgoing: list = field(default_factory=list)  # (channel, payload, capacity, future) not sent yet
+    waiters: dict = field(default_factory=dict)  # channel -> futures of the receivers waiting on it
     waiting: int = 0  # receivers waiting now
     reader: asyncio.Task | None = None
     last_score: dict = field(default_factory=dict)  # channel -> score of its last message sent
@@ -83,6 +94,8 @@ class RedisChannelLayer(BaseRedisChannelLayer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._inboxes: dict[str, _Inbox] = {}  # channel -> messages received, not yet taken
+        self._backup_handed_out = False  # the backup's batch reached the inboxes: drop, not restore
         self._scripts: dict = {}  # (loop, host index, script) -> registered script
         self.send_calls = 0  # script calls made to send (how well sends batch)
         self.receive_calls = 0  # pops made to receive
@@ -110,9 +123,10 @@ class RedisChannelLayer(BaseRedisChannelLayer):
         assert isinstance(message, dict), "message is not a dict"
         assert self.require_valid_channel_name(channel), "Channel name not valid"
         assert "__asgi_channel__" not in message
+        payload = self.serialize({**message, "__asgi_channel__": channel})  # its own error, not the batch's
         state = self._state()
         done = asyncio.get_running_loop().create_future()
-        state.outgoing.append((channel, message, done))
+        state.outgoing.append((channel, payload, self.get_capacity(channel), done))
         if len(state.outgoing) == 1:  # the first one waiting sends for all who join it this turn
             asyncio.get_running_loop().call_soon(self._send_outgoing, state)
         await done
@@ -130,11 +144,11 @@ class RedisChannelLayer(BaseRedisChannelLayer):
             try:
                 full = await self._run_send_script(state, index, items)
             except Exception as exc:
-                for _, _, done in items:
+                for *_, done in items:
                     if not done.done():
                         done.set_exception(exc)
                 continue
-            for position, (channel, _, done) in enumerate(items, start=1):
+            for position, (channel, _, _, done) in enumerate(items, start=1):
                 if done.done():
                     continue  # its sender was cancelled; the message went out all the same
                 if position in full:
@@ -145,10 +159,9 @@ class RedisChannelLayer(BaseRedisChannelLayer):
     async def _run_send_script(self, state: _LoopState, index: int, items: list) -> set[int]:
         now = time.time()
         keys, args = [], [int(now) - int(self.expiry), int(self.expiry)]
-        for channel, message, _ in items:
+        for channel, payload, capacity, _ in items:
             keys.append(self.prefix + self.non_local_name(channel))
-            args += [repr(self._score(state, channel, now)), self.serialize({**message, "__asgi_channel__": channel}),
-                     self.get_capacity(channel)]
+            args += [repr(self._score(state, channel, now)), payload, capacity]
         self.send_calls += 1
         return set(await self._script(index, SEND_SCRIPT)(keys=keys, args=args))
 
@@ -161,6 +174,11 @@ class RedisChannelLayer(BaseRedisChannelLayer):
             state.last_score = {c: s for c, s in state.last_score.items() if s > now - 1.0}
         return score
 
+    async def flush(self):
+        self._inboxes.clear()
+        self._backup_handed_out = False
+        await super().flush()
+
     # -- receiving -------------------------------------------------------------------------------
 
     async def receive(self, channel):
@@ -170,26 +188,27 @@ class RedisChannelLayer(BaseRedisChannelLayer):
         process_channel = self.non_local_name(channel)
         assert process_channel.endswith(self.client_prefix + "!"), "Wrong client prefix"
         state = self._state()
-        inbox = state.inboxes.get(channel)
+        inbox = self._inboxes.get(channel)
         if inbox is None:
-            inbox = state.inboxes[channel] = _Inbox()
+            inbox = self._inboxes[channel] = _Inbox()
+        inbox.touched = time.monotonic()
         while not inbox.messages:
             if state.reader is None or state.reader.done():  # its end is reported a turn later
                 state.reader = asyncio.ensure_future(self._read(state, process_channel))
                 state.reader.add_done_callback(functools.partial(_reader_ended, state))
             waiter = asyncio.get_running_loop().create_future()
-            inbox.waiters.append(waiter)
+            state.waiters.setdefault(channel, []).append(waiter)
             state.waiting += 1
             try:
                 await waiter  # set when a message arrives, or the reader's error
             finally:
                 state.waiting -= 1
                 inbox.touched = time.monotonic()
-                if waiter in inbox.waiters:
-                    inbox.waiters.remove(waiter)
+                _discard_waiter(state, channel, waiter)
+            inbox = self._inboxes.setdefault(channel, inbox)  # dropped as abandoned meanwhile?
         message = inbox.messages.popleft()  # no await since the check: nobody else took it
-        if not inbox.messages and not inbox.waiters:
-            state.inboxes.pop(channel, None)
+        if not inbox.messages and channel not in state.waiters:
+            self._inboxes.pop(channel, None)
         return message
 
     async def _read(self, state: _LoopState, process_channel: str) -> None:
@@ -200,7 +219,10 @@ class RedisChannelLayer(BaseRedisChannelLayer):
         pop = self._script(index, POP_SCRIPT)
         while state.waiting:
             self.receive_calls += 1
-            members = await pop(keys=[key, backup], args=[RECEIVE_BATCH])
+            # Cleared before the call: a reader cancelled during it must not have the next one
+            # drop a batch that this call may have popped and never sorted.
+            handed_out, self._backup_handed_out = self._backup_handed_out, False
+            members = await pop(keys=[key, backup], args=[RECEIVE_BATCH, int(handed_out), int(self.expiry)])
             if not members:
                 # Nothing there: block until something is, and keep it in the backup until it
                 # is sorted, as channels_redis does.
@@ -212,51 +234,68 @@ class RedisChannelLayer(BaseRedisChannelLayer):
                 await self.connection(index).zadd(backup, {member: float(score)})
                 members = [member]
             for member in members:
-                message = self.deserialize(member)
-                channel = message.pop("__asgi_channel__", process_channel)
-                inbox = state.inboxes.get(channel)
-                if inbox is None:
-                    inbox = state.inboxes[channel] = _Inbox()
-                inbox.put(message)
-            await self.connection(index).delete(backup)
+                self._sort(state, process_channel, member)
+            self._backup_handed_out = True  # the next pop drops the backup instead of restoring it
             self._drop_abandoned(state)
+            # Let the receivers just served run before counting who still waits: otherwise the
+            # reader blocks in Redis for nobody (and an ending loop waits for it).
+            await asyncio.sleep(0)
+
+    def _sort(self, state: _LoopState, process_channel: str, member: bytes) -> None:
+        try:
+            message = self.deserialize(member)
+        except Exception:
+            message = None
+        if not isinstance(message, dict):  # one bad message must not block those behind it
+            log.error("dropped a message on %s that is not a channel layer message", process_channel)
+            return
+        target = message.pop("__asgi_channel__", process_channel)
+        group = isinstance(target, list)  # group_send names every channel of the process it reaches
+        for channel in target if group else [target]:
+            inbox = self._inboxes.get(channel)
+            if inbox is None:
+                inbox = self._inboxes[channel] = _Inbox()
+            inbox.messages.append(dict(message) if group else message)
+            for waiter in state.waiters.pop(channel, ()):
+                if not waiter.done():
+                    waiter.set_result(None)
 
     def _drop_abandoned(self, state: _LoopState) -> None:
-        """Messages nobody has asked for within the layer's expiry are dropped, as Redis would
-        drop them unread (the last tokens sent to a client that left)."""
+        """Messages for a channel nobody has asked for within the layer's expiry are dropped, as
+        Redis would drop them unread (the last tokens sent to a client that left)."""
         cutoff = time.monotonic() - self.expiry
-        for channel, inbox in list(state.inboxes.items()):
-            if not inbox.waiters and inbox.touched < cutoff:
-                del state.inboxes[channel]
+        for channel, inbox in list(self._inboxes.items()):
+            if channel not in state.waiters and inbox.touched < cutoff:
+                del self._inboxes[channel]
 
 
 class _Inbox:
-    """One channel's received messages, and the receivers waiting for them."""
+    """One channel's received messages, not yet taken."""
 
-    __slots__ = ("messages", "waiters", "touched")
+    __slots__ = ("messages", "touched")
 
     def __init__(self):
         self.messages: deque = deque()
-        self.waiters: list[asyncio.Future] = []
-        self.touched = time.monotonic()
+        self.touched = time.monotonic()  # when a receiver last asked for this channel
 
-    def put(self, message: dict) -> None:
-        self.messages.append(message)
-        for waiter in self.waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-        self.waiters.clear()
+
+def _discard_waiter(state: _LoopState, channel: str, waiter: asyncio.Future) -> None:
+    waiters = state.waiters.get(channel)
+    if waiters and waiter in waiters:
+        waiters.remove(waiter)
+        if not waiters:
+            del state.waiters[channel]
 
 
 def _reader_ended(state: _LoopState, reader: asyncio.Task) -> None:
     """A reader that failed fails its waiting receivers (the next receive starts another)."""
     if state.reader is reader:
         state.reader = None
-    error = None if reader.cancelled() else reader.exception()
-    if error is None and not reader.cancelled():
+    if not reader.cancelled() and reader.exception() is None:
         return
-    for inbox in state.inboxes.values():
-        for waiter in inbox.waiters:
+    error = ConnectionError("the channel layer's reader was cancelled") if reader.cancelled() else reader.exception()
+    for waiters in state.waiters.values():
+        for waiter in waiters:
             if not waiter.done():
-                waiter.set_exception(error or ConnectionError("the channel layer's reader was cancelled"))
-        inbox.waiters.clear()
+                waiter.set_exception(error)
+    state.waiters.clear()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import redis
@@ -148,3 +149,69 @@ def test_redis_being_down_fails_senders_and_receivers_instead_of_hanging():
             await asyncio.wait_for(layer.receive(channel), 20)
 
     async_to_sync(scenario)()
+
+
+def test_a_stream_that_never_waits_keeps_its_backlog_past_the_expiry():
+    # A slow client: its messages are always there when it asks, for longer than the expiry.
+    gateway, worker = _layer(expiry=1), _layer(expiry=1)
+
+    async def scenario():
+        channel, other = await gateway.new_channel(), await gateway.new_channel()
+        for n in range(4):
+            await worker.send(channel, {"n": n})
+        got = [(await gateway.receive(channel))["n"]]  # the reader sorts all four at once
+        for _ in range(3):
+            await asyncio.sleep(0.6)
+            await worker.send(other, {"n": "other"})  # the reader runs again, dropping what it may
+            await gateway.receive(other)
+            got.append((await gateway.receive(channel))["n"])
+        return got
+
+    assert async_to_sync(scenario)() == [0, 1, 2, 3]
+
+
+def test_messages_sorted_in_one_event_loop_are_received_in_the_next():
+    gateway, worker = _layer(), _layer()
+    channel = async_to_sync(gateway.new_channel)()
+    for n in range(3):
+        async_to_sync(worker.send)(channel, {"n": n})
+    # One loop per call, as in sync code: the first call's reader sorts all three.
+    assert [async_to_sync(gateway.receive)(channel)["n"] for _ in range(3)] == [0, 1, 2]
+
+
+def test_group_messages_and_unreadable_ones_do_not_block_the_others():
+    gateway, plain = _layer(), _layer(PlainLayer)
+
+    async def scenario():
+        first, second = await gateway.new_channel(), await gateway.new_channel()
+        await plain.group_add("watchers", first)
+        await plain.group_add("watchers", second)
+        await plain.group_send("watchers", {"type": "status", "state": "ready"})
+        key = gateway.prefix + gateway.non_local_name(first)
+        connection = gateway.connection(gateway.consistent_hash(first))
+        await connection.zadd(key, {b"not a message": time.time()})
+        await plain.send(first, {"type": "after"})
+        received = [await asyncio.wait_for(gateway.receive(first), 5) for _ in range(2)]
+        received.append(await asyncio.wait_for(gateway.receive(second), 5))
+        await plain.group_discard("watchers", first)
+        await plain.group_discard("watchers", second)
+        return received
+
+    assert async_to_sync(scenario)() == [{"type": "status", "state": "ready"}, {"type": "after"},
+                                         {"type": "status", "state": "ready"}]
+
+
+def test_a_batch_handed_out_is_not_received_again_by_the_next_reader():
+    gateway, worker = _layer(), _layer()
+    channel = async_to_sync(gateway.new_channel)()
+
+    async def first_loop():
+        await worker.send(channel, {"n": 0})
+        return (await gateway.receive(channel))["n"]
+
+    async def second_loop():  # a new reader, with the first one's batch still in the backup
+        await worker.send(channel, {"n": 1})
+        return (await asyncio.wait_for(gateway.receive(channel), 5))["n"]
+
+    assert async_to_sync(first_loop)() == 0
+    assert async_to_sync(second_loop)() == 1
