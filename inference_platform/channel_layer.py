@@ -87,6 +87,7 @@ class _LoopState:
     waiters: dict = field(default_factory=dict)  # channel -> futures of the receivers waiting on it
     waiting: int = 0  # receivers waiting now
     reader: asyncio.Task | None = None
+    sending: set = field(default_factory=set)  # batches in flight (the loop holds tasks weakly)
     last_score: dict = field(default_factory=dict)  # channel -> score of its last message sent
 
 
@@ -134,7 +135,9 @@ class RedisChannelLayer(BaseRedisChannelLayer):
     def _send_outgoing(self, state: _LoopState) -> None:
         batch, state.outgoing = state.outgoing, []
         for start in range(0, len(batch), SEND_BATCH):
-            asyncio.ensure_future(self._send_batch(state, batch[start:start + SEND_BATCH]))
+            task = asyncio.ensure_future(self._send_batch(state, batch[start:start + SEND_BATCH]))
+            state.sending.add(task)
+            task.add_done_callback(state.sending.discard)
 
     async def _send_batch(self, state: _LoopState, batch: list) -> None:
         by_host: dict[int, list] = {}
@@ -205,7 +208,7 @@ class RedisChannelLayer(BaseRedisChannelLayer):
                 state.waiting -= 1
                 inbox.touched = time.monotonic()
                 _discard_waiter(state, channel, waiter)
-            inbox = self._inboxes.setdefault(channel, inbox)  # dropped as abandoned meanwhile?
+            inbox = self._inboxes.setdefault(channel, inbox)  # flush() may have cleared it meanwhile
         message = inbox.messages.popleft()  # no await since the check: nobody else took it
         if not inbox.messages and channel not in state.waiters:
             self._inboxes.pop(channel, None)
