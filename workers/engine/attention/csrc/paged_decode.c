@@ -90,6 +90,29 @@ static inline void softmax(float *row, int n, float peak) {
     for (int t = 0; t < n; t++) row[t] *= norm;
 }
 
+/* Blocks are read this many ahead of use: the hardware prefetchers follow a stream within a block
+ * but not the jump to the next one, which the block table decides. Measured on a Zen 4 (64
+ * sequences of ~384 tokens, 30 layers' caches, far larger than the caches): a pass over the
+ * bfloat16 cache took 29 ms with no software prefetch, 22 ms one block ahead, 19 ms two or three
+ * ahead, 21-22 ms four or six ahead. */
+#define PREFETCH_AHEAD 2
+
+/* Ask for one head's rows of a block's tokens (row_bytes each, stride_bytes apart). */
+static inline void prefetch_block(const void *base, int tokens, int64_t stride_bytes, int row_bytes) {
+    const char *p = (const char *)base;
+    for (int t = 0; t < tokens; t++, p += stride_bytes)
+        for (int b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + b, 0, 0);
+}
+
+/* The block `ahead` blocks past the one starting at token t0, if the context reaches it. */
+#define PREFETCH(cache, t0, ahead)                                                                 \
+    do {                                                                                           \
+        if ((t0) + (ahead) * block_size < context)                                                 \
+            prefetch_block((cache) + (int64_t)table[(t0) / block_size + (ahead)] * block_size     \
+                           * token_stride, block_size, token_stride * (int64_t)sizeof(*(cache)),   \
+                           head_dim * (int)sizeof(*(cache)));                                      \
+    } while (0)
+
 /* The dispatch's calls, in the scope of paged_decode_NAME's loop. */
 #define ATTEND_HEADS(NAME, VECTORS, HEADS)                                                         \
     attend_heads_##NAME(q, k, v, table, n, out + at, rows, block_size, token_stride, scale,       \
@@ -114,12 +137,16 @@ static inline __attribute__((always_inline)) void attend_head_##NAME(           
         const float *q, const ELEM *k_cache, const ELEM *v_cache, const int32_t *table,           \
         int context, float *o, float *row, int block_size, int64_t token_stride, float scale,     \
         const int vectors) {                                                                       \
+    const int head_dim = vectors * LANES;                                                          \
     vfloat qv[MAX_VECTORS], acc[MAX_VECTORS];                                                      \
     for (int c = 0; c < vectors; c++) qv[c] = load_f32(q + c * LANES) * scale;                    \
     float peak = -INFINITY;                                                                        \
+    for (int b = 1; b < PREFETCH_AHEAD; b++) PREFETCH(k_cache, 0, b);                              \
+    for (int b = 0; b < PREFETCH_AHEAD; b++) PREFETCH(v_cache, 0, b);                              \
     for (int t0 = 0; t0 < context; t0 += block_size) {                                             \
         const ELEM *k = k_cache + (int64_t)table[t0 / block_size] * block_size * token_stride;    \
         const int end = context - t0 < block_size ? context - t0 : block_size;                     \
+        PREFETCH(k_cache, t0, PREFETCH_AHEAD);                                                   \
         for (int t = 0; t < end; t++, k += token_stride) {                                         \
             vfloat dot = qv[0] * LOAD(k);                                                          \
             for (int c = 1; c < vectors; c++) dot += qv[c] * LOAD(k + c * LANES);                  \
@@ -133,6 +160,7 @@ static inline __attribute__((always_inline)) void attend_head_##NAME(           
     for (int t0 = 0; t0 < context; t0 += block_size) {                                             \
         const ELEM *v = v_cache + (int64_t)table[t0 / block_size] * block_size * token_stride;    \
         const int end = context - t0 < block_size ? context - t0 : block_size;                     \
+        PREFETCH(v_cache, t0, PREFETCH_AHEAD);                                                   \
         for (int t = 0; t < end; t++, v += token_stride) {                                         \
             const float p = row[t0 + t];                                                           \
             for (int c = 0; c < vectors; c++) acc[c] += p * LOAD(v + c * LANES);                   \
@@ -153,9 +181,12 @@ static inline __attribute__((always_inline)) void attend_heads_##NAME(          
         for (int c = 0; c < vectors; c++)                                                          \
             qv[j][c] = load_f32(q + j * head_dim + c * LANES) * scale;                             \
     }                                                                                              \
+    for (int b = 1; b < PREFETCH_AHEAD; b++) PREFETCH(k_cache, 0, b);                              \
+    for (int b = 0; b < PREFETCH_AHEAD; b++) PREFETCH(v_cache, 0, b);                              \
     for (int t0 = 0; t0 < context; t0 += block_size) {                                             \
         const ELEM *k = k_cache + (int64_t)table[t0 / block_size] * block_size * token_stride;    \
         const int end = context - t0 < block_size ? context - t0 : block_size;                     \
+        PREFETCH(k_cache, t0, PREFETCH_AHEAD);                                                   \
         for (int t = 0; t < end; t++, k += token_stride) {                                         \
             for (int c = 0; c < vectors; c++) kv[c] = LOAD(k + c * LANES);                         \
             for (int j = 0; j < heads; j++) {                                                      \
@@ -174,6 +205,7 @@ static inline __attribute__((always_inline)) void attend_heads_##NAME(          
     for (int t0 = 0; t0 < context; t0 += block_size) {                                             \
         const ELEM *v = v_cache + (int64_t)table[t0 / block_size] * block_size * token_stride;    \
         const int end = context - t0 < block_size ? context - t0 : block_size;                     \
+        PREFETCH(v_cache, t0, PREFETCH_AHEAD);                                                   \
         for (int t = 0; t < end; t++, v += token_stride) {                                         \
             for (int c = 0; c < vectors; c++) kv[c] = LOAD(v + c * LANES);                         \
             for (int j = 0; j < heads; j++) {                                                      \
