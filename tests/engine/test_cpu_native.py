@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from workers.engine.attention import cpu_native
-from workers.engine.attention.torch_backend import _decode_gathered
+from workers.engine.attention.torch_backend import _decode_gathered, _extend_one
 
 
 def random_decode_case(*, num_seqs, num_heads, num_kv_heads, head_dim, block_size, seed):
@@ -123,3 +123,122 @@ def test_other_dtypes_and_layouts_are_not_its_case():
     with pytest.raises(ValueError, match="head size 72"):
         cpu_native.paged_decode(odd, odd_cache, odd_cache, torch.zeros(2, 1, dtype=torch.int32),
                                 torch.ones(2, dtype=torch.int32), 1.0)
+
+
+# --------------------------------------------------------------------------- the prefill kernel
+
+needs_prefill_kernel = pytest.mark.skipif(
+    not cpu_native.prefill_available(), reason="the prefill kernel needs a CPU with AVX-512 BF16")
+
+
+def random_prefill_case(*, q_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size,
+                        seed):
+    """A flattened batch in bfloat16, with NaN in every cache slot past a context, and the query
+    a slice of a fused projection, as the model hands it in."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-n // block_size) for n in context_lens)
+    num_blocks = len(q_lens) * width + 1
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).bfloat16()
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).bfloat16()
+    k_cache[-1] = float("nan")
+    v_cache[-1] = float("nan")
+    tables = torch.randperm(num_blocks - 1, generator=g)[: len(q_lens) * width]
+    tables = tables.view(len(q_lens), width).int()
+    for s, n in enumerate(context_lens):  # slots past a context: NaN, as an earlier owner may leave
+        tables[s, -(-n // block_size):] = num_blocks - 1
+        last = tables[s, (n - 1) // block_size]
+        k_cache[last, (n - 1) % block_size + 1:] = float("nan")
+        v_cache[last, (n - 1) % block_size + 1:] = float("nan")
+    fused = torch.randn(sum(q_lens), num_heads + 2 * num_kv_heads, head_dim, generator=g).bfloat16()
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return fused[:, :num_heads], k_cache, v_cache, tables, starts, torch.tensor(context_lens, dtype=torch.int32)
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 64, 16), (14, 2, 64, 16), (2, 1, 256, 16)])
+def test_the_prefill_kernel_matches_per_sequence_attention(num_heads, num_kv_heads, head_dim,
+                                                           block_size):
+    # Whole prompts, a prompt after a cached prefix, a decode row (left alone), a two-token
+    # chunk, and lengths that end mid-block and mid-tile.
+    q_lens, context_lens = [37, 1, 200, 70, 2], [37, 90, 250, 70, 33]
+    query, k_cache, v_cache, tables, starts, lens = random_prefill_case(
+        q_lens=q_lens, context_lens=context_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, block_size=block_size, seed=head_dim + num_heads)
+    scale = head_dim ** -0.5
+    out = torch.full(query.shape, 7.0, dtype=torch.bfloat16)
+    cpu_native.paged_prefill(query, k_cache, v_cache, tables, starts, lens, scale, out)
+    for s, (n, start) in enumerate(zip(q_lens, starts.tolist())):
+        got = out[start:start + n].float()
+        if n == 1:
+            assert (got == 7.0).all()  # the decode kernel's row: not written
+            continue
+        # The same bfloat16 inputs in float32 (the torch path): the kernel's products differ
+        # by the rounding of its probabilities to bfloat16, and the output by its own.
+        expected = _extend_one(query[start:start + n].float(), k_cache.float(), v_cache.float(),
+                               tables[s], context_lens[s], scale)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+@needs_prefill_kernel
+def test_the_backend_takes_prefill_rows_to_the_kernel_and_decode_rows_to_the_decode_kernel(
+        monkeypatch):
+    from workers.engine.attention.base import AttentionMetadata
+    from workers.engine.attention.torch_backend import TorchBackend
+
+    q_lens, context_lens = [40, 1, 17, 1], [40, 60, 50, 9]
+    query, k_cache, v_cache, tables, starts, lens = random_prefill_case(
+        q_lens=q_lens, context_lens=context_lens, num_heads=9, num_kv_heads=3, head_dim=64,
+        block_size=16, seed=3)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), block_tables=tables,
+                             context_lens=lens, query_start_loc=starts, max_query_len=40,
+                             max_context_len=60)
+    calls = []
+    kernel = cpu_native.paged_prefill
+    monkeypatch.setattr(cpu_native, "paged_prefill", lambda *a: calls.append(1) or kernel(*a))
+    native = TorchBackend().attend(query, k_cache, v_cache, meta, 0.125)
+    monkeypatch.setattr(cpu_native, "prefill_available", lambda: False)
+    reference = TorchBackend().attend(query, k_cache, v_cache, meta, 0.125)
+    assert calls == [1]  # one call for the whole batch, and only where the kernel is available
+    torch.testing.assert_close(native.float(), reference.float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_prefill_kernel
+def test_the_prefill_kernel_gives_the_same_answer_on_one_thread_and_many():
+    query, k_cache, v_cache, tables, starts, lens = random_prefill_case(
+        q_lens=[130, 64], context_lens=[130, 100], num_heads=8, num_kv_heads=2, head_dim=64,
+        block_size=16, seed=5)
+    outputs = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, max(3, threads)):
+            torch.set_num_threads(count)
+            out = torch.empty(query.shape, dtype=torch.bfloat16)
+            cpu_native.paged_prefill(query, k_cache, v_cache, tables, starts, lens, 0.125, out)
+            outputs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(*outputs)
+
+
+def test_the_prefill_kernel_refuses_what_it_does_not_take():
+    query = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(3, 16, 1, 64, dtype=torch.bfloat16)
+    assert cpu_native.prefill_supports(query, cache, cache)
+    assert not cpu_native.prefill_supports(query.float(), cache.float(), cache.float())
+    assert not cpu_native.prefill_supports(query, cache[:, :8].contiguous(), cache[:, :8].contiguous())
+    assert not cpu_native.prefill_supports(torch.zeros(4, 2, 48, dtype=torch.bfloat16),
+                                           torch.zeros(3, 16, 1, 48, dtype=torch.bfloat16),
+                                           torch.zeros(3, 16, 1, 48, dtype=torch.bfloat16))
+    if cpu_native.prefill_available():
+        with pytest.raises(ValueError, match="block size 8"):
+            cpu_native.paged_prefill(query, cache[:, :8].contiguous(), cache[:, :8].contiguous(),
+                                     torch.zeros(1, 1, dtype=torch.int32),
+                                     torch.tensor([0, 4], dtype=torch.int32),
+                                     torch.tensor([4], dtype=torch.int32), 1.0, torch.empty_like(query))
+    else:
+        with pytest.raises(RuntimeError, match="not available"):
+            cpu_native.paged_prefill(query, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+                                     torch.tensor([0, 4], dtype=torch.int32),
+                                     torch.tensor([4], dtype=torch.int32), 1.0, torch.empty_like(query))

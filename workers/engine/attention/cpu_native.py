@@ -1,11 +1,13 @@
-"""The CPU decode-attention kernel in ``csrc/paged_decode.c``: built on first use, called through ctypes.
+"""The CPU attention kernels in ``csrc/``: built on first use, called through ctypes.
 
-The kernel is plain C99 plus OpenMP pragmas, with no headers beyond libc, so the system C
-compiler (the one Triton needs on GPU workers anyway) builds it in well under a second. The library is cached per source,
-flags and CPU, so later processes only load it. Without a compiler, or with
+``paged_decode.c`` (one new token per sequence) is plain C99 plus OpenMP pragmas; ``paged_prefill.c``
+(several new tokens per sequence) uses the AVX-512 BF16 instructions where the CPU has them and
+builds to a stub elsewhere (``prefill_available()`` says which). The system C compiler (the one
+Triton needs on GPU workers anyway) builds both in about a second. The library is cached per
+source, flags and CPU, so later processes only load it. Without a compiler, or with
 ``ENGINE_NATIVE_KERNELS=0``, ``available()`` is False and the caller keeps its PyTorch path.
 
-The kernel parallelises itself with OpenMP, on the runtime (and so the threads) PyTorch uses;
+The kernels parallelise themselves with OpenMP, on the runtime (and so the threads) PyTorch uses;
 ctypes releases the GIL for the call.
 """
 
@@ -27,7 +29,7 @@ from ..cpuinfo import cpuinfo_field
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "paged_prefill.c")]
 # Vectorised float reductions need reassociation; full -ffast-math would also assume no
 # infinities, which the softmax's running maximum starts from.
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
@@ -56,9 +58,9 @@ def _cpu_signature() -> str:
 
 def _build() -> Path:
     compiler = os.environ.get("CC", "cc")
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_signature()])
-                         .encode()).hexdigest()[:16]
-    target = cache_dir() / f"paged_decode-{key}.so"
+    texts = [source.read_text() for source in SOURCES]
+    key = hashlib.sha256("\0".join([*texts, compiler, *FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"attention-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -66,7 +68,7 @@ def _build() -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE), "-lm"], check=True,
+        subprocess.run([compiler, *FLAGS, "-o", partial, *map(str, SOURCES), "-lm"], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(partial, target)
     finally:
@@ -97,6 +99,10 @@ def _load() -> ctypes.CDLL | None:
             fn.argtypes = [ptr, ptr, ptr, ptr, num, ptr, ptr, num, num, num, num, num, num,
                            ctypes.c_float]
             fn.restype = ctypes.c_int
+        library.paged_prefill_bf16.argtypes = [ptr, ctypes.c_int64, ptr, ptr, ptr, num, ptr, ptr, ptr,
+                                               num, num, num, num, num, ctypes.c_float]
+        library.paged_prefill_bf16.restype = ctypes.c_int
+        library.paged_prefill_supported.restype = ctypes.c_int
         _library = library
         return library
 
@@ -141,3 +147,48 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if kernel(*args, num_seqs, int(lens.max()), *shape):
         raise MemoryError("the CPU attention kernel could not allocate its score buffer")
     return out.to(dtype)
+
+
+def prefill_available() -> bool:
+    """Whether the prefill kernel was built for real (the CPU has AVX-512 BF16)."""
+    library = _load()
+    return library is not None and bool(library.paged_prefill_supported())
+
+
+def prefill_supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether these tensors are the prefill kernel's case: all bfloat16 on the CPU, the caches
+    contiguous, each token's query heads contiguous, a head size that 32 divides (up to 256) and
+    blocks of a multiple of 16 tokens."""
+    head_dim = query.shape[-1]
+    return head_dim % 32 == 0 and head_dim <= 256 and k_cache.shape[1] % 16 == 0 \
+        and all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in (query, k_cache, v_cache)) \
+        and k_cache.is_contiguous() and v_cache.is_contiguous() \
+        and query.stride(2) == 1 and query.stride(1) == head_dim
+
+
+def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                  context_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """Causal attention of each sequence's new tokens (more than one) over its cached context,
+    written into ``out`` [T, H, D]; the rows of sequences with one new token are left alone."""
+    if not prefill_available():
+        raise RuntimeError("the CPU prefill attention kernel is not available on this CPU")
+    if not prefill_supports(query, k_cache, v_cache) or out.dtype != torch.bfloat16 \
+            or not out.is_contiguous() or out.shape != query.shape:
+        raise ValueError(f"the CPU prefill attention kernel does not take these tensors (head size "
+                         f"{query.shape[-1]}, {query.dtype}, cache {k_cache.dtype}, block size "
+                         f"{k_cache.shape[1]})")
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    tables = block_tables.to(torch.int32).contiguous()
+    starts = query_start_loc.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    status = _load().paged_prefill_bf16(
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        tables.shape[1], starts.data_ptr(), lens.data_ptr(), out.data_ptr(), lens.shape[0], num_heads,
+        num_kv_heads, head_dim, block_size, float(scale))
+    if status == -1:
+        raise MemoryError("the CPU prefill attention kernel could not allocate its scratch")
+    if status:
+        raise ValueError("the CPU prefill attention kernel refused these shapes")
+

@@ -4,8 +4,9 @@ Decode rows (one new token per sequence) are the hot path at large batch sizes, 
 together: on the CPU by the C kernel of ``cpu_native``, which reads the blocks where they lie;
 otherwise (CUDA, or no C compiler) by one gather of every sequence's blocks through the block
 table and one masked batched grouped-query attention. Rows with several new tokens (prefill,
-chunked prefill, extend after a prefix-cache hit) are compute-bound and done one sequence at a
-time with a causal mask whose diagonal is shifted by the cached prefix.
+chunked prefill, extend after a prefix-cache hit) are compute-bound: in bfloat16 on a CPU with
+AVX-512 BF16, the C kernel of ``cpu_native`` takes them all in one call; otherwise they are done
+one sequence at a time with a causal mask whose diagonal is shifted by the cached prefix.
 """
 
 from __future__ import annotations
@@ -52,7 +53,12 @@ class TorchBackend:
             return _decode(query, k_cache, v_cache, meta.block_tables, meta.context_lens,
                            meta.max_context_len, scale)
 
-        out = torch.empty_like(query)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        native_prefill = cpu_native.prefill_supports(query, k_cache, v_cache) \
+            and cpu_native.prefill_available()
+        if native_prefill:  # every row of more than one new token, in one call
+            cpu_native.paged_prefill(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                     meta.context_lens, scale, out)
         starts = meta.query_start_loc.tolist()
         q_lens = [starts[i + 1] - starts[i] for i in range(meta.num_seqs)]
         decode_rows = [i for i, n in enumerate(q_lens) if n == 1]
@@ -64,6 +70,8 @@ class TorchBackend:
             out[token_index] = _decode(query[token_index], k_cache, v_cache,
                                        meta.block_tables[rows.to(meta.block_tables.device)],
                                        ctx, int(ctx.max()), scale)
+        if native_prefill:
+            return out
         context_lens = meta.context_lens.tolist()
         for i, q_len in enumerate(q_lens):
             if q_len <= 1:
