@@ -266,10 +266,13 @@ def test_kernels_compile_for_hopper_without_fma_and_with_round_to_nearest(monkey
 
 
 def test_the_ops_are_chosen_by_device(tiny_model_dir):
-    assert ops_for("cpu") is TorchOps
+    from workers.engine.cpu_ops import CpuOps
+
+    assert ops_for("cpu") is CpuOps  # C ops for bfloat16, TorchOps for anything else
+    assert issubclass(CpuOps, TorchOps)
     assert ops_for("cuda") is fused_kernels
     assert ops_for(torch.device("cuda", 1)) is fused_kernels
-    assert load_model(tiny_model_dir("llama")).model.ops is TorchOps
+    assert load_model(tiny_model_dir("llama")).model.ops is CpuOps
 
 
 def run_mixed_steps(paged_runner, model, seed=0):

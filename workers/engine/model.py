@@ -7,8 +7,9 @@ tables precomputed, so a decode step is a short, fixed list of large operations.
 
 Two choices are made once, when the model is built, never per call:
 - ``ops``: the elementwise ops (RMSNorm, residual add + RMSNorm, RoPE, SiLU-and-multiply).
-  ``TorchOps`` below is plain PyTorch and matches transformers exactly (the CPU path);
-  ``fused_kernels`` has the same functions as Triton kernels (the CUDA path; see ``ops_for``).
+  ``TorchOps`` below is plain PyTorch and matches transformers exactly (the float32 CPU path);
+  ``fused_kernels`` has the same functions as Triton kernels (the CUDA path) and ``cpu_ops`` as
+  C ones (a bfloat16 model on the CPU; see ``ops_for``).
 - ``linear``: ``F.linear``, or an FP8 matmul once ``quantize_weights`` has stored the layers'
   weights in FP8 (see ``fp8.py``), or oneDNN's once ``pack_for_cpu`` has packed them (bfloat16
   on the CPU; see ``onednn.py``), or, on a GPU once ``tune_small_batch_linear`` has measured
@@ -275,12 +276,18 @@ class TorchOps:
 
 
 def ops_for(device: torch.device | str) -> type[TorchOps] | ModuleType:
-    """The elementwise ops for a model that runs on ``device``: fused Triton kernels on CUDA,
-    plain PyTorch elsewhere (the path checked against transformers)."""
-    if torch.device(device).type == "cuda":
+    """The elementwise ops for a model that runs on ``device``: fused Triton kernels on CUDA, C
+    ones on the CPU for bfloat16 (float32 keeps plain PyTorch, the path checked against
+    transformers), plain PyTorch elsewhere."""
+    kind = torch.device(device).type
+    if kind == "cuda":
         from . import fused_kernels
 
         return fused_kernels
+    if kind == "cpu":
+        from .cpu_ops import CpuOps
+
+        return CpuOps
     return TorchOps
 
 

@@ -2,7 +2,8 @@
 
 ``paged_decode.c`` (one new token per sequence) is plain C99 plus OpenMP pragmas; ``paged_prefill.c``
 (several new tokens per sequence) uses the AVX-512 BF16 instructions where the CPU has them and
-builds to a stub elsewhere (``prefill_available()`` says which). The system C compiler (the one
+builds to a stub elsewhere (``prefill_available()`` says which); ``fused_ops.c`` has the
+decoder's elementwise ops for a bfloat16 model (used by ``workers.engine.cpu_ops``). The system C compiler (the one
 Triton needs on GPU workers anyway) builds both in about a second. The library is cached per
 source, flags and CPU, so later processes only load it. Without a compiler, or with
 ``ENGINE_NATIVE_KERNELS=0``, ``available()`` is False and the caller keeps its PyTorch path.
@@ -29,7 +30,8 @@ from ..cpuinfo import cpuinfo_field
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "paged_prefill.c")]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "paged_prefill.c",
+                                                                      "fused_ops.c")]
 # Vectorised float reductions need reassociation; full -ffast-math would also assume no
 # infinities, which the softmax's running maximum starts from.
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
@@ -103,6 +105,11 @@ def _load() -> ctypes.CDLL | None:
                                                num, num, num, num, num, ctypes.c_float]
         library.paged_prefill_bf16.restype = ctypes.c_int
         library.paged_prefill_supported.restype = ctypes.c_int
+        library.add_rms_norm_bf16.argtypes = [ptr, ptr, ptr, ptr, num, num, ctypes.c_float]
+        library.rope_bf16.argtypes = [ptr, ctypes.c_int64, num, num, num, ptr, ptr]
+        library.silu_and_mul_bf16.argtypes = [ptr, ptr, num, num]
+        for fn in (library.add_rms_norm_bf16, library.rope_bf16, library.silu_and_mul_bf16):
+            fn.restype = None
         _library = library
         return library
 
