@@ -60,7 +60,8 @@ def _cpu_signature() -> str:
 
 def _build() -> Path:
     compiler = os.environ.get("CC", "cc")
-    texts = [source.read_text() for source in SOURCES]
+    # Every file of csrc/, headers included: a change to any of them is a new library.
+    texts = [path.read_text() for path in sorted(SOURCES[0].parent.iterdir())]
     key = hashlib.sha256("\0".join([*texts, compiler, *FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"attention-{key}.so"
     if target.exists():

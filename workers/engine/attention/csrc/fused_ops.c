@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fast_exp.h"
+
 #define PARALLEL_ELEMENTS 65536
 
 static inline float widen(uint16_t h) {
@@ -33,22 +35,7 @@ static inline uint16_t narrow(float f) {
 
 static inline float round_bf16(float f) { return widen(narrow(f)); }
 
-/* e^x, within 2 ulp over float32's range (Cody-Waite reduction, Cephes' polynomial): plain
- * arithmetic, so the loops around it vectorise. */
-static inline float exp_any(float x) {
-    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const union { int32_t bits; float value; } two_to_n = { .bits = ((int32_t)n + 127) << 23 };
-    return p * two_to_n.value;
-}
+static inline float exp_clamped(float x) { return fast_exp(x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x); }
 
 /* out = weight * RMSNorm(r) per row, where r = residual + x (rounded) is also written back to
  * residual; with residual NULL, r = x. Rows of `dim` elements. */
@@ -105,7 +92,7 @@ void silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int inn
         uint16_t *o = out + (int64_t)row * inner;
         for (int i = 0; i < inner; i++) {
             const float x = widen(g[i]);
-            o[i] = narrow(round_bf16(x / (1.0f + exp_any(-x))) * widen(u[i]));
+            o[i] = narrow(round_bf16(x / (1.0f + exp_clamped(-x))) * widen(u[i]));
         }
     }
 }

@@ -43,7 +43,7 @@
 
 int paged_prefill_supported(void) { return 1; }
 
-/* e^x for x <= 0 (Cody-Waite reduction and Cephes' polynomial, as in paged_decode.c). */
+/* e^x for x <= 0: fast_exp.h's arithmetic on 16 lanes. */
 static inline __m512 exp_nonpositive_v(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     const __m512 n = _mm512_roundscale_ps(
