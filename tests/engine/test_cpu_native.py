@@ -242,3 +242,24 @@ def test_the_prefill_kernel_refuses_what_it_does_not_take():
             cpu_native.paged_prefill(query, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
                                      torch.tensor([0, 4], dtype=torch.int32),
                                      torch.tensor([4], dtype=torch.int32), 1.0, torch.empty_like(query))
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("change,problem", [
+    (dict(starts=[0, 40]), "does not lie within the query"),  # 8 rows past the query's 32
+    (dict(lens=[20]), "shorter than its new tokens"),
+    (dict(lens=[80]), "longer than its block table"),
+    (dict(tables=[[0, 9]]), "outside the cache"),
+    (dict(head_dim=32), "do not fit together"),
+])
+def test_the_prefill_kernel_refuses_metadata_that_would_take_it_out_of_bounds(change, problem):
+    head_dim = change.get("head_dim", 64)
+    query = torch.zeros(32, 2, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(3, 16, 1, head_dim, dtype=torch.bfloat16)
+    tables = torch.tensor(change.get("tables", [[0, 1]]), dtype=torch.int32)
+    starts = torch.tensor(change.get("starts", [0, 32]), dtype=torch.int32)
+    lens = torch.tensor(change.get("lens", [32]), dtype=torch.int32)
+    out = torch.full(query.shape, 3.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=problem):
+        cpu_native.paged_prefill(query, cache, cache, tables, starts, lens, 1.0, out)
+    assert (out == 3.0).all()

@@ -51,6 +51,7 @@ class CpuOps(TorchOps):
         library = _library(cos, sin)
         if library is None or qk.dtype != torch.bfloat16 or qk.device.type != "cpu" \
                 or qk.stride(2) != 1 or qk.stride(1) != head_dim or head_dim % 2 \
+                or (tokens > 1 and qk.stride(0) < heads * head_dim) \
                 or cos.shape != (tokens, head_dim) or sin.shape != cos.shape:
             return TorchOps.apply_rope(qk, cos, sin)
         library.rope_bf16(qk.data_ptr(), qk.stride(0), tokens, heads, head_dim, cos.data_ptr(),

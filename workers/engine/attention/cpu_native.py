@@ -60,9 +60,12 @@ def _cpu_signature() -> str:
 
 def _build() -> Path:
     compiler = os.environ.get("CC", "cc")
-    # Every file of csrc/, headers included: a change to any of them is a new library.
-    texts = [path.read_text() for path in sorted(SOURCES[0].parent.iterdir())]
-    key = hashlib.sha256("\0".join([*texts, compiler, *FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
+    # Every source and header of csrc/: a change to any of them is a new library.
+    digest = hashlib.sha256()
+    for path in sorted([*SOURCES[0].parent.glob("*.c"), *SOURCES[0].parent.glob("*.h")]):
+        digest.update(path.read_bytes() + b"\0")
+    digest.update("\0".join([compiler, *FLAGS, _cpu_signature()]).encode())
+    key = digest.hexdigest()[:16]
     target = cache_dir() / f"attention-{key}.so"
     if target.exists():
         return target
@@ -191,6 +194,7 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     tables = block_tables.to(torch.int32).contiguous()
     starts = query_start_loc.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
+    _check_prefill_metadata(query, k_cache, v_cache, tables, starts, lens)
     status = _load().paged_prefill_bf16(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         tables.shape[1], starts.data_ptr(), lens.data_ptr(), out.data_ptr(), lens.shape[0], num_heads,
@@ -200,3 +204,25 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if status:
         raise ValueError("the CPU prefill attention kernel refused these shapes")
 
+
+
+def _check_prefill_metadata(query, k_cache, v_cache, tables, starts, lens) -> None:
+    """What the kernel trusts, checked in O(sequences): past these it would read or write out of
+    bounds, or attend a row to nothing."""
+    num_seqs = lens.shape[0]
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    q_lens = starts[1:] - starts[:-1] if starts.shape[0] == num_seqs + 1 else None
+    problem = None
+    if v_cache.shape != k_cache.shape or head_dim != query.shape[2] \
+            or query.shape[1] % num_kv_heads:
+        problem = "the caches and the query do not fit together"
+    elif q_lens is None or tables.dim() != 2 or tables.shape[0] < num_seqs:
+        problem = "query_start_loc, context_lens and block_tables do not describe the same sequences"
+    elif num_seqs and (int(starts[0]) != 0 or int(starts[-1]) > query.shape[0] or bool((q_lens < 0).any())):
+        problem = "query_start_loc does not lie within the query"
+    elif num_seqs and (bool((lens < q_lens).any()) or int(lens.max()) > tables.shape[1] * block_size):
+        problem = "a context is shorter than its new tokens or longer than its block table"
+    elif tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
+        problem = "a block table names a block outside the cache"
+    if problem:
+        raise ValueError(f"the CPU prefill attention kernel refused its metadata: {problem}")

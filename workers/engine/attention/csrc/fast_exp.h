@@ -9,7 +9,9 @@
 
 static inline float fast_exp(float x) {
     const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    /* Fused multiply-adds: written as plain arithmetic, -fassociative-math may reorder the two
+     * steps and lose the reduction's extra precision. */
+    const float r = fmaf(n, 2.12194440e-4f, fmaf(-n, 0.693359375f, x));
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;

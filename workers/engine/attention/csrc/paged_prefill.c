@@ -45,7 +45,7 @@ int paged_prefill_supported(void) { return 1; }
 
 /* e^x for x <= 0: fast_exp.h's arithmetic on 16 lanes. */
 static inline __m512 exp_nonpositive_v(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x); /* in this order a NaN stays NaN */
     const __m512 n = _mm512_roundscale_ps(
         _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
