@@ -3,9 +3,10 @@
 ``paged_decode.c`` (one new token per sequence) is plain C99 plus OpenMP pragmas; ``paged_prefill.c``
 (several new tokens per sequence) uses the AVX-512 BF16 instructions where the CPU has them and
 builds to a stub elsewhere (``prefill_available()`` says which); ``fused_ops.c`` has the
-decoder's elementwise ops for a bfloat16 model (used by ``workers.engine.cpu_ops``). The system C compiler (the one
-Triton needs on GPU workers anyway) builds both in about a second. The library is cached per
-source, flags and CPU, so later processes only load it. Without a compiler, or with
+decoder's elementwise ops for a bfloat16 model (used by ``workers.engine.cpu_ops``). The
+system C compiler (the one Triton needs on GPU workers anyway) builds them into one library in
+a second or two. The library is cached per source, flags and CPU, so later processes only load
+it. Without a compiler, or with
 ``ENGINE_NATIVE_KERNELS=0``, ``available()`` is False and the caller keeps its PyTorch path.
 
 The kernels parallelise themselves with OpenMP, on the runtime (and so the threads) PyTorch uses;
@@ -30,8 +31,7 @@ from ..cpuinfo import cpuinfo_field
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "paged_prefill.c",
-                                                                      "fused_ops.c")]
+CSRC = Path(__file__).with_name("csrc")  # every .c file in it goes into the one library
 # Vectorised float reductions need reassociation; full -ffast-math would also assume no
 # infinities, which the softmax's running maximum starts from.
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
@@ -60,9 +60,10 @@ def _cpu_signature() -> str:
 
 def _build() -> Path:
     compiler = os.environ.get("CC", "cc")
-    # Every source and header of csrc/: a change to any of them is a new library.
+    sources = sorted(CSRC.glob("*.c"))
+    # Headers too: a change to any file is a new library.
     digest = hashlib.sha256()
-    for path in sorted([*SOURCES[0].parent.glob("*.c"), *SOURCES[0].parent.glob("*.h")]):
+    for path in sorted([*sources, *CSRC.glob("*.h")]):
         digest.update(path.read_bytes() + b"\0")
     digest.update("\0".join([compiler, *FLAGS, _cpu_signature()]).encode())
     key = digest.hexdigest()[:16]
@@ -74,7 +75,7 @@ def _build() -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", partial, *map(str, SOURCES), "-lm"], check=True,
+        subprocess.run([compiler, *FLAGS, "-o", partial, *map(str, sources), "-lm"], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(partial, target)
     finally:
@@ -203,7 +204,6 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         raise MemoryError("the CPU prefill attention kernel could not allocate its scratch")
     if status:
         raise ValueError("the CPU prefill attention kernel refused these shapes")
-
 
 
 def _check_prefill_metadata(query, k_cache, v_cache, tables, starts, lens) -> None:
