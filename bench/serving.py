@@ -13,8 +13,12 @@ stack's p50 TTFT minus the engine's own p50 TTFT at the same concurrency; both i
 engine's batch window, so it cancels out. Where the platform's share goes: each stack level also
 reports the p50 of the time to the response headers (sent once the engine accepted the request)
 and of each stage of the gateway's ``Server-Timing`` header (auth, admit, dispatch, queue, load),
-and ``arrival_spread_ms``: how far apart the first and the last request of the level reached the
-engine (a spread longer than the batch window splits a burst over several prefills). Writes
+``arrival_spread_ms``: how far apart the first and the last request of the level reached the
+engine (a spread longer than the batch window splits a burst over several prefills), and
+``cpu_ms_per_output_token``: the CPU time each part of the stack (web, worker, redis, beat, the
+benchmark's own client) used per output token, to set against the engine's own figure in the
+direct run: on a machine whose cores the engine keeps busy, that difference is what the
+platform costs. Writes
 bench/results/serving-cpu.json and a PNG plot (matplotlib, from the `bench` extra:
 pip install -e '.[bench]'). Not part of the tests.
 
@@ -122,6 +126,49 @@ class Stack:
     def stop(self):
         self.proc.send_signal(signal.SIGINT)
         self.proc.wait(timeout=60)
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) each part of the stack has used so far, by role."""
+        clock = os.sysconf("SC_CLK_TCK")
+        used: dict[str, float] = {}
+        for pid in _descendants(self.proc.pid):
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue  # it ended meanwhile
+            role = _role(command)
+            used[role] = used.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / clock
+        return used
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += children.get(pid, [])
+    return found
+
+
+def _role(command: str) -> str:
+    for role, marker in (("redis", "redis-server"), ("web", "uvicorn"), ("worker", " worker "), ("beat", " beat ")):
+        if marker in command:
+            return role
+    return "supervisor"
+
+
+def cpu_ms_per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float]:
+    """CPU milliseconds per output token, per role, over a level."""
+    return {role: round((after[role] - before.get(role, 0.0)) * 1000 / max(tokens, 1), 3)
+            for role in sorted(after)}
 
 
 async def stream_once(client, base: str, key: str, prompt: str, max_tokens: int) -> dict:
@@ -246,8 +293,13 @@ def main(argv=None) -> int:
         base = f"http://127.0.0.1:{args.port}"
         asyncio.run(run_stack_level(base, key, texts, 1, 1, 4))  # warm-up
         for clients in levels:
+            before, client_before = stack.cpu_seconds(), time.process_time()
             samples, wall = asyncio.run(run_stack_level(base, key, texts, clients, args.rounds, args.max_tokens))
-            rows.append({"concurrency": clients, "stack": summarize(samples, wall), "platform": platform_share(samples)})
+            summary = summarize(samples, wall)
+            cpu = cpu_ms_per_token(before, stack.cpu_seconds(), summary["output_tokens"])
+            cpu["bench_client"] = round((time.process_time() - client_before) * 1000 / summary["output_tokens"], 3)
+            rows.append({"concurrency": clients, "stack": summary,
+                         "platform": {**platform_share(samples), "cpu_ms_per_output_token": cpu}})
             print(f"  stack  {clients:>3} clients: {rows[-1]['stack']['output_tokens_per_s']:8.1f} tok/s, "
                   f"p50 TTFT {rows[-1]['stack']['ttft_ms_p50']} ms; {rows[-1]['platform']}", flush=True)
     finally:
@@ -261,8 +313,11 @@ def main(argv=None) -> int:
     try:
         run_engine_level(engine, texts, 1, 1, 4)  # warm-up
         for row in rows:
+            cpu_before = time.process_time()
             samples, wall = run_engine_level(engine, texts, row["concurrency"], args.rounds, args.max_tokens)
             row["engine"] = summarize(samples, wall)
+            row["engine"]["cpu_ms_per_output_token"] = round(
+                (time.process_time() - cpu_before) * 1000 / row["engine"]["output_tokens"], 3)
             row["throughput_ratio"] = round(row["stack"]["output_tokens_per_s"] / row["engine"]["output_tokens_per_s"], 3)
             row["added_ttft_p50_ms"] = round(row["stack"]["ttft_ms_p50"] - row["engine"]["ttft_ms_p50"], 2)
             print(f"  engine {row['concurrency']:>3} clients: {row['engine']['output_tokens_per_s']:8.1f} tok/s, "

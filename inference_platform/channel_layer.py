@@ -121,6 +121,35 @@ class RedisChannelLayer(BaseRedisChannelLayer):
     async def send(self, channel, message):
         if "!" not in channel:
             return await super().send(channel, message)
+        await self._queue_send(channel, message)
+
+    async def send_many(self, messages) -> list:
+        """Send ``(channel, message)`` pairs in order; those to process-specific channels go out
+        in one script call. Returns, per message, None or the exception that refused it
+        (``ChannelFull`` for a full channel): one refusal does not stop the others."""
+        queued: list = []
+        for channel, message in messages:
+            try:
+                if "!" in channel:
+                    queued.append(self._queue_send(channel, message))
+                else:  # channels_redis's own way, one at a time to keep the order
+                    await super().send(channel, message)
+                    queued.append(None)
+            except Exception as exc:  # refused, or a message that cannot be serialized
+                queued.append(exc)
+        results = []
+        for item in queued:
+            if isinstance(item, asyncio.Future):
+                try:
+                    await item
+                    item = None
+                except Exception as exc:
+                    item = exc
+            results.append(item)
+        return results
+
+    def _queue_send(self, channel, message) -> asyncio.Future:
+        """Queue a message for this turn's batch; the future settles when Redis took or refused it."""
         assert isinstance(message, dict), "message is not a dict"
         assert self.require_valid_channel_name(channel), "Channel name not valid"
         assert "__asgi_channel__" not in message
@@ -130,7 +159,7 @@ class RedisChannelLayer(BaseRedisChannelLayer):
         state.outgoing.append((channel, payload, self.get_capacity(channel), done))
         if len(state.outgoing) == 1:  # the first one waiting sends for all who join it this turn
             asyncio.get_running_loop().call_soon(self._send_outgoing, state)
-        await done
+        return done
 
     def _send_outgoing(self, state: _LoopState) -> None:
         batch, state.outgoing = state.outgoing, []

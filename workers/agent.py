@@ -94,20 +94,17 @@ class Figures:
 
 class _ProgressSend:
     """The reply sender of one request: records where the request got to before the client can
-    see it, and leaves out what a redelivered copy must not send twice."""
+    see it, and leaves out what a redelivered copy must not send twice. (Its first token's
+    stage is recorded by the relay that sends the tokens.)"""
 
     def __init__(self, send, request_id: str, skip: set[str]):
         self._send, self._id, self._skip = send, request_id, set(skip)
-        self._streaming = False
 
     def __call__(self, channel: str, message: dict) -> None:
         kind = message.get("type")
         if kind in self._skip:
             self._skip.discard(kind)
             return
-        if kind == "inference.delta" and not self._streaming:
-            self._streaming = True
-            self._stage(fleet.STAGE_STREAMING)
         self._send(channel, message)
         if kind == "inference.started":
             self._stage(fleet.STAGE_STARTED, prompt_tokens=message.get("prompt_tokens", 0))

@@ -200,6 +200,14 @@ def set_stage(request_id: str, stage: str, **fields) -> None:
     client().hset(_progress_key(request_id), mapping={"stage": stage, **{k: str(v) for k, v in fields.items()}})
 
 
+def set_stages(request_ids: list[str], stage: str) -> None:
+    """``set_stage`` for many requests in one round trip."""
+    pipe = client().pipeline(transaction=False)
+    for request_id in request_ids:
+        pipe.hset(_progress_key(request_id), "stage", stage)
+    pipe.execute()
+
+
 def finish(request_id: str, *, instance: str) -> None:
     pipe = client().pipeline(transaction=False)
     pipe.hset(_progress_key(request_id), "stage", STAGE_FINISHED)

@@ -23,8 +23,10 @@ STALL_TIMEOUT_S = 300.0  # an engine that yields nothing for this long has faile
 STATUS_BY_FINISH = {"stop": "completed", "length": "completed", "abort": "cancelled", "error": "failed"}
 
 
-def run(payload: dict, *, host, send, cancels, worker_name: str = "") -> dict | None:
-    """Serve one request. Returns the usage event it emitted (None if the engine never took it)."""
+def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "") -> dict | None:
+    """Serve one request: the start and the end go through ``send`` from this thread; the tokens
+    go from the engine through ``relay`` (``workers.relay.StreamRelay``). Returns the usage event
+    it emitted (None if the engine never took the request)."""
     from workers.engine import InvalidRequestError, SamplingParams
 
     request_id, reply = payload["request_id"], payload["reply_channel"]
@@ -39,28 +41,27 @@ def run(payload: dict, *, host, send, cancels, worker_name: str = "") -> dict | 
         log.exception("deployment %s failed to load", payload["deployment"]["name"])
         _send_quietly(send, reply, _error(503, f"the model failed to load: {exc}", code="model_load_failed"))
         return None
+    stream = relay.stream(reply, lambda out: {
+        "type": "inference.delta", "text": out.text, "token_ids": out.token_ids,
+        "logprobs": _logprobs(engine.tokenizer, out.logprobs, payload["sampling"]),
+    })
     try:
         params = SamplingParams(**_engine_sampling(payload["sampling"]))
         if payload["kind"] == "chat":
-            handle = engine.submit_chat(payload["messages"], params, request_id=request_id)
+            handle = engine.submit_chat(payload["messages"], params, request_id=request_id, listener=stream)
         else:
-            handle = engine.submit(payload["prompt"], params, request_id=request_id)
+            handle = engine.submit(payload["prompt"], params, request_id=request_id, listener=stream)
     except InvalidRequestError as exc:
         _send_quietly(send, reply, _refusal(exc, payload["kind"]))
         return None
 
+    stream.handle = handle
     cancels.watch(request_id, handle.abort)
-    last = None
     try:
         _send_or_abort(send, reply, {"type": "inference.started", "prompt_tokens": handle.prompt_tokens,
                                      "worker": worker_name}, handle)
-        for out in handle.outputs(timeout=STALL_TIMEOUT_S):
-            last = out
-            if out.token_ids or out.text:
-                _send_or_abort(send, reply, {
-                    "type": "inference.delta", "text": out.text, "token_ids": out.token_ids,
-                    "logprobs": _logprobs(engine.tokenizer, out.logprobs, payload["sampling"]),
-                }, handle)
+        stream.open()
+        last = stream.wait(STALL_TIMEOUT_S)
         _send_quietly(send, reply, {
             "type": "inference.finished", "finish_reason": last.finish_reason, "error": last.error,
             "usage": _usage(last), "timings": _timings_ms(last.timings),
@@ -70,7 +71,9 @@ def run(payload: dict, *, host, send, cancels, worker_name: str = "") -> dict | 
         _send_quietly(send, reply, _error(504, "the engine produced nothing for too long", code="timeout"))
     finally:
         cancels.unwatch(request_id)
-        event = _usage_event(payload, last, handle)
+        if not stream.ended:  # it failed on the way: stop generating for nobody
+            handle.abort()
+        event = _usage_event(payload, stream.last, handle)
         emit_usage(event)
     return event
 

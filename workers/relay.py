@@ -1,33 +1,200 @@
-"""Send events to a gateway's reply channel from worker threads.
+"""Send events to gateways' reply channels from a worker process.
 
 channels_redis is asyncio code with one connection pool per event loop, so the worker keeps one
-loop in a background thread and every task thread hands its sends to it: no loop, and no new
-Redis connection, per message. The layer (``inference_platform.channel_layer``) sends what the
-threads handed over in the same turn of that loop together.
+loop in a background thread (``ChannelSender``) and every task thread hands its sends to it: no
+loop, and no new Redis connection, per message.
+
+Tokens do not go through the task threads at all. A ``StreamRelay`` on that loop takes the
+outputs of every request straight from the engine (its ``listener``), a step at a time, and sends
+them in one call to the layer: one wake-up per engine step instead of a thread per stream per
+token, which on a busy host took the CPU the engine needed (a thread handing each token over,
+waiting for its send, and the GIL passed between them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import logging
 import threading
+import time
+from typing import Callable
 
+from channels.exceptions import ChannelFull
 from channels.layers import get_channel_layer
+
+log = logging.getLogger(__name__)
+_OPEN = object()  # a stream's marker in the relay's queue: the gateway knows it started
 
 
 class ChannelSender:
     def __init__(self, layer=None):
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="channel-sender", daemon=True)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="channel-sender", daemon=True)
         self._thread.start()
-        self._layer = layer if layer is not None else get_channel_layer()
+        self.layer = layer if layer is not None else get_channel_layer()
 
     def send(self, channel: str, message: dict, *, timeout: float = 10.0) -> None:
         """Deliver one message; raises if Redis refuses it (the channel is full or Redis is down)."""
-        future = asyncio.run_coroutine_threadsafe(self._layer.send(channel, message), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self.layer.send(channel, message), self.loop)
         future.result(timeout=timeout)
 
 
+class Stream:
+    """One request's way through the relay: pass it to ``Engine.submit`` as the listener, then
+    ``open()`` it once the gateway has the request's start, and ``wait()`` for its end."""
+
+    def __init__(self, relay: "StreamRelay", channel: str, to_message: Callable[[object], dict]):
+        self.channel = channel
+        self.to_message = to_message  # an engine output -> the message sent for it
+        self.handle = None  # the engine's handle, for aborts (set once submitted)
+        self.last = None  # the last output relayed
+        self.error: BaseException | None = None  # the failure that ended the relay of this stream
+        self.progressed = time.monotonic()  # when an output last arrived
+        self.streaming = False  # a token has been sent
+        self.opened = False
+        self.backlog: list = []  # outputs that came before open()
+        self._relay = relay
+        self._done = threading.Event()
+
+    def __call__(self, out) -> None:
+        """The engine's listener (on its thread): queue the output."""
+        self._relay.put(self, out)
+
+    def open(self) -> None:
+        """From now on outputs go out (nothing may overtake the start message the caller sent)."""
+        self._relay.put(self, _OPEN)
+
+    def wait(self, stall_timeout: float):
+        """Block until the final output was sent; return it. ``TimeoutError`` if no output came
+        for ``stall_timeout`` s; the send's error if the relay could not deliver."""
+        while not self._done.wait(timeout=max(0.0, self.progressed + stall_timeout - time.monotonic())):
+            if time.monotonic() - self.progressed >= stall_timeout:
+                raise TimeoutError(f"no output for {stall_timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self.last
+
+    def abort(self) -> None:
+        if self.handle is not None:
+            self.handle.abort()
+
+    def end(self, error: BaseException | None = None) -> None:
+        if not self._done.is_set():
+            self.error = error
+            self._done.set()
+
+    @property
+    def ended(self) -> bool:
+        return self._done.is_set()
+
+
+class StreamRelay:
+    """Sends the outputs of every stream of this worker, in order per stream, a batch at a time.
+
+    ``mark_streaming`` is called (on the relay's loop, blocking it briefly) with the request ids
+    whose first token is about to leave, before it does: a copy of the request redelivered after
+    this must not run again (the client has seen tokens)."""
+
+    def __init__(self, sender: ChannelSender, *, mark_streaming: Callable[[list[str]], None] | None = None):
+        self._sender = sender
+        self._mark_streaming = mark_streaming
+        self._pending: list[tuple[Stream, object]] = []
+        self._lock = threading.Lock()
+        self._wakeup = asyncio.Event()  # bound to the sender's loop on first use there
+        self._pumping = asyncio.run_coroutine_threadsafe(self._pump(), sender.loop)
+
+    def close(self) -> None:
+        """Stop relaying (the streams not ended stay so)."""
+        self._pumping.cancel()
+
+    def stream(self, channel: str, to_message: Callable[[object], dict]) -> Stream:
+        return Stream(self, channel, to_message)
+
+    def put(self, stream: Stream, item) -> None:
+        with self._lock:
+            self._pending.append((stream, item))
+            first = len(self._pending) == 1
+        if first:  # the rest of a step's outputs join this wake-up
+            self._sender.loop.call_soon_threadsafe(self._wakeup.set)
+
+    async def _pump(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            with self._lock:
+                batch, self._pending = self._pending, []
+            try:
+                await self._relay(batch)
+            except Exception as exc:  # never leave a stream waiting on a relay that stopped
+                log.exception("relaying %d outputs failed", len(batch))
+                for stream, _ in batch:
+                    stream.abort()
+                    stream.end(exc)
+
+    async def _relay(self, batch: list) -> None:
+        outgoing: list[tuple[Stream, dict]] = []
+        finishing: list[Stream] = []
+        first_tokens: list[str] = []
+        for stream, item in batch:
+            if item is _OPEN:
+                stream.opened = True
+                outputs, stream.backlog = stream.backlog, []
+            elif not stream.opened:
+                stream.backlog.append(item)
+                continue
+            else:
+                outputs = [item]
+            for out in outputs:
+                if stream.ended:
+                    continue  # its relay failed: the rest goes nowhere
+                stream.last, stream.progressed = out, time.monotonic()
+                if out.token_ids or out.text:
+                    try:
+                        outgoing.append((stream, stream.to_message(out)))
+                    except Exception as exc:
+                        log.exception("could not build the message for %s", stream.channel)
+                        stream.abort()
+                        stream.end(exc)
+                        continue
+                    if not stream.streaming:
+                        stream.streaming = True
+                        first_tokens.append(out.request_id)
+                if out.finished:
+                    finishing.append(stream)
+        if first_tokens and self._mark_streaming is not None:
+            try:
+                self._mark_streaming(first_tokens)
+            except Exception:  # the answer matters more than the record of its progress
+                log.exception("could not record that %d requests are streaming", len(first_tokens))
+        results = await send_many(self._sender.layer, [(s.channel, m) for s, m in outgoing])
+        for (stream, _), error in zip(outgoing, results):
+            if isinstance(error, ChannelFull):
+                stream.abort()  # the gateway stopped reading: stop generating for nobody
+            elif error is not None:
+                stream.abort()
+                stream.end(error)
+        for stream in finishing:
+            stream.end()
+
+
+async def send_many(layer, messages: list[tuple[str, dict]]) -> list[BaseException | None]:
+    """Send messages in order; per message, None or the exception that refused it. The
+    platform's layer sends them together; another layer, one after the other."""
+    if hasattr(layer, "send_many"):
+        return await layer.send_many(messages)
+    results: list[BaseException | None] = []
+    for channel, message in messages:
+        try:
+            await layer.send(channel, message)
+            results.append(None)
+        except Exception as exc:
+            results.append(exc)
+    return results
+
+
 _sender: ChannelSender | None = None
+_relay: StreamRelay | None = None
 _lock = threading.Lock()
 
 
@@ -37,3 +204,16 @@ def sender() -> ChannelSender:
         if _sender is None:
             _sender = ChannelSender()
         return _sender
+
+
+def relay() -> StreamRelay:
+    """This process's relay, recording first tokens in the fleet's request progress."""
+    global _relay
+    send = sender()
+    with _lock:
+        if _relay is None:
+            from . import fleet
+
+            _relay = StreamRelay(send, mark_streaming=lambda ids: fleet.set_stages(ids, fleet.STAGE_STREAMING))
+            atexit.register(_relay.close)
+        return _relay

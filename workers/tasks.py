@@ -13,7 +13,7 @@ from celery.worker.control import inspect_command
 from . import inference
 from .agent import agent  # also registers the fleet's worker signals and remote control commands
 from .cancellation import listener
-from .relay import sender
+from .relay import relay, sender
 from .runtime import host
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 def run_inference(self, payload: dict) -> None:
     worker_name = self.request.hostname or ""
     agent.serve(payload, hostname=worker_name, send=sender().send,
-                run=lambda send: inference.run(payload, host=host, send=send, cancels=listener(),
+                run=lambda send: inference.run(payload, host=host, send=send, relay=relay(), cancels=listener(),
                                                worker_name=worker_name))
 
 

@@ -309,6 +309,26 @@ def test_streamed_pieces_add_up_to_the_result(engine):
     assert timings.time_per_output_token > 0 and timings.e2e_latency >= timings.time_to_first_token
 
 
+def test_a_listener_gets_the_outputs_on_the_engine_thread_and_its_failure_is_its_own(engine):
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    heard, threads = [], set()
+
+    def listener(out):
+        threads.add(threading.current_thread().name)
+        heard.append(out)
+
+    def broken(out):
+        raise RuntimeError("a listener bug")
+
+    failed = engine.stats()["requests_failed"]
+    engine.submit(PROMPTS[3], params, listener=broken)
+    engine.submit(PROMPTS[3], params, listener=listener)
+    wait_until(lambda: heard and heard[-1].finished, what="the listener's last output")
+    assert [t for o in heard for t in o.token_ids] == engine.generate(PROMPTS[3], params, timeout=60).token_ids
+    assert threads == {engine._thread.name}
+    assert engine.stats()["requests_failed"] == failed and engine.is_running
+
+
 def test_chat_messages_use_the_models_template(engine, model):
     messages = [{"role": "user", "content": "Say hello."}]
     result = engine.submit_chat(messages, SamplingParams(max_tokens=6, temperature=0)).result(60)

@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -61,13 +61,16 @@ class EngineError(RuntimeError):
 
 
 class RequestHandle:
-    """A submitted request: iterate it for its outputs, or wait for the whole ``result()``."""
+    """A submitted request: iterate it for its outputs, or wait for the whole ``result()``.
+    A request submitted with a ``listener`` has its outputs go there instead."""
 
-    def __init__(self, engine: "Engine", request_id: str, prompt_tokens: int):
+    def __init__(self, engine: "Engine", request_id: str, prompt_tokens: int,
+                 listener: Callable[[RequestOutput], None] | None = None):
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self._engine = engine
         self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        self._put = self._queue.put if listener is None else _guarded(listener, request_id)
         self._parts: list[RequestOutput] = []  # everything handed out so far
         self._done = False
 
@@ -351,8 +354,14 @@ class Engine:
     # ---------------------------------------------------------------------------- public API
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-               request_id: str | None = None) -> RequestHandle:
-        """Queue a request; returns at once. Bad input raises ``InvalidRequestError``."""
+               request_id: str | None = None,
+               listener: Callable[[RequestOutput], None] | None = None) -> RequestHandle:
+        """Queue a request; returns at once. Bad input raises ``InvalidRequestError``.
+
+        With a ``listener``, each output is passed to it on the engine's thread, as the step that
+        made it ends, instead of waiting in the handle: a server relaying many streams can then
+        move a whole step's outputs at once rather than wake a thread per stream and token. It
+        must return quickly and not call back into the engine except ``abort``."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, not {type(params).__name__}")
@@ -364,7 +373,7 @@ class Engine:
             raise InvalidRequestError("request_id: must be a non-empty string", param="request_id")
         seq = Sequence(request_id, prompt_ids, params, max_tokens=max_tokens,
                        arrival_time=time.monotonic(), detokenizer=self._detokenizer())
-        handle = RequestHandle(self, request_id, len(prompt_ids))
+        handle = RequestHandle(self, request_id, len(prompt_ids), listener)
         self.start()
         with self._wake:
             if self._crashed is not None:
@@ -380,7 +389,8 @@ class Engine:
         return handle
 
     def submit_chat(self, messages: list[dict], params: SamplingParams | None = None, *,
-                    request_id: str | None = None) -> RequestHandle:
+                    request_id: str | None = None,
+                    listener: Callable[[RequestOutput], None] | None = None) -> RequestHandle:
         """Like ``submit``, with the prompt rendered from chat messages by the model's template."""
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages: must be a non-empty list", param="messages")
@@ -392,7 +402,7 @@ class Engine:
             prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except ValueError as exc:  # the template refused the messages
             raise InvalidRequestError(f"messages: {exc}", param="messages") from exc
-        return self.submit(prompt, params, request_id=request_id)
+        return self.submit(prompt, params, request_id=request_id, listener=listener)
 
     def abort(self, request_id: str) -> bool:
         """End a request now (finish_reason "abort"); False if it is not running."""
@@ -720,7 +730,7 @@ class Engine:
             else:
                 with self._lock:
                     self._live.pop(seq.request_id, None)
-        live.handle._queue.put(out)
+        live.handle._put(out)
 
     def _fail_all(self, reason: FinishReason, message: str) -> None:
         """End every request still known (engine stopping or dead)."""
@@ -774,6 +784,17 @@ class Engine:
             self._memory_checked = now
         total, free = self._memory
         return {"device_memory_total": total, "device_memory_free": free}
+
+
+def _guarded(listener: Callable[[RequestOutput], None], request_id: str) -> Callable[[RequestOutput], None]:
+    """A listener's failure is its own: the engine's loop goes on."""
+    def put(out: RequestOutput) -> None:
+        try:
+            listener(out)
+        except Exception:
+            log.exception("the listener of request %s failed", request_id)
+
+    return put
 
 
 def on_a_passing_thread(fn, /, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,119 @@
+"""The worker's stream relay against the real engine and the real Redis: every request's tokens
+reach its reply channel in order, none before the request was opened, the first-token hook runs
+before a token leaves, and a gateway that stops reading has its request aborted."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from asgiref.sync import async_to_sync
+from django.conf import settings
+
+from inference_platform.channel_layer import RedisChannelLayer
+from tests.support import wait_until
+from workers.engine import Engine, SamplingParams
+from workers.engine.loader import bundled_model_path
+from workers.relay import ChannelSender, StreamRelay
+
+HOSTS = settings.CHANNEL_LAYERS["default"]["CONFIG"]["hosts"]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = Engine(bundled_model_path(), dtype="float32", max_batch_size=8, batch_window_ms=0).start()
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture
+def make_relay():
+    """``make_relay(capacity, **options)``: a relay on its own sender, closed after the test."""
+    made = []
+
+    def make(capacity: int = 1000, **options) -> StreamRelay:
+        made.append(StreamRelay(ChannelSender(RedisChannelLayer(hosts=HOSTS, capacity=capacity)), **options))
+        return made[-1]
+
+    yield make
+    for relay in made:
+        relay.close()
+
+
+def _delta(out) -> dict:
+    return {"type": "inference.delta", "text": out.text, "token_ids": out.token_ids, "n": out.completion_tokens}
+
+
+def _receive_until_done(gateway, channel: str, tokens: int) -> list[dict]:
+    async def read():
+        messages = []
+        while sum(len(m["token_ids"]) for m in messages) < tokens:
+            messages.append(await asyncio.wait_for(gateway.receive(channel), 30))
+        return messages
+
+    return async_to_sync(read)()
+
+
+def test_several_streams_arrive_whole_and_in_order_each_marked_before_its_first_token(engine, make_relay):
+    gateway = RedisChannelLayer(hosts=HOSTS, capacity=1000)
+    marked: list[str] = []
+    relay = make_relay(mark_streaming=marked.extend)
+    prompts = [f"Count from {n} upwards:" for n in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [out.text for out in engine.generate(prompts, params)]
+
+    channels = [async_to_sync(gateway.new_channel)() for _ in prompts]
+    streams, handles = [], []
+    for n, (prompt, channel) in enumerate(zip(prompts, channels)):
+        stream = relay.stream(channel, _delta)
+        stream.handle = engine.submit(prompt, params, request_id=f"relay-{n}", listener=stream)
+        streams.append(stream)
+    for stream in streams:
+        stream.open()
+    finals = [stream.wait(60) for stream in streams]
+
+    for n, (channel, final) in enumerate(zip(channels, finals)):
+        messages = _receive_until_done(gateway, channel, 12)
+        assert "".join(m["text"] for m in messages) == expected[n]
+        assert [m["n"] for m in messages] == sorted(m["n"] for m in messages)
+        assert final.finished and final.completion_tokens == 12
+    assert sorted(marked) == sorted(f"relay-{n}" for n in range(len(prompts)))  # once each
+
+
+def test_nothing_leaves_before_the_stream_is_opened(engine, make_relay):
+    gateway = RedisChannelLayer(hosts=HOSTS, capacity=1000)
+    relay = make_relay()
+    channel = async_to_sync(gateway.new_channel)()
+    stream = relay.stream(channel, _delta)
+    stream.handle = engine.submit("Hello there", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                                  listener=stream)
+    wait_until(lambda: stream.backlog and stream.backlog[-1].finished, timeout=60,
+               message="the request ran to its end, held back")
+    assert not stream.ended and stream.last is None  # held, not sent
+
+    async def nothing_yet():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(gateway.receive(channel), 0.3)
+
+    async_to_sync(nothing_yet)()
+    stream.open()
+    assert stream.wait(30).completion_tokens == 5
+    assert sum(len(m["token_ids"]) for m in _receive_until_done(gateway, channel, 5)) == 5
+
+
+def test_a_gateway_that_stops_reading_has_its_request_aborted(engine, make_relay):
+    gateway = RedisChannelLayer(hosts=HOSTS, capacity=2)
+    relay = make_relay(capacity=2)
+    channel = async_to_sync(gateway.new_channel)()
+    stream = relay.stream(channel, _delta)
+    stream.handle = engine.submit("Tell me a long story", SamplingParams(max_tokens=200, ignore_eos=True),
+                                  listener=stream)
+    stream.open()
+    final = stream.wait(60)
+    assert final.finish_reason == "abort" and final.completion_tokens < 200
+
+
+def test_a_stream_with_no_output_times_out(make_relay):
+    stream = make_relay().stream("specific.nobody!x", _delta)
+    with pytest.raises(TimeoutError):
+        stream.wait(0.2)
