@@ -16,6 +16,7 @@ from django.conf import settings  # noqa: E402
 from django.http.request import validate_host  # noqa: E402
 
 from accounts.middleware import ApiKeyAuthMiddlewareStack  # noqa: E402
+from inference_platform import api_handler  # noqa: E402
 from gateway import admission  # noqa: E402
 from gateway.routing import websocket_urlpatterns  # noqa: E402
 
@@ -34,9 +35,18 @@ class BrowserOriginValidator(OriginValidator):
         return bool(parsed_origin.hostname) and validate_host(parsed_origin.hostname, settings.ALLOWED_HOSTS)
 
 
+api_app = api_handler.ApiHandler()
+
+
+async def http_app(scope, receive, send):
+    """The inference endpoints without the site's middleware (see ``api_handler``), the rest with it."""
+    app = api_app if api_handler.serves(scope["path"]) else django_asgi_app
+    return await app(scope, receive, send)
+
+
 application = ProtocolTypeRouter(
     {
-        "http": django_asgi_app,
+        "http": http_app,
         "websocket": BrowserOriginValidator(ApiKeyAuthMiddlewareStack(URLRouter(websocket_urlpatterns)), []),
     }
 )

@@ -8,6 +8,7 @@ headers); no tensor data is loaded.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import struct
@@ -34,6 +35,12 @@ MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
 def bundled_weights_path(name: str) -> Path:
     if name not in BUNDLED_MODELS:
         raise WeightsNotFound(f"no bundled model named {name!r}")
+    return _bundled_file(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _bundled_file(name: str) -> Path:
+    """Found once per process (the gateway resolves it for every request); a miss is not kept."""
     package, filename = BUNDLED_MODELS[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.origin:
