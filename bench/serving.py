@@ -18,7 +18,8 @@ engine (a spread longer than the batch window splits a burst over several prefil
 ``cpu_ms_per_output_token``: the CPU time each part of the stack (web, worker, redis, beat, the
 benchmark's own client) used per output token, to set against the engine's own figure in the
 direct run: on a machine whose cores the engine keeps busy, that difference is what the
-platform costs. Writes
+platform costs. Last, ``admission``: the CPU per request of each part, from one-token requests
+(``--admission-requests``). Writes
 bench/results/serving-cpu.json and a PNG plot (matplotlib, from the `bench` extra:
 pip install -e '.[bench]'). Not part of the tests.
 
@@ -54,6 +55,8 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, default=2, help="requests each client sends in turn (2)")
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (64)")
     parser.add_argument("--prompt-words", type=int, default=60, help="words per prompt (60)")
+    parser.add_argument("--admission-requests", type=int, default=200,
+                        help="one-token requests (32 at a time) whose CPU per request is measured (200; 0: skip)")
     parser.add_argument("--port", type=int, default=8765, help="web port of the stack under test (8765)")
     parser.add_argument("--out", default=str(RESULTS / "serving-cpu.json"))
     return parser.parse_args(argv)
@@ -191,6 +194,7 @@ async def stream_once(client, base: str, key: str, prompt: str, max_tokens: int)
                     stamps.append(time.perf_counter())
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
+    stamps = stamps or [time.perf_counter()]  # no text at all (an end-of-text first token): the end counts
     return {"ttft": stamps[0] - started, "first": stamps[0], "end": stamps[-1], "tokens": tokens,
             "gaps": [b - a for a, b in zip(stamps, stamps[1:])], "headers": headers_at - started,
             "headers_at": headers_at, "stages": stages}
@@ -224,6 +228,28 @@ async def run_stack_level(base: str, key: str, texts: list[str], clients: int, r
         started = time.perf_counter()
         results = await asyncio.gather(*(one_client(i) for i in range(clients)))
         return [s for per in results for s in per], time.perf_counter() - started
+
+
+def measure_admission(stack: Stack, base: str, key: str, texts: list[str], requests: int) -> dict:
+    """CPU per request of each part of the stack, from one-token streamed requests, 32 at a time:
+    what admitting, dispatching and answering a request costs, tokens aside."""
+    async def burst():
+        import httpx
+
+        gate = asyncio.Semaphore(32)
+        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=36)) as client:
+            async def one(i):
+                async with gate:
+                    await stream_once(client, base, key, texts[i % len(texts)], 1)
+
+            await asyncio.gather(*(one(i) for i in range(requests)))
+
+    before, started = stack.cpu_seconds(), time.perf_counter()
+    asyncio.run(burst())
+    wall, after = time.perf_counter() - started, stack.cpu_seconds()
+    return {"requests": requests, "concurrency": 32, "wall_s": round(wall, 2),
+            "cpu_ms_per_request": {role: round((after[role] - before.get(role, 0.0)) * 1000 / requests, 2)
+                                   for role in sorted(after)}}
 
 
 # ----------------------------------------------------------------------------- the engine alone
@@ -302,6 +328,10 @@ def main(argv=None) -> int:
                          "platform": {**platform_share(samples), "cpu_ms_per_output_token": cpu}})
             print(f"  stack  {clients:>3} clients: {rows[-1]['stack']['output_tokens_per_s']:8.1f} tok/s, "
                   f"p50 TTFT {rows[-1]['stack']['ttft_ms_p50']} ms; {rows[-1]['platform']}", flush=True)
+        admission = None
+        if args.admission_requests:
+            admission = measure_admission(stack, base, key, texts, args.admission_requests)
+            print(f"  admission: {admission}", flush=True)
     finally:
         stack.stop()
 
@@ -334,6 +364,7 @@ def main(argv=None) -> int:
         "deployment": {**deployment, "engine_dtype": engine_dtype},
         "workload": {"rounds": args.rounds, "max_tokens": args.max_tokens, "prompt_words": args.prompt_words},
         "levels": rows,
+        "admission": admission,
         "targets": {"throughput_ratio_at_32": 0.8, "added_ttft_p50_ms_at_32": 15},
         "at_32": at32 and {"throughput_ratio": at32["throughput_ratio"], "added_ttft_p50_ms": at32["added_ttft_p50_ms"]},
     }
