@@ -57,6 +57,7 @@ def parse_args(argv=None):
     parser.add_argument("--prompt-words", type=int, default=60, help="words per prompt (60)")
     parser.add_argument("--admission-requests", type=int, default=200,
                         help="one-token requests (32 at a time) whose CPU per request is measured (200; 0: skip)")
+    parser.add_argument("--web-workers", type=int, default=1, help="web server processes of the stack (1)")
     parser.add_argument("--port", type=int, default=8765, help="web port of the stack under test (8765)")
     parser.add_argument("--out", default=str(RESULTS / "serving-cpu.json"))
     return parser.parse_args(argv)
@@ -95,13 +96,14 @@ def summarize(samples: list[dict], wall: float) -> dict:
 class Stack:
     """`inference-platform up` on a temporary data folder, stopped with Ctrl-C's signal."""
 
-    def __init__(self, port: int):
+    def __init__(self, port: int, web_workers: int = 1):
         self.port = port
         self.dir = tempfile.mkdtemp(prefix="ip-bench-")
         env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
         env.update(DATA_DIR=self.dir, RATE_LIMIT_KEY_RPM="1000000", RATE_LIMIT_ORG_RPM="1000000")
         self.log = open(Path(self.dir) / "up.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "inference_platform.cli", "up", "--port", str(port)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "inference_platform.cli", "up", "--port", str(port),
+                                      "--web-workers", str(web_workers)],
                                      cwd=REPO_ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 300) -> str:
@@ -131,21 +133,24 @@ class Stack:
         self.proc.wait(timeout=60)
 
     def cpu_seconds(self) -> dict[str, float]:
-        """CPU time (user + system) each part of the stack has used so far, by role."""
+        """CPU time (user + system) each part of the stack has used so far, by role (a process
+        that is none of them, such as the web server's worker processes, has its parent's)."""
         clock = os.sysconf("SC_CLK_TCK")
         used: dict[str, float] = {}
-        for pid in _descendants(self.proc.pid):
+        roles = {}
+        for pid, parent in _descendants(self.proc.pid):
             try:
                 fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
                 command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue  # it ended meanwhile
-            role = _role(command)
+            role = roles[pid] = _role(command) or roles.get(parent, "supervisor")
             used[role] = used.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / clock
         return used
 
 
-def _descendants(root: int) -> list[int]:
+def _descendants(root: int) -> list[tuple[int, int | None]]:
+    """(pid, parent pid) of ``root`` and every process under it, parents first."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -153,19 +158,19 @@ def _descendants(root: int) -> list[int]:
         except (OSError, IndexError, ValueError):
             continue
         children.setdefault(parent, []).append(int(stat.parent.name))
-    found, todo = [], [root]
+    found, todo = [], [(root, None)]
     while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo += children.get(pid, [])
+        pid, parent = todo.pop(0)
+        found.append((pid, parent))
+        todo += [(child, pid) for child in children.get(pid, [])]
     return found
 
 
-def _role(command: str) -> str:
+def _role(command: str) -> str | None:
     for role, marker in (("redis", "redis-server"), ("web", "uvicorn"), ("worker", " worker "), ("beat", " beat ")):
         if marker in command:
             return role
-    return "supervisor"
+    return None
 
 
 def cpu_ms_per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float]:
@@ -311,7 +316,7 @@ def main(argv=None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     texts = prompts(max(levels) * args.rounds, args.prompt_words)
     print(f"starting the full stack on port {args.port} ...", flush=True)
-    stack = Stack(args.port)
+    stack = Stack(args.port, args.web_workers)
     rows = []
     try:
         key = stack.wait_ready()
@@ -362,6 +367,7 @@ def main(argv=None) -> int:
         "benchmark": "serving",
         "machine": {"machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count()},
         "deployment": {**deployment, "engine_dtype": engine_dtype},
+        "web_workers": args.web_workers,
         "workload": {"rounds": args.rounds, "max_tokens": args.max_tokens, "prompt_words": args.prompt_words},
         "levels": rows,
         "admission": admission,

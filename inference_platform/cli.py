@@ -262,7 +262,8 @@ def cmd_up(args) -> int:
                         WORKER_SLOTS=str(max(args.slots, len(served))))
         logs = settings.DATA_DIR / "logs"
         logs.mkdir(exist_ok=True)
-        procs.append(spawn(web_command(host=args.host, port=args.port), env=env, log=logs / "web.log"))
+        procs.append(spawn(web_command(host=args.host, port=args.port, workers=args.web_workers), env=env,
+                           log=logs / "web.log"))
         procs.append(
             spawn(
                 worker_command(queues=DEFAULT_QUEUES + [deployment_queue(d) for d in served],
@@ -361,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1", help="address the web server listens on (default 127.0.0.1)")
     up.add_argument("--port", type=int, default=8000, help="web server port (default 8000)")
     up.add_argument("--concurrency", type=int, default=64, help="worker threads (default 64)")
+    up.add_argument("--web-workers", type=int, default=1, help="web server processes (default 1)")
     up.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for /readyz (default 180)")
     up.add_argument("--slots", type=int, default=4,
                     help="deployments the worker may host at once; the placement loop fills them (default 4)")

@@ -82,13 +82,14 @@ def ready(url: str) -> bool:
 
 
 def test_up_starts_everything_on_embedded_defaults_and_ctrl_c_leaves_no_process(tmp_path):
-    """No DATABASE_URL, no REDIS_URL: SQLite and a private Redis; SIGINT stops every child."""
+    """No DATABASE_URL, no REDIS_URL: SQLite and a private Redis; SIGINT stops every child, the
+    web server's worker processes included."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL"}}
     env["DATA_DIR"] = str(tmp_path)
     log = tmp_path / "up.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([*CLI, "up", "--port", str(port), "--concurrency", "2"],
+        proc = subprocess.Popen([*CLI, "up", "--port", str(port), "--concurrency", "2", "--web-workers", "2"],
                                 cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_until(lambda: "Ready." in log.read_text() or proc.poll() is not None, timeout=180, interval=0.5,
@@ -97,6 +98,8 @@ def test_up_starts_everything_on_embedded_defaults_and_ctrl_c_leaves_no_process(
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(child.cmdline()) for child in children)
         assert "redis-server" in names and "celery" in names and "uvicorn" in names
+        [web] = [child for child in children if "uvicorn" in " ".join(child.cmdline())]
+        assert sum("spawn_main" in " ".join(c.cmdline()) for c in web.children()) == 2  # and a resource tracker
         assert (tmp_path / "db.sqlite3").exists() and (tmp_path / "redis.sock").exists()
 
         proc.send_signal(signal.SIGINT)
