@@ -15,7 +15,7 @@ reports the p50 of the time to the response headers (sent once the engine accept
 and of each stage of the gateway's ``Server-Timing`` header (auth, admit, dispatch, queue, load),
 ``arrival_spread_ms``: how far apart the first and the last request of the level reached the
 engine (a spread longer than the batch window splits a burst over several prefills), and
-``cpu_ms_per_output_token``: the CPU time each part of the stack (web, worker, redis, beat, the
+``cpu_ms_per_output_token``: the CPU time each part of the stack (web, worker, billing, redis, beat, the
 benchmark's own client) used per output token, to set against the engine's own figure in the
 direct run: on a machine whose cores the engine keeps busy, that difference is what the
 platform costs. Last, ``admission``: the CPU per request of each part, from one-token requests
@@ -167,7 +167,8 @@ def _descendants(root: int) -> list[tuple[int, int | None]]:
 
 
 def _role(command: str) -> str | None:
-    for role, marker in (("redis", "redis-server"), ("web", "uvicorn"), ("worker", " worker "), ("beat", " beat ")):
+    for role, marker in (("redis", "redis-server"), ("web", "uvicorn"), ("billing", "billing@"), ("worker", " worker "),
+                         ("beat", " beat ")):
         if marker in command:
             return role
     return None

@@ -24,6 +24,7 @@ from .celery import deployment_queue
 from .processes import StartError, child_env, spawn, start_embedded_redis, stop_all, web_command, worker_command
 
 DEFAULT_QUEUES = ["default", "billing"]
+BILLING_CONCURRENCY = 4  # threads of the billing worker `up` starts
 ADMIN_EMAIL = "admin@localhost"
 DEFAULT_ORG = "default"
 DEFAULT_SCOPES = ["inference", "read_usage"]
@@ -256,7 +257,7 @@ def cmd_up(args) -> int:
         seed(settings)
         password = ensure_admin(settings)
         api_key = ensure_api_key(settings)
-        say(f"[4/5] starting the web server on http://{args.host}:{args.port} and a worker")
+        say(f"[4/5] starting the web server on http://{args.host}:{args.port}, a worker and a billing worker")
         served = served_deployments()
         env = child_env(DATA_DIR=str(settings.DATA_DIR), INFERENCE_PRELOAD=",".join(served),
                         WORKER_SLOTS=str(max(args.slots, len(served))))
@@ -264,12 +265,22 @@ def cmd_up(args) -> int:
         logs.mkdir(exist_ok=True)
         procs.append(spawn(web_command(host=args.host, port=args.port, workers=args.web_workers), env=env,
                            log=logs / "web.log"))
+        # Two workers, as in compose.yaml: the engine's process runs inference alone, and billing's
+        # writes run in a process of their own instead of taking turns with the engine's loop.
         procs.append(
             spawn(
-                worker_command(queues=DEFAULT_QUEUES + [deployment_queue(d) for d in served],
+                worker_command(queues=["default"] + [deployment_queue(d) for d in served],
                                concurrency=args.concurrency, name=f"worker@{socket.gethostname()}"),
                 env=env,
                 log=logs / "worker.log",
+            )
+        )
+        procs.append(
+            spawn(
+                worker_command(queues=DEFAULT_QUEUES, concurrency=BILLING_CONCURRENCY,
+                               name=f"billing@{socket.gethostname()}"),
+                env=child_env(DATA_DIR=str(settings.DATA_DIR), WORKER_SLOTS="0"),
+                log=logs / "billing.log",
             )
         )
         procs.append(spawn(beat_command(settings), env=env, log=logs / "beat.log"))

@@ -55,11 +55,11 @@ def redact_url(url: str) -> str:
 def database_from_url(url: str, *, data_dir: Path) -> dict:
     """A Django DATABASES entry from ``postgresql://`` or ``sqlite:///`` URLs (empty: a SQLite file)."""
     if not url:
-        return {"ENGINE": "django.db.backends.sqlite3", "NAME": data_dir / "db.sqlite3"}
+        return _sqlite(data_dir / "db.sqlite3")
     parts = urlsplit(url)
     if parts.scheme == "sqlite":
         path = unquote(parts.path)
-        return {"ENGINE": "django.db.backends.sqlite3", "NAME": path[1:] if path.startswith("//") else path}
+        return _sqlite(path[1:] if path.startswith("//") else path)
     if parts.scheme in {"postgres", "postgresql", "pgsql"}:
         return {
             "ENGINE": "django.db.backends.postgresql",
@@ -74,6 +74,14 @@ def database_from_url(url: str, *, data_dir: Path) -> dict:
     raise ImproperlyConfigured(
         f"DATABASE_URL must start with postgresql:// or sqlite:///, not {redact_url(url)!r}"
     )
+
+
+def _sqlite(name) -> dict:
+    """SQLite for several processes writing at once (web, workers, billing): transactions take the
+    write lock when they begin, so a busy database is waited for (up to 20 s) instead of failing a
+    read-then-write transaction with "database is locked"; WAL lets readers go on meanwhile."""
+    return {"ENGINE": "django.db.backends.sqlite3", "NAME": name,
+            "OPTIONS": {"transaction_mode": "IMMEDIATE", "timeout": 20, "init_command": "PRAGMA journal_mode=WAL;"}}
 
 
 def celery_broker_url(redis_url: str) -> str:
