@@ -79,6 +79,10 @@ def reader(redis_url: str, requests, replies) -> None:
     asyncio.run(serve())
 
 
+def delta(out) -> dict:
+    return {"type": "inference.delta", "text": out.text, "token_ids": out.token_ids}
+
+
 def run_way(way: str, engine, prompts, params, channels, sender, relay) -> tuple[int, float]:
     """Run every prompt at once the given way; (output tokens, seconds)."""
     finals: list = [None] * len(prompts)
@@ -101,7 +105,7 @@ def run_way(way: str, engine, prompts, params, channels, sender, relay) -> tuple
         def relay_one(i):
             for out in engine.submit(prompts[i], params):
                 if out.token_ids or out.text:
-                    sender.send(channels[i], {"type": "inference.delta", "text": out.text, "token_ids": out.token_ids})
+                    sender.send(channels[i], delta(out))
                 finals[i] = out
 
         threads = [threading.Thread(target=relay_one, args=(i,)) for i in range(len(prompts))]
@@ -112,8 +116,7 @@ def run_way(way: str, engine, prompts, params, channels, sender, relay) -> tuple
     else:
         streams = []
         for i, prompt in enumerate(prompts):
-            stream = relay.stream(channels[i], lambda out: {"type": "inference.delta", "text": out.text,
-                                                             "token_ids": out.token_ids})
+            stream = relay.stream(channels[i], delta)
             stream.handle = engine.submit(prompt, params, listener=stream)
             stream.open()
             streams.append(stream)

@@ -174,9 +174,9 @@ def _role(command: str) -> str | None:
     return None
 
 
-def cpu_ms_per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float]:
-    """CPU milliseconds per output token, per role, over a level."""
-    return {role: round((after[role] - before.get(role, 0.0)) * 1000 / max(tokens, 1), 3)
+def cpu_ms_per(before: dict[str, float], after: dict[str, float], count: int) -> dict[str, float]:
+    """CPU milliseconds per output token (or per request), per role, between two readings."""
+    return {role: round((after[role] - before.get(role, 0.0)) * 1000 / max(count, 1), 3)
             for role in sorted(after)}
 
 
@@ -254,8 +254,7 @@ def measure_admission(stack: Stack, base: str, key: str, texts: list[str], reque
     asyncio.run(burst())
     wall, after = time.perf_counter() - started, stack.cpu_seconds()
     return {"requests": requests, "concurrency": 32, "wall_s": round(wall, 2),
-            "cpu_ms_per_request": {role: round((after[role] - before.get(role, 0.0)) * 1000 / requests, 2)
-                                   for role in sorted(after)}}
+            "cpu_ms_per_request": cpu_ms_per(before, after, requests)}
 
 
 # ----------------------------------------------------------------------------- the engine alone
@@ -328,7 +327,7 @@ def main(argv=None) -> int:
             before, client_before = stack.cpu_seconds(), time.process_time()
             samples, wall = asyncio.run(run_stack_level(base, key, texts, clients, args.rounds, args.max_tokens))
             summary = summarize(samples, wall)
-            cpu = cpu_ms_per_token(before, stack.cpu_seconds(), summary["output_tokens"])
+            cpu = cpu_ms_per(before, stack.cpu_seconds(), summary["output_tokens"])
             cpu["bench_client"] = round((time.process_time() - client_before) * 1000 / summary["output_tokens"], 3)
             rows.append({"concurrency": clients, "stack": summary,
                          "platform": {**platform_share(samples), "cpu_ms_per_output_token": cpu}})

@@ -209,11 +209,12 @@ def sender() -> ChannelSender:
 def relay() -> StreamRelay:
     """This process's relay, recording first tokens in the fleet's request progress."""
     global _relay
-    send = sender()
+    channel_sender = sender()  # before the lock: sender() takes it too
     with _lock:
         if _relay is None:
             from . import fleet
 
-            _relay = StreamRelay(send, mark_streaming=lambda ids: fleet.set_stages(ids, fleet.STAGE_STREAMING))
+            _relay = StreamRelay(channel_sender,
+                                 mark_streaming=lambda ids: fleet.set_stages(ids, fleet.STAGE_STREAMING))
             atexit.register(_relay.close)
         return _relay
