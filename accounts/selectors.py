@@ -8,6 +8,8 @@ import re
 from django.db.models import QuerySet
 from django.utils import timezone
 
+from inference_platform.read_cache import ReadCache
+
 from .errors import ExpiredApiKey, InvalidApiKey, MissingApiKey, RevokedApiKey
 from .models import KEY_PREFIX, KEY_PREFIX_LENGTH, ApiKey, Membership, Organization, User, hash_api_key
 
@@ -27,6 +29,11 @@ def parse_bearer(header: str | bytes | None) -> str:
     return token.strip()
 
 
+# Keys by their hash, with organization and creator: read once per process until a key,
+# organization or user changes (the receivers in ``apps.py`` and ``revoke_api_key`` invalidate).
+_keys = ReadCache()
+
+
 def authenticate_api_key(raw: str) -> ApiKey:
     """The usable key for ``raw``, with its organization and creator loaded.
 
@@ -38,15 +45,21 @@ def authenticate_api_key(raw: str) -> ApiKey:
     match = _KEY_SHAPE.match(raw)
     if match is None:
         raise InvalidApiKey()
-    api_key = ApiKey.objects.select_related("organization", "created_by").filter(prefix=match.group(1)).first()
-    # Compare even when no row matched, so both paths cost the same hash and compare.
-    expected = api_key.secret_hash if api_key is not None else "0" * 64
-    if not hmac.compare_digest(expected.encode(), hash_api_key(raw).encode()) or api_key is None:
-        raise InvalidApiKey()
+    digest = hash_api_key(raw)
+    api_key = _keys.get(digest, lambda: _load_api_key(match.group(1), digest))
     if api_key.revoked_at is not None:
         raise RevokedApiKey()
     if api_key.is_expired(timezone.now()):
         raise ExpiredApiKey()
+    return api_key
+
+
+def _load_api_key(prefix: str, digest: str) -> ApiKey:
+    api_key = ApiKey.objects.select_related("organization", "created_by").filter(prefix=prefix).first()
+    # Compare even when no row matched, so both paths cost the same hash and compare.
+    expected = api_key.secret_hash if api_key is not None else "0" * 64
+    if not hmac.compare_digest(expected.encode(), digest.encode()) or api_key is None:
+        raise InvalidApiKey()
     return api_key
 
 

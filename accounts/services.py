@@ -14,6 +14,8 @@ from django.db.models import Q
 from django.utils import timezone
 from django.utils.text import slugify
 
+from inference_platform import read_cache
+
 from .errors import InvalidInput
 from .models import KEY_PREFIX, KEY_PREFIX_LENGTH, SCOPES, ApiKey, Membership, Organization, User, hash_api_key
 from .signals import organization_created
@@ -150,6 +152,7 @@ def revoke_api_key(*, api_key: ApiKey) -> None:
     """Revokes at once; revoking twice keeps the first time."""
     now = timezone.now()
     ApiKey.objects.filter(pk=api_key.pk, revoked_at__isnull=True).update(revoked_at=now)
+    read_cache.invalidate()
     api_key.refresh_from_db(fields=["revoked_at"])
 
 

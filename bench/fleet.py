@@ -165,6 +165,7 @@ def main(argv=None) -> int:
 
     from accounts import services as accounts
     from models_catalog.models import CatalogModel, Deployment
+    from inference_platform import read_cache
     from models_catalog.services import create_deployment
     from tests.conftest import child_env
     from workers.agent import detect_device
@@ -173,6 +174,7 @@ def main(argv=None) -> int:
     call_command("migrate", interactive=False, verbosity=0)
     call_command("seed_catalog", verbosity=0)
     Deployment.objects.filter(name=BUNDLED).update(status="scaled_to_zero", min_replicas=0)
+    read_cache.invalidate()  # the gateway caches deployments; a queryset update sends no signal
     Deployment.objects.filter(name__startswith="bench-").delete()
     Worker.objects.all().delete()
     tag = uuid.uuid4().hex[:8]

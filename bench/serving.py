@@ -14,7 +14,11 @@ engine's batch window, so it cancels out. Where the platform's share goes: each 
 reports the p50 of the time to the response headers (sent once the engine accepted the request)
 and of each stage of the gateway's ``Server-Timing`` header (auth, admit, dispatch, queue, load),
 ``arrival_spread_ms``: how far apart the first and the last request of the level reached the
-engine (a spread longer than the batch window splits a burst over several prefills), and
+engine (a spread longer than the batch window splits a burst over several prefills),
+``ttft_outside_engine_ms_p50``/``p99``: per request, the client's TTFT minus the engine's own
+(arrival at the engine to first token, from billing's usage record) — what the platform adds to
+each request whatever the engine's speed, where ``added_ttft_p50_ms`` also holds the difference
+between how the engine batches a burst that arrives at once and one that trickles in — and
 ``cpu_ms_per_output_token``: the CPU time each part of the stack (web, worker, billing, redis, beat, the
 benchmark's own client) used per output token, to set against the engine's own figure in the
 direct run: on a machine whose cores the engine keeps busy, that difference is what the
@@ -39,6 +43,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -117,16 +122,38 @@ class Stack:
             time.sleep(0.5)
         raise SystemExit("the stack did not become ready")
 
-    def deployment_settings(self) -> dict:
-        env = {**os.environ, "DATA_DIR": self.dir}
+    def _django(self, code: str, stdin: str = "") -> str:
+        """Run ``code`` against the stack's database in a fresh process; its last line of output."""
+        env = {**os.environ, "DATA_DIR": self.dir, "DJANGO_SETTINGS_MODULE": "inference_platform.settings"}
         env.pop("DATABASE_URL", None)
-        out = subprocess.run(
-            [sys.executable, "-c", "import django, json; django.setup(); from models_catalog.models import Deployment; "
-             f"d = Deployment.objects.get(name='{DEPLOYMENT}'); "
-             "print(json.dumps({'dtype': d.dtype, 'max_batch_size': d.max_batch_size, 'batch_window_ms': d.batch_window_ms}))"],
-            cwd=REPO_ROOT, env={**env, "DJANGO_SETTINGS_MODULE": "inference_platform.settings"},
-            capture_output=True, text=True, check=True)
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        env.pop("REDIS_URL", None)
+        out = subprocess.run([sys.executable, "-c", "import django; django.setup()\n" + textwrap.dedent(code)],
+                             cwd=REPO_ROOT, env=env, input=stdin, capture_output=True, text=True, check=True)
+        return out.stdout.strip().splitlines()[-1]
+
+    def deployment_settings(self) -> dict:
+        return json.loads(self._django(f"""
+            import json
+            from models_catalog.models import Deployment
+            d = Deployment.objects.get(name='{DEPLOYMENT}')
+            print(json.dumps({{'dtype': d.dtype, 'max_batch_size': d.max_batch_size,
+                              'batch_window_ms': d.batch_window_ms}}))
+        """))
+
+    def engine_ttft_ms(self, request_ids: list[str], timeout: float = 120) -> dict[str, float]:
+        """Each request's time to first token inside the engine (from its arrival there), from
+        billing's usage records, which are written once a request ended (so: waited for)."""
+        return json.loads(self._django(f"""
+            import json, sys, time
+            from billing.models import UsageRecord
+            ids, deadline = json.load(sys.stdin), time.monotonic() + {timeout}
+            while True:
+                rows = dict(UsageRecord.objects.filter(request_id__in=ids).values_list("request_id", "ttft_ms"))
+                if len(rows) == len(ids) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            print(json.dumps(rows))
+        """, stdin=json.dumps(request_ids)))
 
     def stop(self):
         self.proc.send_signal(signal.SIGINT)
@@ -187,7 +214,7 @@ async def stream_once(client, base: str, key: str, prompt: str, max_tokens: int)
     stamps = []
     body = {"model": DEPLOYMENT, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    tokens = 0
+    tokens, request_id = 0, None
     async with client.stream("POST", f"{base}/v1/completions", json=body,
                              headers={"Authorization": f"Bearer {key}"}) as response:
         response.raise_for_status()
@@ -196,18 +223,20 @@ async def stream_once(client, base: str, key: str, prompt: str, max_tokens: int)
         async for line in response.aiter_lines():
             if line.startswith("data: {"):
                 chunk = json.loads(line[6:])
+                request_id = request_id or chunk.get("id")
                 if chunk["choices"] and chunk["choices"][0]["text"]:
                     stamps.append(time.perf_counter())
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
     stamps = stamps or [time.perf_counter()]  # no text at all (an end-of-text first token): the end counts
-    return {"ttft": stamps[0] - started, "first": stamps[0], "end": stamps[-1], "tokens": tokens,
+    return {"id": request_id, "ttft": stamps[0] - started, "first": stamps[0], "end": stamps[-1], "tokens": tokens,
             "gaps": [b - a for a, b in zip(stamps, stamps[1:])], "headers": headers_at - started,
             "headers_at": headers_at, "stages": stages}
 
 
-def platform_share(samples: list[dict]) -> dict:
-    """p50 of the time to the response headers and of each Server-Timing stage; the arrival spread."""
+def platform_share(samples: list[dict], engine_ttft_ms: dict[str, float]) -> dict:
+    """p50 of the time to the response headers and of each Server-Timing stage; the arrival spread;
+    the part of each request's TTFT spent outside the engine."""
     def p50(values):
         return round(percentile(values, 50), 2)
 
@@ -215,10 +244,13 @@ def platform_share(samples: list[dict]) -> dict:
     # The headers leave once the engine accepted the request: the spread of the first round's (a
     # burst: every client starts at once) is how far apart the burst reached the engine.
     arrivals = [s["headers_at"] for s in samples if s["round"] == 0]
+    outside = [s["ttft"] * 1000 - engine_ttft_ms[s["id"]] for s in samples if engine_ttft_ms.get(s["id"]) is not None]
     return {
         "headers_ms_p50": p50([s["headers"] * 1000 for s in samples]),
         "server_timing_ms_p50": {name: p50([s["stages"].get(name, 0.0) for s in samples]) for name in names},
         "arrival_spread_ms": round((max(arrivals) - min(arrivals)) * 1000, 2),
+        "ttft_outside_engine_ms_p50": p50(outside) if outside else None,
+        "ttft_outside_engine_ms_p99": round(percentile(outside, 99), 2) if outside else None,
     }
 
 
@@ -286,6 +318,23 @@ def run_engine_level(engine, texts: list[str], clients: int, rounds: int, max_to
     return samples, time.perf_counter() - started
 
 
+def measure_engine_admission(engine, texts: list[str], requests: int) -> float:
+    """The engine's own CPU per one-token request, 32 at a time (the stack's ``worker`` figure
+    holds it plus what the worker adds)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from workers.engine import SamplingParams
+
+    def one(i):
+        for _ in engine.submit(texts[i % len(texts)], SamplingParams(temperature=0, max_tokens=1)):
+            pass
+
+    before = time.process_time()
+    with ThreadPoolExecutor(32) as pool:
+        list(pool.map(one, range(requests)))
+    return round((time.process_time() - before) * 1000 / requests, 3)
+
+
 def plot(result: dict, path: Path) -> None:
     try:
         import matplotlib
@@ -329,8 +378,9 @@ def main(argv=None) -> int:
             summary = summarize(samples, wall)
             cpu = cpu_ms_per(before, stack.cpu_seconds(), summary["output_tokens"])
             cpu["bench_client"] = round((time.process_time() - client_before) * 1000 / summary["output_tokens"], 3)
+            engine_ttft = stack.engine_ttft_ms([s["id"] for s in samples])
             rows.append({"concurrency": clients, "stack": summary,
-                         "platform": {**platform_share(samples), "cpu_ms_per_output_token": cpu}})
+                         "platform": {**platform_share(samples, engine_ttft), "cpu_ms_per_output_token": cpu}})
             print(f"  stack  {clients:>3} clients: {rows[-1]['stack']['output_tokens_per_s']:8.1f} tok/s, "
                   f"p50 TTFT {rows[-1]['stack']['ttft_ms_p50']} ms; {rows[-1]['platform']}", flush=True)
         admission = None
@@ -358,6 +408,11 @@ def main(argv=None) -> int:
             print(f"  engine {row['concurrency']:>3} clients: {row['engine']['output_tokens_per_s']:8.1f} tok/s, "
                   f"p50 TTFT {row['engine']['ttft_ms_p50']} ms -> stack keeps {row['throughput_ratio']:.0%}, "
                   f"adds {row['added_ttft_p50_ms']} ms TTFT", flush=True)
+        if admission:
+            admission["engine_direct_cpu_ms_per_request"] = measure_engine_admission(
+                engine, texts, args.admission_requests)
+            print(f"  engine direct, one-token requests: {admission['engine_direct_cpu_ms_per_request']} ms CPU each",
+                  flush=True)
         engine_dtype = str(engine.dtype).removeprefix("torch.")
     finally:
         engine.stop()
@@ -372,7 +427,8 @@ def main(argv=None) -> int:
         "levels": rows,
         "admission": admission,
         "targets": {"throughput_ratio_at_32": 0.8, "added_ttft_p50_ms_at_32": 15},
-        "at_32": at32 and {"throughput_ratio": at32["throughput_ratio"], "added_ttft_p50_ms": at32["added_ttft_p50_ms"]},
+        "at_32": at32 and {"throughput_ratio": at32["throughput_ratio"], "added_ttft_p50_ms": at32["added_ttft_p50_ms"],
+                           "ttft_outside_engine_ms_p50": at32["platform"]["ttft_outside_engine_ms_p50"]},
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,7 @@ def emit_usage_event(event: Mapping[str, Any]) -> str:
         RECORD_USAGE_TASK,
         args=[parsed.to_wire()],
         task_id=task_id,
+        argsrepr=f"[{parsed.request_id!r}]",  # for logs: the request, not the whole event (cheaper too)
         queue=BILLING_QUEUE,
         retry=True,
         retry_policy={"max_retries": 5, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 3},

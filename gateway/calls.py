@@ -22,6 +22,8 @@ from typing import Callable
 from channels.layers import get_channel_layer
 from django.conf import settings
 
+from inference_platform import read_cache
+from inference_platform.read_cache import ReadCache
 from workers import capacity, dispatch
 
 from . import admission, ratelimit
@@ -64,18 +66,31 @@ def authenticate_sync(header, *, scope: str | None = "inference") -> Caller:
     return Caller(api_key=api_key, organization=api_key.organization)
 
 
+# What each (organization, model name) routes to, or None: read once per process until a
+# deployment or catalog model changes (``models_catalog``'s receivers and services invalidate).
+_routes = ReadCache()
+
+
+def _load_route(organization, model: str) -> tuple[dict, bool, int] | None:
+    from models_catalog.models import Deployment
+    from models_catalog.selectors import deployments_visible_to
+
+    visible = deployments_visible_to(organization=organization)
+    row = visible.filter(name=model).values(*dispatch.SPEC_FIELDS, "queue_limit").first()  # no model instances
+    if row is None:
+        return None
+    return dispatch.spec_from_row(row), row["status"] == Deployment.Status.READY, row["queue_limit"]
+
+
 def _deployment_spec(caller: Caller, model: str) -> tuple[dict, bool, int]:
     """The engine spec of the deployment ``model`` names for the caller, whether it is ready, and
     its queue limit (not part of the spec: changing it must not reload the engine)."""
     from models_catalog.errors import DeploymentNotFound
-    from models_catalog.models import Deployment
-    from models_catalog.selectors import deployments_visible_to
 
-    visible = deployments_visible_to(organization=caller.organization)
-    row = visible.filter(name=model).values(*dispatch.SPEC_FIELDS, "queue_limit").first()  # no model instances
-    if row is None:
+    route = _routes.get((caller.org_id, model), lambda: _load_route(caller.organization, model))
+    if route is None:
         raise ApiError(404, DeploymentNotFound(model).message, param="model", code="model_not_found")
-    return dispatch.spec_from_row(row), row["status"] == Deployment.Status.READY, row["queue_limit"]
+    return route
 
 
 def _check_queue(spec: dict, queue_limit: int) -> None:
@@ -190,8 +205,9 @@ def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], request_id: s
     them: the key and the body (``identify``), the model (404), credit and spend limits (429
     insufficient_quota), a full deployment queue (429 queue_full), then rate limits (429), which
     count the request only once it passed the rest."""
-    caller, request = identify()
-    spec, ready, queue_limit = _deployment_spec(caller, request.model)
+    with read_cache.pinned():  # the key and the deployment, read at one generation
+        caller, request = identify()
+        spec, ready, queue_limit = _deployment_spec(caller, request.model)
     _check_quota(caller)
     _check_queue(spec, queue_limit)
     decision = ratelimit.admit(key_id=caller.key_id, org_id=caller.org_id, request_id=request_id)

@@ -11,6 +11,7 @@ from django.utils import timezone
 from django.utils.text import slugify
 
 from accounts.models import Organization
+from inference_platform import read_cache
 
 from .errors import InvalidCatalogModel, InvalidDeployment, ModelImportError
 from .models import DEPLOYMENT_NAME_PATTERN, CatalogModel, Deployment
@@ -130,6 +131,7 @@ def set_deployment_status(*, deployment: Deployment, status: str, reason: str = 
         raise InvalidDeployment("status", f"status must be one of {', '.join(Deployment.Status.values)}.")
     now = timezone.now()
     Deployment.objects.filter(pk=deployment.pk).update(status=status, status_reason=reason, updated_at=now)
+    read_cache.invalidate()
     deployment.status, deployment.status_reason, deployment.updated_at = status, reason, now
     return deployment
 

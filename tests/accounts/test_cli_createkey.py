@@ -11,7 +11,7 @@ import pytest
 from accounts.models import ApiKey, Membership, Organization, User
 from accounts.selectors import authenticate_api_key
 from accounts.services import create_organization, create_user
-from inference_platform import cli
+from inference_platform import cli, read_cache
 from tests.conftest import child_env
 from tests.support import REPO_ROOT
 
@@ -75,5 +75,6 @@ def test_up_saves_one_key_and_prints_the_same_one_again(tmp_path, settings):
     assert api_key.organization.name == "default" and api_key.created_by.is_superuser
     # A revoked (or lost) key is replaced by a working one.
     ApiKey.objects.update(revoked_at="2000-01-01T00:00:00Z")
+    read_cache.invalidate()  # a queryset update sends no signal
     second = cli.ensure_api_key(settings)
     assert second != first and authenticate_api_key(second).organization == api_key.organization

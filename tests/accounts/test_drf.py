@@ -57,7 +57,8 @@ def test_bad_keys_get_401_invalid_api_key(client, org, case):
     if case == "revoked":
         revoke_api_key(api_key=api_key)
     if case == "expired":
-        ApiKey.objects.filter(pk=api_key.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+        api_key.expires_at = timezone.now() - timedelta(seconds=1)
+        api_key.save(update_fields=["expires_at"])
     response = client.get("/whoami", HTTP_AUTHORIZATION=header)
     assert response.status_code == 401
     assert response.headers["WWW-Authenticate"].startswith("Bearer")

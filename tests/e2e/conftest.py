@@ -78,9 +78,11 @@ def inference_worker(server_env, django_db_blocker):
     It does not consume the `default` queue: the fleet's placement task travels there, and it must
     run only on the fleet tests' own processes (their settings), not on this one."""
     with django_db_blocker.unblock():
+        from inference_platform import read_cache
         from models_catalog.models import Deployment
 
         Deployment.objects.filter(name=DEPLOYMENT).update(dtype="float32")
+        read_cache.invalidate()  # the gateway caches deployments; a queryset update sends no signal
     name = f"e2e-{uuid.uuid4().hex[:8]}@localhost"
     proc = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "inference_platform", "worker", "--pool", "threads",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import uuid
 
 import httpx
 import pytest
@@ -47,14 +48,31 @@ def test_a_prompt_longer_than_the_context_is_400_and_not_billed(tenant, db_read)
 def test_a_model_nobody_serves_is_503_after_a_bounded_wait(tenant, db_read, django_db_blocker):
     from models_catalog.models import CatalogModel, Deployment
 
+    name = f"unserved-{uuid.uuid4().hex[:8]}"
+    body = {"model": name, "messages": [{"role": "user", "content": "Hi"}]}
+    assert chat(tenant, body).status_code == 404
+    # Created in this process: the gateway, which remembers what each name routes to, sees it at once.
     with django_db_blocker.unblock():
-        Deployment.objects.get_or_create(
-            name="unserved-e2e", defaults={"model": CatalogModel.objects.get(slug=DEPLOYMENT), "is_public": True,
-                                           "kind": "serverless", "status": "ready"})
-    response = chat(tenant, {"model": "unserved-e2e", "messages": [{"role": "user", "content": "Hi"}]})
+        Deployment.objects.create(name=name, model=CatalogModel.objects.get(slug=DEPLOYMENT), is_public=True,
+                                  kind="serverless", status="ready")
+    response = chat(tenant, body)
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "model_unavailable"
     assert usage_count(db_read, tenant) == 0
+
+
+def test_a_key_revoked_in_another_process_fails_on_its_next_request(make_tenant, django_db_blocker):
+    from accounts.models import ApiKey
+    from accounts.services import revoke_api_key
+
+    tenant = make_tenant()
+    models = f"{tenant.base_url}/v1/models"
+    headers = {"Authorization": f"Bearer {tenant.api_key}"}
+    assert httpx.get(models, headers=headers).status_code == 200  # the gateway now holds the key
+    with django_db_blocker.unblock():
+        revoke_api_key(api_key=ApiKey.objects.get(pk=tenant.api_key_id))
+    refused = httpx.get(models, headers=headers)
+    assert refused.status_code == 401 and "revoked" in refused.json()["error"]["message"]
 
 
 @pytest.fixture(scope="module")

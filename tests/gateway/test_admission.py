@@ -219,7 +219,9 @@ def test_a_full_deployment_queue_is_refused_with_429(client, seeded, org_key, wa
     from models_catalog.models import Deployment
 
     org, _, plaintext = org_key()
-    Deployment.objects.filter(name="smollm2-135m-instruct").update(queue_limit=2)
+    deployment = Deployment.objects.get(name="smollm2-135m-instruct")
+    deployment.queue_limit = 2
+    deployment.save(update_fields=["queue_limit"])
     waiting_requests("smollm2-135m-instruct", 2)
     response = post(client, chat(), key=plaintext)
     assert response.status_code == 429, response.content

@@ -53,7 +53,8 @@ def test_revoked_and_expired_keys_fail_at_once(client, seeded, org_key):
     revoke_api_key(api_key=key)
     assert "revoked" in assert_error(post(client, CHAT, chat(), key=plaintext), 401)["message"].lower()
     org, key, plaintext = org_key(expires_at=timezone.now() + timedelta(days=1))
-    type(key).objects.filter(pk=key.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    key.expires_at = timezone.now() - timedelta(seconds=1)
+    key.save(update_fields=["expires_at"])
     assert "expired" in assert_error(post(client, CHAT, chat(), key=plaintext), 401)["message"].lower()
 
 

@@ -103,6 +103,7 @@ def fleet(django_db_setup, django_db_blocker, tmp_path_factory):
     with django_db_blocker.unblock():
         from django.core.management import call_command
 
+        from inference_platform import read_cache
         from models_catalog.models import Deployment
         from workers.models import Worker
 
@@ -113,6 +114,7 @@ def fleet(django_db_setup, django_db_blocker, tmp_path_factory):
         # Deployments other suites left in the database (a full run) would take the fleet's slots.
         leftovers = dict(Deployment.objects.exclude(name=BUNDLED).values_list("pk", "status"))
         Deployment.objects.filter(pk__in=leftovers).update(status="stopped")
+        read_cache.invalidate()  # the gateway caches deployments; a queryset update sends no signal
         Worker.objects.all().delete()
     env = child_env(DATA_DIR=str(data_dir), MODELS_ROOT=str(models_root), **FLEET_SETTINGS)
     port = free_port()
@@ -144,6 +146,7 @@ def fleet(django_db_setup, django_db_blocker, tmp_path_factory):
             Deployment.objects.filter(name=BUNDLED).update(**seeded)
             for pk, status in leftovers.items():
                 Deployment.objects.filter(pk=pk).update(status=status)
+            read_cache.invalidate()
 
 
 @dataclass
