@@ -14,9 +14,10 @@ from typing import Any, Mapping
 
 import stripe
 from django.conf import settings
-from django.db import transaction
+from django.db import IntegrityError, transaction
 
 from accounts.models import ApiKey, Organization
+from inference_platform.read_cache import ReadCache
 from models_catalog.models import CatalogModel, Deployment
 
 from . import selectors
@@ -76,6 +77,10 @@ def add_adjustment(*, organization: Organization, amount: Decimal, description: 
 # --- usage ------------------------------------------------------------------------------------------
 
 
+# Catalog models (their prices) by slug, read once per process until one changes.
+_catalog_models = ReadCache()
+
+
 def record_usage(*, event: Mapping[str, Any]) -> UsageRecord:
     """Record one usage event (:class:`billing.events.UsageEvent`) and charge its cost, once.
 
@@ -101,7 +106,7 @@ def record_usage(*, event: Mapping[str, Any]) -> UsageRecord:
         if owner is not None and owner != organization.pk:
             raise InvalidUsageEvent("api_key_id", "the key belongs to another organization")
         api_key_id = parsed.api_key_id if owner is not None else None  # a deleted key: keep the usage
-    catalog_model = CatalogModel.objects.filter(slug=parsed.model).first()
+    catalog_model = _catalog_models.get(parsed.model, lambda: CatalogModel.objects.filter(slug=parsed.model).first())
     if catalog_model is None:
         raise UnknownModel(f"usage event {parsed.request_id}: no catalog model {parsed.model!r}", param="model")
     deployment_id = parsed.deployment_id
@@ -118,30 +123,32 @@ def record_usage(*, event: Mapping[str, Any]) -> UsageRecord:
         status=parsed.status,
     )
     with transaction.atomic():
-        record, created = UsageRecord.objects.get_or_create(
-            request_id=parsed.request_id,
-            defaults={
-                "organization": organization,
-                "api_key_id": api_key_id,
-                "deployment_id": deployment_id,
-                "model": parsed.model,
-                "deployment_name": parsed.deployment,
-                "prompt_tokens": parsed.prompt_tokens,
-                "cached_prompt_tokens": parsed.cached_prompt_tokens,
-                "completion_tokens": parsed.completion_tokens,
-                "status": parsed.status,
-                "queue_ms": parsed.queue_ms,
-                "ttft_ms": parsed.ttft_ms,
-                "latency_ms": parsed.latency_ms,
-                "price_input_per_mtok": prices.input_per_mtok,
-                "price_cached_input_per_mtok": prices.cached_input_per_mtok,
-                "price_output_per_mtok": prices.output_per_mtok,
-                "price_per_request": prices.per_request,
-                "cost": cost,
-                "created_at": parsed.finished_at,
-            },
-        )
-        if created and cost > 0:
+        try:
+            with transaction.atomic():  # a savepoint: the insert alone is undone if another delivery won
+                record = UsageRecord.objects.create(
+                    request_id=parsed.request_id,
+                    organization=organization,
+                    api_key_id=api_key_id,
+                    deployment_id=deployment_id,
+                    model=parsed.model,
+                    deployment_name=parsed.deployment,
+                    prompt_tokens=parsed.prompt_tokens,
+                    cached_prompt_tokens=parsed.cached_prompt_tokens,
+                    completion_tokens=parsed.completion_tokens,
+                    status=parsed.status,
+                    queue_ms=parsed.queue_ms,
+                    ttft_ms=parsed.ttft_ms,
+                    latency_ms=parsed.latency_ms,
+                    price_input_per_mtok=prices.input_per_mtok,
+                    price_cached_input_per_mtok=prices.cached_input_per_mtok,
+                    price_output_per_mtok=prices.output_per_mtok,
+                    price_per_request=prices.per_request,
+                    cost=cost,
+                    created_at=parsed.finished_at,
+                )
+        except IntegrityError:  # recorded meanwhile (request_id is unique): charged there, not here
+            return UsageRecord.objects.get(request_id=parsed.request_id)
+        if cost > 0:
             LedgerEntry.objects.create(
                 organization=organization,
                 kind=LedgerEntry.Kind.USAGE,

@@ -111,6 +111,9 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "default"
+# Celery's Django fixup closes every database connection around every task unless this is set;
+# ``inference_platform.celery`` applies Django's own rule (CONN_MAX_AGE, broken ones) instead.
+CELERY_DB_REUSE_MAX = 1_000_000
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # A redelivered (unacknowledged) task comes back after this long; keep it above the longest request.
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 3600)}
