@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import signal
 import subprocess
@@ -354,7 +353,7 @@ def plot(result: dict, path: Path) -> None:
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"Serving {DEPLOYMENT} on {result['machine']['processor'] or result['machine']['machine']}")
+    fig.suptitle(f"Serving {DEPLOYMENT} on {result['machine']['cpu']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
@@ -390,6 +389,9 @@ def main(argv=None) -> int:
     finally:
         stack.stop()
 
+    import torch
+
+    from engine import machine_info  # bench/engine.py
     from workers.engine import Engine, bundled_model_path
 
     dtype = None if deployment["dtype"] in ("", "auto") else deployment["dtype"]
@@ -420,7 +422,7 @@ def main(argv=None) -> int:
     at32 = next((r for r in rows if r["concurrency"] == 32), None)
     result = {
         "benchmark": "serving",
-        "machine": {"machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count()},
+        "machine": machine_info(torch),
         "deployment": {**deployment, "engine_dtype": engine_dtype},
         "web_workers": args.web_workers,
         "workload": {"rounds": args.rounds, "max_tokens": args.max_tokens, "prompt_words": args.prompt_words},

@@ -1,0 +1,171 @@
+"""CPU per request of the platform's own work, the engine aside: the gateway's admission of a
+request (its key, its deployment, the quota, the queue depth, the rate limits, the publish on the
+deployment's queue) and billing's recording of its usage event.
+
+Each step runs here, in one thread, against the embedded defaults (SQLite and a private Redis in a
+temporary folder, migrated and seeded as `inference-platform up` does, but no worker), and is timed in this thread's CPU time: the
+figures hold on a machine whose cores an engine keeps busy, where the serving benchmark's cannot
+tell the platform's cost from the noise. Baselines from the same run: the reads and the whole
+admission also run with the read cache off (every read from the database, as before it), and
+recording with the database connection closed after each event (as Celery did around every
+task); the ratios say what each saves.
+
+    python bench/platform_cpu.py
+    python bench/platform_cpu.py --requests 100
+
+Writes bench/results/platform-cpu.json. Not part of the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+RESULTS = REPO_ROOT / "bench" / "results"
+UNSERVED = "bench-unserved"  # the deployment requests are admitted to
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=300, help="times each step runs (300)")
+    parser.add_argument("--out", default=str(RESULTS / "platform-cpu.json"))
+    return parser.parse_args(argv)
+
+
+def cpu_ms(step, count: int) -> float:
+    """This thread's CPU milliseconds per call of ``step``, after one call to warm it."""
+    step()
+    started = time.thread_time()
+    for _ in range(count):
+        step()
+    return round((time.thread_time() - started) * 1000 / count, 3)
+
+
+class CacheOff:
+    """Within the block the read cache reads the database every time."""
+
+    def __enter__(self):
+        from inference_platform import read_cache
+
+        self.module, self.saved = read_cache, read_cache.generation
+        read_cache.generation = lambda: None
+
+    def __exit__(self, *exc):
+        self.module.generation = self.saved
+
+
+def measure(count: int) -> dict:
+    from django.db import connection
+
+    from accounts.models import ApiKey
+    from billing.services import record_usage
+    from gateway import calls, ratelimit
+    from gateway.protocol import parse_completion
+    from gateway.timing import Stages
+    from models_catalog.models import CatalogModel, Deployment
+    from workers import dispatch
+
+    api_key = ApiKey.objects.select_related("organization").first()
+    header = f"Bearer {(Path(os.environ['DATA_DIR']) / 'api-key.txt').read_text().strip()}"
+    bundled = Deployment.objects.get(name="smollm2-135m-instruct")
+    Deployment.objects.get_or_create(name=UNSERVED, defaults={"model": bundled.model, "is_public": True,
+                                                               "kind": "serverless", "status": "ready",
+                                                               "queue_limit": 10**9})
+    body = {"model": UNSERVED, "prompt": "Tell me a story about a river and a stone. " * 4, "max_tokens": 16,
+            "stream": True}
+    caller = calls.authenticate_sync(header)
+    spec, _, _ = calls._deployment_spec(caller, UNSERVED)
+
+    def identify():
+        return calls.authenticate_sync(header), parse_completion(body)
+
+    def admission():  # the whole trip, as a request makes it
+        calls._open(identify, calls.new_request_id("completion"), "bench.reply", Stages())
+
+    def usage_event():
+        return {"request_id": f"bench-{uuid.uuid4().hex}", "organization_id": api_key.organization_id,
+                "api_key_id": api_key.pk, "deployment_id": bundled.pk, "model": bundled.model.slug,
+                "deployment": bundled.name, "prompt_tokens": 40, "cached_prompt_tokens": 0,
+                "completion_tokens": 16, "status": "completed", "queue_ms": 2, "ttft_ms": 30, "latency_ms": 200,
+                "finished_at": "2026-01-01T00:00:00+00:00"}
+
+    def record_then_close():
+        record_usage(event=usage_event())
+        connection.close()
+
+    steps = {
+        "auth": lambda: calls.authenticate_sync(header),
+        "deployment": lambda: calls._deployment_spec(caller, UNSERVED),
+        "quota": lambda: calls._check_quota(caller),
+        "queue_depth": lambda: calls._check_queue(spec, 10**9),
+        "rate_limits": lambda: ratelimit.admit(key_id=caller.key_id, org_id=caller.org_id,
+                                               request_id=uuid.uuid4().hex),
+        "publish": lambda: dispatch.enqueue({"deployment": spec, "request_id": uuid.uuid4().hex, "prompt": body["prompt"]}),
+        "admission": admission,
+    }
+    cached = {name: cpu_ms(step, count) for name, step in steps.items()}
+    with CacheOff():
+        uncached = {name: cpu_ms(steps[name], count) for name in ("auth", "deployment", "admission")}
+    recording = {"kept_connection": cpu_ms(lambda: record_usage(event=usage_event()), count),
+                 "new_connection_each": cpu_ms(record_then_close, count)}
+    CatalogModel.objects.filter(pk=bundled.model_id).exists()  # the connection is usable again
+    return {
+        "gateway_cpu_ms_per_request": cached,
+        "gateway_cpu_ms_per_request_cache_off": uncached,
+        "read_cache_speedup": {name: round(uncached[name] / cached[name], 2) for name in uncached},
+        "billing_cpu_ms_per_usage_event": recording,
+        "kept_connection_speedup": round(recording["new_connection_each"] / recording["kept_connection"], 2),
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch  # for the machine's description only
+
+    from engine import machine_info  # bench/engine.py
+
+    data_dir = tempfile.mkdtemp(prefix="ip-platform-cpu-")
+    os.environ.update(DATA_DIR=data_dir, DJANGO_SETTINGS_MODULE="inference_platform.settings",
+                      RATE_LIMIT_KEY_RPM="1000000000", RATE_LIMIT_ORG_RPM="1000000000")
+    for name in ("DATABASE_URL", "REDIS_URL"):  # the embedded defaults, in the temporary folder
+        os.environ.pop(name, None)
+    from django.core.management import call_command
+
+    from inference_platform import cli
+    from inference_platform.processes import stop_all
+
+    settings, procs = cli.setup_django(), []
+    try:
+        cli.ensure_redis(settings, procs)  # no worker runs: what is published stays queued
+        call_command("migrate", interactive=False, verbosity=0)
+        cli.seed(settings)
+        cli.ensure_api_key(settings)
+        print(f"timing each step {args.requests} times ...", flush=True)
+        figures = measure(args.requests)
+    finally:
+        stop_all(procs)
+    result = {
+        "benchmark": "platform_cpu",
+        "machine": machine_info(torch),
+        "requests": args.requests,
+        **figures,
+    }
+    print(json.dumps(result, indent=2))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
