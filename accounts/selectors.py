@@ -35,7 +35,8 @@ _keys = ReadCache()
 
 
 def authenticate_api_key(raw: str) -> ApiKey:
-    """The usable key for ``raw``, with its organization and creator loaded.
+    """The usable key for ``raw``, with its organization and creator loaded: instances this process
+    shares between requests (the read cache), to be read, not changed.
 
     Raises InvalidApiKey (missing, malformed or unknown), RevokedApiKey or ExpiredApiKey.
     """

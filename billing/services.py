@@ -147,7 +147,10 @@ def record_usage(*, event: Mapping[str, Any]) -> UsageRecord:
                     created_at=parsed.finished_at,
                 )
         except IntegrityError:  # recorded meanwhile (request_id is unique): charged there, not here
-            return UsageRecord.objects.get(request_id=parsed.request_id)
+            existing = UsageRecord.objects.filter(request_id=parsed.request_id).first()
+            if existing is None:
+                raise  # another constraint: a real error, not a duplicate
+            return existing
         if cost > 0:
             LedgerEntry.objects.create(
                 organization=organization,

@@ -66,31 +66,28 @@ def authenticate_sync(header, *, scope: str | None = "inference") -> Caller:
     return Caller(api_key=api_key, organization=api_key.organization)
 
 
-# What each (organization, model name) routes to, or None: read once per process until a
+# What each (organization, model name) routes to: read once per process until a
 # deployment or catalog model changes (``models_catalog``'s receivers and services invalidate).
 _routes = ReadCache()
 
 
-def _load_route(organization, model: str) -> tuple[dict, bool, int] | None:
+def _load_route(organization, model: str) -> tuple[dict, bool, int]:
+    from models_catalog.errors import DeploymentNotFound
     from models_catalog.models import Deployment
     from models_catalog.selectors import deployments_visible_to
 
     visible = deployments_visible_to(organization=organization)
     row = visible.filter(name=model).values(*dispatch.SPEC_FIELDS, "queue_limit").first()  # no model instances
-    if row is None:
-        return None
+    if row is None:  # raised, so not cached: made-up names cannot crowd out the real ones
+        raise ApiError(404, DeploymentNotFound(model).message, param="model", code="model_not_found")
     return dispatch.spec_from_row(row), row["status"] == Deployment.Status.READY, row["queue_limit"]
 
 
 def _deployment_spec(caller: Caller, model: str) -> tuple[dict, bool, int]:
-    """The engine spec of the deployment ``model`` names for the caller, whether it is ready, and
-    its queue limit (not part of the spec: changing it must not reload the engine)."""
-    from models_catalog.errors import DeploymentNotFound
-
-    route = _routes.get((caller.org_id, model), lambda: _load_route(caller.organization, model))
-    if route is None:
-        raise ApiError(404, DeploymentNotFound(model).message, param="model", code="model_not_found")
-    return route
+    """The engine spec of the deployment ``model`` names for the caller (shared: read only),
+    whether it is ready, and its queue limit (not part of the spec: changing it must not reload
+    the engine); 404 when the caller has no such deployment."""
+    return _routes.get((caller.org_id, model), lambda: _load_route(caller.organization, model))
 
 
 def _check_queue(spec: dict, queue_limit: int) -> None:

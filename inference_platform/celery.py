@@ -4,6 +4,7 @@ deployment (`deployment.<name>`) that the GPU workers serving it consume."""
 from __future__ import annotations
 
 import os
+import threading
 
 from celery import Celery
 from celery.signals import task_postrun, task_prerun
@@ -18,17 +19,33 @@ app.conf.task_routes = {"billing.tasks.*": {"queue": "billing"}}
 app.autodiscover_tasks()
 
 
+# Threads of a worker process that keep their database connection between tasks: a few, because
+# an idle pool thread never gives its connection back and a worker may have 64 threads.
+KEPT_CONNECTIONS = 4
+_keepers: set[int] = set()
+_keepers_lock = threading.Lock()
+
+
 @task_prerun.connect
 @task_postrun.connect
 def _recycle_connections(task=None, **_) -> None:
     """Around each task, as Django does around each request: close this thread's database
-    connections that are broken or older than CONN_MAX_AGE, and keep the rest (opening one costs
-    more than a usage event's queries). Not for a task run in place (``apply``): it is inside its
-    caller's transaction."""
-    from django.db import close_old_connections
+    connections that are broken or older than CONN_MAX_AGE, and keep the rest on up to
+    ``KEPT_CONNECTIONS`` threads (opening one costs more than a usage event's queries). Not for a
+    task run in place (``apply``): it is inside its caller's transaction."""
+    from django.db import close_old_connections, connections
 
-    if task is None or not getattr(task.request, "is_eager", False):
-        close_old_connections()
+    if task is not None and getattr(task.request, "is_eager", False):
+        return
+    close_old_connections()
+    if not any(conn.connection is not None for conn in connections.all(initialized_only=True)):
+        return
+    with _keepers_lock:
+        me = threading.get_ident()
+        if me in _keepers or len(_keepers) < KEPT_CONNECTIONS:
+            _keepers.add(me)
+            return
+    connections.close_all()
 
 
 def deployment_queue(deployment_name: str) -> str:

@@ -17,6 +17,7 @@ import logging
 import secrets
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from typing import Callable, Hashable, TypeVar
 
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _pinned = threading.local()
 _client: redis.Redis | None = None
+_caches: "weakref.WeakSet[ReadCache]" = weakref.WeakSet()
 
 
 def _redis() -> redis.Redis:
@@ -93,6 +95,10 @@ class ReadCache:
     def __init__(self, *, max_entries: int = 10_000):
         self.max_entries = max_entries
         self._shelf: tuple[bytes | None, float, dict] = (None, 0.0, {})
+        _caches.add(self)
+
+    def clear(self) -> None:
+        self._shelf = (None, 0.0, {})
 
     def get(self, key: Hashable, load: Callable[[], T]) -> T:
         current = generation()
@@ -107,6 +113,13 @@ class ReadCache:
         except KeyError:
             value = entries[key] = load()
             return value
+
+
+def clear_local() -> None:
+    """Empty this process's caches. A transaction that rolls back (every test does) bumps no
+    generation, so what a thread read inside it could otherwise outlive it here."""
+    for cache in list(_caches):
+        cache.clear()
 
 
 def invalidate_on_change(*models) -> None:

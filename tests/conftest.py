@@ -28,6 +28,14 @@ def child_env(**extra) -> dict:
     return env
 
 
+@pytest.fixture(autouse=True)
+def _fresh_read_cache():
+    """Each test starts with empty read caches: its rolled-back rows must not serve the next."""
+    from inference_platform import read_cache
+
+    read_cache.clear_local()
+
+
 @pytest.fixture(scope="session")
 def django_db_setup(django_test_environment, django_db_blocker):
     """Always create the test database, also for runs whose tests reach it only through child

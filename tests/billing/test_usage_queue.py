@@ -19,6 +19,7 @@ from django.conf import settings
 
 from billing import selectors
 from billing.dispatch import emit_usage_event, usage_task_id
+from tests.e2e.conftest import _stop
 from billing.errors import InvalidUsageEvent
 from billing.models import LedgerEntry, UsageRecord
 from tests.billing.conftest import make_catalog_model, make_organization, usage_event
@@ -99,8 +100,7 @@ def test_an_event_left_in_redis_by_a_dead_producer_is_recorded_exactly_once(brok
         wait_until(lambda: UsageRecord.objects.filter(request_id="req-sentinel").exists(), timeout=60,
                    message="the sentinel event")
     finally:
-        worker.terminate()
-        worker.wait(timeout=30)
+        _stop(worker)
 
     assert UsageRecord.objects.filter(request_id=event["request_id"]).count() == 1
     assert LedgerEntry.objects.filter(kind="usage", reference=event["request_id"]).count() == 1

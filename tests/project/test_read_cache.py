@@ -84,3 +84,13 @@ def test_without_redis_every_read_goes_to_the_loader_and_writes_still_succeed(mo
     assert cache.get("k", load) == "value 1" and cache.get("k", load) == "value 2"
     read_cache.invalidate()  # logs, does not raise: the write it follows has happened
     assert "Redis" in caplog.text
+
+
+def test_clear_local_empties_every_cache_of_the_process():
+    first, second, load = ReadCache(), ReadCache(), Loader()
+    first.get("k", load)
+    second.get("k", load)
+    read_cache.clear_local()
+    first.get("k", load)
+    second.get("k", load)
+    assert load.calls == 4
