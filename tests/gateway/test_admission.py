@@ -242,3 +242,28 @@ def test_the_queue_limit_counts_the_requests_waiting(seeded, waiting_requests):
     with pytest.raises(ApiError) as refused:
         calls._check_queue(spec, 2)
     assert refused.value.status == 429 and refused.value.code == "queue_full"
+
+
+def test_a_known_key_and_deployment_are_read_from_the_database_once(org_key, seeded, django_assert_num_queries):
+    from gateway import calls
+    from inference_platform import read_cache
+
+    org, key, plaintext = org_key()
+    header = f"Bearer {plaintext}"
+
+    def identify():
+        with read_cache.pinned():
+            caller = calls.authenticate_sync(header)
+            return caller, calls._deployment_spec(caller, "smollm2-135m-instruct")
+
+    first_caller, first_route = identify()
+    with django_assert_num_queries(0):
+        caller, route = identify()
+    assert caller.api_key.pk == key.pk and route == first_route and route[0]["name"] == "smollm2-135m-instruct"
+    # A change to the deployment (any process's) and the next request reads it again.
+    from models_catalog.models import Deployment
+
+    deployment = Deployment.objects.get(name="smollm2-135m-instruct")
+    deployment.queue_limit = first_route[2] + 1
+    deployment.save(update_fields=["queue_limit"])
+    assert identify()[1][2] == first_route[2] + 1
