@@ -164,8 +164,8 @@ def main(argv=None) -> int:
     from django.core.management import call_command
 
     from accounts import services as accounts
-    from models_catalog.models import CatalogModel, Deployment
     from inference_platform import read_cache
+    from models_catalog.models import CatalogModel, Deployment
     from models_catalog.services import create_deployment
     from tests.conftest import child_env
     from workers.agent import detect_device

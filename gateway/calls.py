@@ -23,7 +23,6 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 
 from inference_platform import read_cache
-from inference_platform.read_cache import ReadCache
 from workers import capacity, dispatch
 
 from . import admission, ratelimit
@@ -68,7 +67,7 @@ def authenticate_sync(header, *, scope: str | None = "inference") -> Caller:
 
 # What each (organization, model name) routes to: read once per process until a
 # deployment or catalog model changes (``models_catalog``'s receivers and services invalidate).
-_routes = ReadCache()
+_routes = read_cache.ReadCache()
 
 
 def _load_route(organization, model: str) -> tuple[dict, bool, int]:

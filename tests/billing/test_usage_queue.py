@@ -19,10 +19,10 @@ from django.conf import settings
 
 from billing import selectors
 from billing.dispatch import emit_usage_event, usage_task_id
-from tests.e2e.conftest import _stop
 from billing.errors import InvalidUsageEvent
 from billing.models import LedgerEntry, UsageRecord
 from tests.billing.conftest import make_catalog_model, make_organization, usage_event
+from tests.e2e.conftest import _stop
 from tests.conftest import child_env
 from tests.support import REPO_ROOT, wait_until
 
