@@ -1,6 +1,7 @@
 """CPU per request of the platform's own work, the engine aside: the gateway's admission of a
 request (its key, its deployment, the quota, the queue depth, the rate limits, the publish on the
-deployment's queue) and billing's recording of its usage event.
+deployment's queue), billing's recording of its usage event, and the quota check against an
+organization with a long history.
 
 Each step runs here, in one thread, against the embedded defaults (SQLite and a private Redis in a
 temporary folder, migrated and seeded as `inference-platform up` does, but no worker), and is timed in this thread's CPU time: the
@@ -8,7 +9,9 @@ figures hold on a machine whose cores an engine keeps busy, where the serving be
 tell the platform's cost from the noise. Baselines from the same run: the reads and the whole
 admission also run with the read cache off (every read from the database, as before it), and
 recording with the database connection closed after each event (as Celery did around every
-task); the ratios say what each saves.
+task); the quota check (running totals) also against summing the ledger's rows, as it did
+before the totals existed, with ``--history-rows`` usage records and ledger entries on file. The
+ratios say what each saves.
 
     python bench/platform_cpu.py
     python bench/platform_cpu.py --requests 100
@@ -38,6 +41,8 @@ UNSERVED = "bench-unserved"  # the deployment requests are admitted to
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=300, help="times each step runs (300)")
+    parser.add_argument("--history-rows", type=int, default=100_000,
+                        help="usage records and ledger entries on file for the quota check (100000; 0: skip)")
     parser.add_argument("--out", default=str(RESULTS / "platform-cpu.json"))
     return parser.parse_args(argv)
 
@@ -49,6 +54,39 @@ def cpu_ms(step, count: int) -> float:
     for _ in range(count):
         step()
     return round((time.thread_time() - started) * 1000 / count, 3)
+
+
+def measure_history(count: int, rows: int) -> dict:
+    """The quota check with ``rows`` usage records and ledger entries on file (inserted directly:
+    the totals are what they are), against summing the ledger as the check used to (all it summed
+    without spend limits; with them it summed the month's and the key's usage records too)."""
+    from datetime import datetime, timezone
+    from decimal import Decimal
+
+    from accounts.models import ApiKey
+    from django.db.models import Sum
+
+    from billing.models import LedgerEntry, UsageRecord
+    from gateway import calls
+
+    api_key = ApiKey.objects.select_related("organization").first()
+    organization, now, chunk = api_key.organization, datetime.now(timezone.utc), 5000
+    print(f"writing {rows} usage records and ledger entries ...", flush=True)
+    for start in range(0, rows, chunk):
+        ids = [f"history-{i}" for i in range(start, min(rows, start + chunk))]
+        LedgerEntry.objects.bulk_create(LedgerEntry(organization=organization, kind="usage", amount=Decimal("-0.000001"),
+                                                    reference=i) for i in ids)
+        UsageRecord.objects.bulk_create(UsageRecord(
+            request_id=i, organization=organization, api_key=api_key, model="history", prompt_tokens=10,
+            completion_tokens=5, status="completed", cost=Decimal("0.000001"), created_at=now,
+            price_input_per_mtok=0, price_cached_input_per_mtok=0, price_output_per_mtok=0, price_per_request=0,
+        ) for i in ids)
+    caller = calls.Caller(api_key=api_key, organization=organization)
+    figures = {"running_totals": cpu_ms(lambda: calls._check_quota(caller), count),
+               "summing_the_ledger": cpu_ms(lambda: LedgerEntry.objects.filter(organization=organization).aggregate(
+                   Sum("amount")), max(3, count // 20))}
+    return {"history_rows": rows, "quota_cpu_ms_per_request": figures,
+            "running_totals_speedup": round(figures["summing_the_ledger"] / figures["running_totals"], 1)}
 
 
 def measure(count: int) -> dict:
@@ -139,6 +177,8 @@ def main(argv=None) -> int:
         cli.ensure_api_key(settings)
         print(f"timing each step {args.requests} times ...", flush=True)
         figures = measure(args.requests)
+        if args.history_rows:
+            figures["quota_with_history"] = measure_history(args.requests, args.history_rows)
     finally:
         stop_all(procs)
     result = {

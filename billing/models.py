@@ -2,9 +2,14 @@
 
 Invariants live in the database: one usage record per request id, one ledger entry per
 (kind, reference) where a reference is given, signs of ledger amounts by kind, cached prompt tokens
-never above prompt tokens, one Stripe event processed once. An organization's balance is the sum of
-its ledger entries, computed by the database (``billing.selectors.balance``); there is no stored
-balance to drift.
+never above prompt tokens, one Stripe event processed once.
+
+An organization's balance is the sum of its ledger entries, and its spend the sum of its usage
+records; the rows are the truth. Every request's quota check needs those sums, and summing rows
+costs time in proportion to the history (45 ms at 100,000 rows on SQLite), so running totals
+(``OrganizationBalance``, ``MonthlySpend``, ``ApiKeyTotals``) are kept beside them: in integer
+micro-dollars (exact on SQLite too), added to by the same transaction that writes the rows, with
+an atomic upsert (``billing.totals``). ``manage.py reconcile_billing`` recomputes them from the rows.
 """
 
 from __future__ import annotations
@@ -220,3 +225,42 @@ class StripeEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.event_id} {self.type}"
+
+
+# --- running totals (see the module's docstring; written only through ``billing.totals``) -----------
+
+
+class OrganizationBalance(models.Model):
+    """The sum of an organization's ledger entries, in micro-dollars."""
+
+    organization = models.OneToOneField("accounts.Organization", on_delete=models.CASCADE, primary_key=True,
+                                        related_name="+")
+    micros = models.BigIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"{self.organization_id}: {self.micros} micro-USD"
+
+
+class MonthlySpend(models.Model):
+    """The cost of an organization's usage records in one calendar month (UTC), in micro-dollars."""
+
+    organization = models.ForeignKey("accounts.Organization", on_delete=models.CASCADE, related_name="+")
+    month = models.DateField(help_text="The month's first day.")
+    micros = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["organization", "month"], name="billing_monthlyspend_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.organization_id} {self.month:%Y-%m}: {self.micros} micro-USD"
+
+
+class ApiKeyTotals(models.Model):
+    """What a key's usage records add up to: cost in micro-dollars, prompt + completion tokens."""
+
+    api_key = models.OneToOneField("accounts.ApiKey", on_delete=models.CASCADE, primary_key=True, related_name="+")
+    micros = models.BigIntegerField(default=0)
+    tokens = models.BigIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"{self.api_key_id}: {self.micros} micro-USD, {self.tokens} tokens"

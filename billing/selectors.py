@@ -1,7 +1,8 @@
 """Reads of the billing app: balances, spend, the ledger, usage reports and the CSV export.
 
-Every figure is computed by the database from the rows themselves (usage records, ledger entries),
-never from a cached counter, so it is current and cannot drift.
+Balances and spend come from the running totals that each charge adds to in its own transaction
+(``billing.totals``): current to the last committed charge, in constant time however long the
+history. Reports are computed by the database from the rows themselves.
 """
 
 from __future__ import annotations
@@ -19,7 +20,16 @@ from django.utils import timezone as dj_timezone
 
 from accounts.models import ApiKey, Organization
 
-from .models import ApiKeySpendLimit, LedgerEntry, SpendLimit, UsageRecord
+from . import totals
+from .models import (
+    ApiKeySpendLimit,
+    ApiKeyTotals,
+    LedgerEntry,
+    MonthlySpend,
+    OrganizationBalance,
+    SpendLimit,
+    UsageRecord,
+)
 from .pricing import COST_QUANTUM
 
 ZERO = Decimal(0).quantize(COST_QUANTUM)
@@ -35,10 +45,8 @@ def _money(value) -> Decimal:
 
 def balance(*, organization: Organization) -> Decimal:
     """The organization's credit balance in USD: the sum of its ledger entries."""
-    total = LedgerEntry.objects.filter(organization=organization).aggregate(
-        total=Coalesce(Sum("amount"), Value(Decimal(0), output_field=LedgerEntry._meta.get_field("amount")))
-    )["total"]
-    return _money(total)
+    return totals.usd(OrganizationBalance.objects.filter(organization=organization)
+                      .values_list("micros", flat=True).first())
 
 
 def month_start(now: datetime | None = None) -> datetime:
@@ -48,11 +56,9 @@ def month_start(now: datetime | None = None) -> datetime:
 
 
 def monthly_spend(*, organization: Organization, now: datetime | None = None) -> Decimal:
-    """What the organization's requests cost this calendar month (UTC), from its usage records."""
-    total = UsageRecord.objects.filter(organization=organization, created_at__gte=month_start(now)).aggregate(
-        total=Coalesce(Sum("cost"), _MONEY_ZERO)
-    )["total"]
-    return _money(total)
+    """What the organization's requests cost this calendar month (UTC)."""
+    return totals.usd(MonthlySpend.objects.filter(organization=organization, month=month_start(now).date())
+                      .values_list("micros", flat=True).first())
 
 
 @dataclass(frozen=True)
@@ -63,11 +69,8 @@ class KeySpend:
 
 def api_key_spend(*, api_key: ApiKey) -> KeySpend:
     """Everything a key has spent (USD) and used (prompt + completion tokens) since it was created."""
-    totals = UsageRecord.objects.filter(api_key=api_key).aggregate(
-        cost=Coalesce(Sum("cost"), _MONEY_ZERO),
-        tokens=Coalesce(Sum(F("prompt_tokens") + F("completion_tokens")), Value(0)),
-    )
-    return KeySpend(cost=_money(totals["cost"]), tokens=int(totals["tokens"]))
+    cost, tokens = ApiKeyTotals.objects.filter(api_key=api_key).values_list("micros", "tokens").first() or (0, 0)
+    return KeySpend(cost=totals.usd(cost), tokens=int(tokens))
 
 
 def organization_monthly_limit(*, organization: Organization) -> Decimal | None:
@@ -100,41 +103,35 @@ def _db_money(value) -> Decimal | None:
 
 def quota_figures(*, organization: Organization, api_key: ApiKey | None = None,
                   now: datetime | None = None) -> QuotaFigures:
-    """The balance, the spend limits and the spend they limit, in one statement: every request runs
-    this before dispatch, so it is plain SQL rather than an ORM query that costs more to compile
-    than to run. The same figures as :func:`balance`, :func:`monthly_spend` and
-    :func:`api_key_spend`; a spend is summed only when a limit applies to it."""
-    ledger, usage = LedgerEntry._meta.db_table, UsageRecord._meta.db_table
-    org_limits, key_limits = SpendLimit._meta.db_table, ApiKeySpendLimit._meta.db_table
-    key_limited = "(kl.amount_limit IS NOT NULL OR kl.token_limit IS NOT NULL)"
+    """The balance, the spend limits and the spend they limit, in one statement of constant cost:
+    every request runs this before dispatch, so it reads the running totals (``billing.totals``),
+    in plain SQL rather than an ORM query that costs more to compile than to run. The same figures
+    as :func:`balance`, :func:`monthly_spend` and :func:`api_key_spend`; a spend is None when no
+    limit applies to it."""
+    table = {model: connection.ops.quote_name(model._meta.db_table)
+             for model in (OrganizationBalance, MonthlySpend, ApiKeyTotals, SpendLimit, ApiKeySpendLimit)}
     sql = f"""
-        SELECT
-            (SELECT SUM(amount) FROM {ledger} WHERE organization_id = %s),
-            ol.monthly_limit,
-            CASE WHEN ol.monthly_limit IS NOT NULL THEN
-                (SELECT SUM(cost) FROM {usage} WHERE organization_id = %s AND created_at >= %s) END,
-            kl.amount_limit,
-            kl.token_limit,
-            CASE WHEN {key_limited} THEN (SELECT SUM(cost) FROM {usage} WHERE api_key_id = %s) END,
-            CASE WHEN {key_limited} THEN
-                (SELECT SUM(prompt_tokens + completion_tokens) FROM {usage} WHERE api_key_id = %s) END
+        SELECT b.micros, ol.monthly_limit, ms.micros, kl.amount_limit, kl.token_limit, kt.micros, kt.tokens
         FROM (SELECT 1 AS anchor) AS one
-        LEFT JOIN {org_limits} AS ol ON ol.organization_id = %s
-        LEFT JOIN {key_limits} AS kl ON kl.api_key_id = %s
+        LEFT JOIN {table[OrganizationBalance]} AS b ON b.organization_id = %s
+        LEFT JOIN {table[SpendLimit]} AS ol ON ol.organization_id = %s
+        LEFT JOIN {table[MonthlySpend]} AS ms ON ms.organization_id = %s AND ms.month = %s
+        LEFT JOIN {table[ApiKeySpendLimit]} AS kl ON kl.api_key_id = %s
+        LEFT JOIN {table[ApiKeyTotals]} AS kt ON kt.api_key_id = %s
     """
     key_id = api_key.pk if api_key is not None else None
-    since = connection.ops.adapt_datetimefield_value(month_start(now))
+    month = connection.ops.adapt_datefield_value(month_start(now).date())
     with connection.cursor() as cursor:
-        cursor.execute(sql, [organization.pk, organization.pk, since, key_id, key_id, organization.pk, key_id])
+        cursor.execute(sql, [organization.pk, organization.pk, organization.pk, month, key_id, key_id])
         balance_, monthly_limit, spent, amount_limit, token_limit, key_cost, key_tokens = cursor.fetchone()
     key_limited = amount_limit is not None or token_limit is not None
     return QuotaFigures(
-        balance=_db_money(balance_) or ZERO,
+        balance=totals.usd(balance_),
         monthly_limit=_db_money(monthly_limit),
-        monthly_spend=(_db_money(spent) or ZERO) if monthly_limit is not None else None,
+        monthly_spend=totals.usd(spent) if monthly_limit is not None else None,
         key_amount_limit=_db_money(amount_limit),
         key_token_limit=None if token_limit is None else int(token_limit),
-        key_spend=KeySpend(cost=_db_money(key_cost) or ZERO, tokens=int(key_tokens or 0)) if key_limited else None,
+        key_spend=KeySpend(cost=totals.usd(key_cost), tokens=int(key_tokens or 0)) if key_limited else None,
     )
 
 

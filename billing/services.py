@@ -20,7 +20,7 @@ from accounts.models import ApiKey, Organization
 from inference_platform.read_cache import ReadCache
 from models_catalog.models import CatalogModel, Deployment
 
-from . import selectors
+from . import selectors, totals
 from .errors import (
     CardDeclined,
     InvalidParameter,
@@ -42,18 +42,32 @@ CENTS = Decimal("0.01")
 # --- credit -----------------------------------------------------------------------------------------
 
 
+def _post(*, organization_id: int, kind: str, amount: Decimal, reference: str = "",
+          description: str = "") -> LedgerEntry:
+    """Write a ledger entry and add it to the organization's balance, in one transaction. With a
+    ``reference`` it happens once: a second call returns the first entry and adds nothing."""
+    with transaction.atomic():
+        if reference:
+            entry, created = LedgerEntry.objects.get_or_create(
+                kind=kind, reference=reference,
+                defaults={"organization_id": organization_id, "amount": amount, "description": description},
+            )
+        else:
+            entry, created = LedgerEntry.objects.create(organization_id=organization_id, kind=kind, amount=amount,
+                                                        description=description), True
+        if created:
+            totals.add_to_balance(organization_id=entry.organization_id, amount=entry.amount)
+    return entry
+
+
 def grant_signup_credit(*, organization: Organization) -> LedgerEntry | None:
     """Credit ``BILLING_SIGNUP_CREDIT`` to a new organization, once (None when the setting is 0)."""
     amount = settings.BILLING_SIGNUP_CREDIT
     if amount <= 0:
         return None
-    entry, _ = LedgerEntry.objects.get_or_create(
-        kind=LedgerEntry.Kind.SIGNUP_CREDIT,
-        reference=f"organization:{organization.pk}",
-        defaults={"organization": organization, "amount": amount.quantize(COST_QUANTUM),
-                  "description": "Sign-up credit"},
-    )
-    return entry
+    return _post(organization_id=organization.pk, kind=LedgerEntry.Kind.SIGNUP_CREDIT,
+                 amount=amount.quantize(COST_QUANTUM), reference=f"organization:{organization.pk}",
+                 description="Sign-up credit")
 
 
 def add_adjustment(*, organization: Organization, amount: Decimal, description: str, reference: str = "") -> LedgerEntry:
@@ -64,14 +78,8 @@ def add_adjustment(*, organization: Organization, amount: Decimal, description: 
     amount = amount.quantize(COST_QUANTUM, rounding=ROUND_HALF_UP)
     if amount == 0:
         raise InvalidParameter("amount", "an adjustment cannot be zero")
-    if reference:
-        entry, _ = LedgerEntry.objects.get_or_create(
-            kind=LedgerEntry.Kind.ADJUSTMENT, reference=reference,
-            defaults={"organization": organization, "amount": amount, "description": description[:255]},
-        )
-        return entry
-    return LedgerEntry.objects.create(organization=organization, kind=LedgerEntry.Kind.ADJUSTMENT, amount=amount,
-                                      description=description[:255])
+    return _post(organization_id=organization.pk, kind=LedgerEntry.Kind.ADJUSTMENT, amount=amount,
+                 reference=reference, description=description[:255])
 
 
 # --- usage ------------------------------------------------------------------------------------------
@@ -152,13 +160,13 @@ def record_usage(*, event: Mapping[str, Any]) -> UsageRecord:
                 raise  # another constraint: a real error, not a duplicate
             return existing
         if cost > 0:
-            LedgerEntry.objects.create(
-                organization=organization,
-                kind=LedgerEntry.Kind.USAGE,
-                amount=-cost,
-                reference=parsed.request_id,
-                description=f"{parsed.model}" + (f" on {parsed.deployment}" if parsed.deployment else ""),
-            )
+            _post(organization_id=organization.pk, kind=LedgerEntry.Kind.USAGE, amount=-cost,
+                  reference=parsed.request_id,
+                  description=f"{parsed.model}" + (f" on {parsed.deployment}" if parsed.deployment else ""))
+        else:  # nothing to charge; the balance's row is still taken first (the lock order reconcile relies on)
+            totals.add_to_balance(organization_id=organization.pk, amount=cost)
+        totals.add_usage(organization_id=organization.pk, api_key_id=api_key_id, created_at=record.created_at,
+                         cost=cost, tokens=parsed.prompt_tokens + parsed.completion_tokens)
     return record
 
 
@@ -196,7 +204,8 @@ def set_api_key_spend_limit(*, api_key: ApiKey, amount_limit: Decimal | None = N
 def check_quota(*, organization: Organization, api_key: ApiKey | None = None) -> None:
     """Refuse a new request (QuotaExceeded, code ``insufficient_quota``) when the organization's
     balance is zero or below, its monthly spend limit is reached, or the key's amount or token limit
-    is reached. Every figure is computed now from the ledger and the usage records, in one query."""
+    is reached. The figures are the running totals, current to the last committed charge, read
+    in one query (``billing.totals``)."""
     figures = selectors.quota_figures(organization=organization, api_key=api_key)
     if figures.balance <= 0:
         raise QuotaExceeded(
@@ -351,11 +360,8 @@ def _on_payment_intent_succeeded(intent: dict) -> None:
         logger.error("payment_intent.succeeded for %s: unusable amount/currency %r %r, not credited",
                      topup.payment_intent_id, intent.get("amount"), intent.get("currency"))
         return
-    LedgerEntry.objects.get_or_create(
-        kind=LedgerEntry.Kind.TOPUP,
-        reference=topup.payment_intent_id,
-        defaults={"organization_id": topup.organization_id, "amount": amount, "description": "Top-up (Stripe)"},
-    )
+    _post(organization_id=topup.organization_id, kind=LedgerEntry.Kind.TOPUP, amount=amount,
+          reference=topup.payment_intent_id, description="Top-up (Stripe)")
     if topup.status != TopUp.Status.SUCCEEDED:
         topup.status = TopUp.Status.SUCCEEDED
         topup.save(update_fields=["status", "updated_at"])
@@ -387,12 +393,8 @@ def _on_charge_refunded(charge: dict) -> None:
         amount = _usd_from_cents(refund.get("amount"))
         if refund.get("status") != "succeeded" or amount is None or not refund.get("id"):
             continue
-        LedgerEntry.objects.get_or_create(
-            kind=LedgerEntry.Kind.REFUND,
-            reference=refund["id"],
-            defaults={"organization_id": topup.organization_id, "amount": -amount,
-                      "description": f"Refund of top-up {topup.payment_intent_id}"},
-        )
+        _post(organization_id=topup.organization_id, kind=LedgerEntry.Kind.REFUND, amount=-amount,
+              reference=refund["id"], description=f"Refund of top-up {topup.payment_intent_id}")
 
 
 _STRIPE_HANDLERS = {

@@ -10,7 +10,7 @@ from decimal import Decimal
 import pytest
 from django.db import connection
 
-from billing import selectors, services
+from billing import selectors, services, totals
 from billing.errors import InvalidParameter, InvalidUsageEvent, QuotaExceeded, UnknownModel
 from billing.models import LedgerEntry, UsageRecord
 from billing.pricing import Prices, request_cost
@@ -149,8 +149,9 @@ def _run_concurrently(events: list[dict]) -> list[BaseException]:
 def test_fifty_concurrent_charges_leave_the_exact_balance():
     organization = make_organization("Busy")
     make_catalog_model()
-    events = [usage_event(organization, prompt_tokens=1000 + i, cached_prompt_tokens=i, completion_tokens=3 * i + 1)
-              for i in range(50)]
+    keys = [make_key(organization, name=f"key {i}")[0] for i in range(2)] + [None]
+    events = [usage_event(organization, prompt_tokens=1000 + i, cached_prompt_tokens=i, completion_tokens=3 * i + 1,
+                          api_key=keys[i % 3]) for i in range(50)]
     assert _run_concurrently(events) == []
     prices = Prices.of(CatalogModel.objects.get(slug="tiny-llama"))
     expected = sum((request_cost(prices=prices, prompt_tokens=e["prompt_tokens"],
@@ -159,6 +160,9 @@ def test_fifty_concurrent_charges_leave_the_exact_balance():
     assert UsageRecord.objects.count() == 50
     assert LedgerEntry.objects.filter(kind="usage").count() == 50
     assert selectors.balance(organization=organization) == SIGNUP - expected
+    # The running totals the quota check reads add up to the rows, per key too.
+    stored = totals.stored(organization_id=organization.pk)
+    assert stored == totals.from_rows(organization_id=organization.pk) and len(stored.keys) == 2
 
 
 @pytest.mark.django_db(transaction=True)

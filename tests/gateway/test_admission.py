@@ -112,10 +112,11 @@ def test_with_limits_the_figures_equal_the_selectors(seeded, org_key):
     assert figures.balance == selectors.balance(organization=org)
     assert figures.monthly_limit == Decimal("12.5")
     assert figures.monthly_spend == selectors.monthly_spend(organization=org) > 0
-    every_month = sum(r.cost for r in UsageRecord.objects.filter(organization=org))
-    assert figures.monthly_spend < every_month  # last month's record is not this month's spend
+    this_month = UsageRecord.objects.filter(organization=org, created_at__gte=selectors.month_start())
+    assert figures.monthly_spend == sum(r.cost for r in this_month)  # last month's record is not in it
     assert (figures.key_amount_limit, figures.key_token_limit) == (Decimal("3"), 10**9)
     assert figures.key_spend == selectors.api_key_spend(api_key=key)
+    assert figures.key_spend.cost == sum(r.cost for r in UsageRecord.objects.filter(api_key=key))
     assert figures.key_spend.tokens == 1000 + 500 + 123 + 45
 
 

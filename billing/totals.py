@@ -1,0 +1,138 @@
+"""The running totals beside the billing rows: added to in the transaction that writes the rows,
+read in constant time by the quota check, recomputed from the rows by ``reconcile``.
+
+Amounts are integer micro-dollars: exact on SQLite, which does arithmetic on decimals in floating
+point. An addition is one upsert (``INSERT ... ON CONFLICT DO UPDATE SET x = x + excluded.x``,
+PostgreSQL and SQLite alike): concurrent writers never lose one another's amounts, and a row locked
+by a charge stays locked only until that charge commits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import date, datetime, timezone
+from decimal import Decimal
+
+from django.db import connection, transaction
+from django.db.models import F, Sum
+from django.db.models.functions import TruncMonth
+
+from .models import ApiKeyTotals, LedgerEntry, MonthlySpend, OrganizationBalance, UsageRecord
+from .pricing import COST_QUANTUM
+
+
+def micros(amount: Decimal) -> int:
+    """USD (at most 6 decimal places, as every billing amount is) as integer micro-dollars."""
+    scaled = amount.scaleb(6)
+    if scaled != scaled.to_integral_value():
+        raise ValueError(f"{amount} USD is finer than a micro-dollar")
+    return int(scaled)
+
+
+def usd(value: int | None) -> Decimal:
+    """Micro-dollars (None: none) as USD."""
+    return Decimal(value or 0).scaleb(-6).quantize(COST_QUANTUM)
+
+
+def month_of(moment: datetime) -> date:
+    """The first day of ``moment``'s calendar month, UTC: what monthly spend is keyed by."""
+    return moment.astimezone(timezone.utc).date().replace(day=1)
+
+
+def _add(model, key: dict, **amounts: int) -> None:
+    """Add ``amounts`` to the row of ``model`` that ``key`` names (created at zero if missing)."""
+    quote = connection.ops.quote_name
+    table = quote(model._meta.db_table)
+    columns = {quote(model._meta.get_field(name).column): value for name, value in {**key, **amounts}.items()}
+    key_columns = list(columns)[:len(key)]
+    increments = ", ".join(f"{c} = {table}.{c} + excluded.{c}" for c in list(columns)[len(key):])
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join(['%s'] * len(columns))}) "
+            f"ON CONFLICT ({', '.join(key_columns)}) DO UPDATE SET {increments}",
+            list(columns.values()),
+        )
+
+
+def add_to_balance(*, organization_id: int, amount: Decimal) -> None:
+    """A ledger entry of ``amount`` was written for the organization (in this transaction)."""
+    _add(OrganizationBalance, {"organization": organization_id}, micros=micros(amount))
+
+
+def add_usage(*, organization_id: int, api_key_id: int | None, created_at: datetime, cost: Decimal,
+              tokens: int) -> None:
+    """A usage record was written (in this transaction): its cost counts toward its month's
+    spend, and its cost and tokens toward its key's."""
+    _add(MonthlySpend, {"organization": organization_id, "month": month_of(created_at)}, micros=micros(cost))
+    if api_key_id is not None:
+        _add(ApiKeyTotals, {"api_key": api_key_id}, micros=micros(cost), tokens=tokens)
+
+
+# --- recomputing them from the rows ---------------------------------------------------------------
+
+
+@dataclass
+class Totals:
+    """An organization's running totals: balance, spend by month, (cost, tokens) by key."""
+
+    balance: int = 0
+    months: dict[date, int] = field(default_factory=dict)
+    keys: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+
+def _as_decimal(value) -> Decimal:
+    """A sum as the driver returns it: Decimal (PostgreSQL) or int/float (SQLite; a float's
+    shortest repr is the decimal it stands for)."""
+    return Decimal(repr(value) if isinstance(value, float) else value or 0).quantize(COST_QUANTUM)
+
+
+def from_rows(*, organization_id: int, ledger=LedgerEntry, usage=UsageRecord) -> Totals:
+    """The totals as the rows add up now (time in proportion to the organization's history).
+    ``ledger`` and ``usage`` are the row models (a migration passes its historical ones)."""
+    balance = ledger.objects.filter(organization_id=organization_id).aggregate(total=Sum("amount"))["total"]
+    usage = usage.objects.filter(organization_id=organization_id)
+    months = usage.annotate(month=TruncMonth("created_at", tzinfo=timezone.utc)).values("month").annotate(
+        cost=Sum("cost")).values_list("month", "cost")
+    keys = usage.filter(api_key__isnull=False).values("api_key").annotate(
+        cost=Sum("cost"), tokens=Sum(F("prompt_tokens") + F("completion_tokens"))).values_list("api_key", "cost", "tokens")
+    return Totals(
+        balance=micros(_as_decimal(balance)),
+        months={month_of(m) if isinstance(m, datetime) else m.replace(day=1): micros(_as_decimal(c)) for m, c in months},
+        keys={k: (micros(_as_decimal(c)), int(t)) for k, c, t in keys},
+    )
+
+
+def stored(*, organization_id: int) -> Totals:
+    """The running totals as stored."""
+    return Totals(
+        balance=OrganizationBalance.objects.filter(organization_id=organization_id)
+        .values_list("micros", flat=True).first() or 0,
+        months={m: v for m, v in MonthlySpend.objects.filter(organization_id=organization_id)
+                .values_list("month", "micros") if v},
+        keys={k: (c, t) for k, c, t in ApiKeyTotals.objects.filter(api_key__organization_id=organization_id)
+              .values_list("api_key", "micros", "tokens") if c or t},
+    )
+
+
+def reconcile(*, organization_id: int, fix: bool = True) -> tuple[Totals, Totals]:
+    """Compare an organization's stored totals with its rows; with ``fix``, store the rows' sums.
+    Returns (stored, from the rows). Safe while charges run: the totals' rows are locked first,
+    so a charge either committed before the sums were taken (and is in them) or adds itself
+    after the fix."""
+    with transaction.atomic():
+        _add(OrganizationBalance, {"organization": organization_id}, micros=0)  # takes the row's lock
+        OrganizationBalance.objects.select_for_update().filter(organization_id=organization_id).first()
+        list(MonthlySpend.objects.select_for_update().filter(organization_id=organization_id))
+        list(ApiKeyTotals.objects.select_for_update().filter(api_key__organization_id=organization_id))
+        before, truth = stored(organization_id=organization_id), from_rows(organization_id=organization_id)
+        if fix and before != truth:
+            OrganizationBalance.objects.filter(organization_id=organization_id).update(micros=truth.balance)
+            MonthlySpend.objects.filter(organization_id=organization_id).exclude(month__in=truth.months).delete()
+            for month, value in truth.months.items():
+                MonthlySpend.objects.update_or_create(organization_id=organization_id, month=month,
+                                                      defaults={"micros": value})
+            ApiKeyTotals.objects.filter(api_key__organization_id=organization_id).exclude(
+                api_key_id__in=truth.keys).delete()
+            for key_id, (cost, tokens) in truth.keys.items():
+                ApiKeyTotals.objects.update_or_create(api_key_id=key_id, defaults={"micros": cost, "tokens": tokens})
+    return before, truth
