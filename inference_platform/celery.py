@@ -10,8 +10,11 @@ from celery import Celery
 from celery.signals import task_postrun, task_prerun
 from kombu import Queue
 
+from .broker import use_for_redis_urls
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "inference_platform.settings")
 
+use_for_redis_urls()  # before any broker connection exists
 app = Celery("inference_platform")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.conf.task_queues = (Queue("default"), Queue("billing"))
