@@ -1,7 +1,7 @@
 """CPU per request of the platform's own work, the engine aside: the gateway's admission of a
-request (its key, its deployment, the quota, the queue depth, the rate limits, the publish on the
-deployment's queue), billing's recording of its usage event, and the quota check against an
-organization with a long history.
+request (its key, its deployment, the quota, the queue depth and rate limits in one script, the
+publish on the deployment's queue), billing's recording of its usage event, and the quota check
+against an organization with a long history.
 
 Each step runs here, in one thread, against the embedded defaults (SQLite and a private Redis in a
 temporary folder, migrated and seeded as `inference-platform up` does, but no worker), and is timed in this thread's CPU time: the
@@ -94,7 +94,7 @@ def measure(count: int) -> dict:
 
     from accounts.models import ApiKey
     from billing.services import record_usage
-    from gateway import calls, ratelimit
+    from gateway import calls
     from gateway.protocol import parse_completion
     from gateway.timing import Stages
     from inference_platform import read_cache
@@ -133,9 +133,7 @@ def measure(count: int) -> dict:
         "auth": lambda: calls.authenticate_sync(header),
         "deployment": lambda: calls._deployment_spec(caller, UNSERVED),
         "quota": lambda: calls._check_quota(caller),
-        "queue_depth": lambda: calls._check_queue(spec, 10**9),
-        "rate_limits": lambda: ratelimit.admit(key_id=caller.key_id, org_id=caller.org_id,
-                                               request_id=uuid.uuid4().hex),
+        "queue_and_rate_limits": lambda: calls._admit(caller, spec, 10**9, uuid.uuid4().hex),
         "publish": lambda: dispatch.enqueue({"deployment": spec, "request_id": uuid.uuid4().hex, "prompt": body["prompt"]}),
         "admission": admission,
     }

@@ -89,13 +89,21 @@ def _deployment_spec(caller: Caller, model: str) -> tuple[dict, bool, int]:
     return _routes.get((caller.org_id, model), lambda: _load_route(caller.organization, model))
 
 
-def _check_queue(spec: dict, queue_limit: int) -> None:
-    """A deployment whose queue is full turns requests away rather than let them wait past any use.
-    The check and the enqueue are not atomic: a burst may overshoot the limit by its own size."""
-    if dispatch.queue_depth(spec["name"]) >= queue_limit:
+def _admit(caller: Caller, spec: dict, queue_limit: int, request_id: str) -> ratelimit.Decision:
+    """Count the request against its rate limits, unless its deployment's queue is full (a full
+    queue turns requests away rather than let them wait past any use) or a limit is reached: one
+    script in Redis. The check and the enqueue are not atomic: a burst may overshoot the queue
+    limit by its own size."""
+    decision = ratelimit.admit(key_id=caller.key_id, org_id=caller.org_id, request_id=request_id,
+                               queue_lists=dispatch.queue_lists(spec["name"]), queue_limit=queue_limit)
+    if decision.queue_full:
         raise ApiError(429, f"The deployment '{spec['name']}' has {queue_limit} requests waiting, its limit; "
                             "retry shortly.", code="queue_full", type="rate_limit_error",
                        headers={"Retry-After": "1"})
+    if not decision.allowed:
+        raise ApiError(429, "Rate limit reached for requests or tokens per minute; retry after the reset.",
+                       code="rate_limit_exceeded", headers=decision.headers)
+    return decision
 
 
 def _check_quota(caller: Caller) -> None:
@@ -205,11 +213,7 @@ def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], request_id: s
         caller, request = identify()
         spec, ready, queue_limit = _deployment_spec(caller, request.model)
     _check_quota(caller)
-    _check_queue(spec, queue_limit)
-    decision = ratelimit.admit(key_id=caller.key_id, org_id=caller.org_id, request_id=request_id)
-    if not decision.allowed:
-        raise ApiError(429, "Rate limit reached for requests or tokens per minute; retry after the reset.",
-                       code="rate_limit_exceeded", headers=decision.headers)
+    decision = _admit(caller, spec, queue_limit, request_id)
     stages.mark("admit")
     call = Call(caller=caller, request=request, spec=spec, request_id=request_id, reply_channel=reply_channel,
                 headers=decision.headers, stages=stages)

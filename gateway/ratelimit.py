@@ -3,6 +3,10 @@
 Every gateway process shares one count: a sliding window (a sorted set of timestamps) checked and
 updated by one Lua script, so a key gets exactly its limit in any 60 seconds, never more and not
 80% of it. Tokens are added when a request finishes, with its real counts.
+
+The same script first checks the deployment's queue (the lists its waiting requests are on
+against its queue limit): a full queue refuses the request before any window counts it, and the
+admission costs one round trip to Redis instead of two.
 """
 
 from __future__ import annotations
@@ -21,6 +25,12 @@ WINDOW_MS = 60_000
 
 _ADMIT = """
 local now, window = tonumber(ARGV[1]), tonumber(ARGV[2])
+local queue_limit = tonumber(ARGV[8])
+if queue_limit >= 0 then  -- KEYS[5..]: the deployment's queue lists
+  local waiting = 0
+  for i = 5, #KEYS do waiting = waiting + redis.call('LLEN', KEYS[i]) end
+  if waiting >= queue_limit then return {-1, waiting} end
+end
 local out = {1, 0}
 for i = 1, 4 do
   redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now - window)
@@ -71,6 +81,7 @@ class Decision:
     allowed: bool
     retry_after_ms: int
     headers: dict
+    queue_full: bool = False  # refused for the deployment's queue (``headers`` empty), not a window
 
 
 def _keys(key_id, org_id) -> list[str]:
@@ -100,15 +111,20 @@ def _admission_script():
         return _admit_script
 
 
-def admit(*, key_id, org_id, request_id: str, limits: Limits | None = None) -> Decision:
-    """Count this request if every window has room; otherwise refuse it, counting nothing.
-    Blocking: it runs in the request's admission thread, with the database checks."""
+def admit(*, key_id, org_id, request_id: str, limits: Limits | None = None, queue_lists: list[str] = (),
+          queue_limit: int | None = None) -> Decision:
+    """Count this request if its deployment's queue is below ``queue_limit`` (the requests waiting
+    on ``queue_lists``; None: not checked) and every window has room; otherwise refuse it,
+    counting nothing. Blocking: it runs in the request's admission thread, with the database checks."""
     limits = limits or Limits.from_settings()
     now = int(time.time() * 1000)
     out = _admission_script()(
-        keys=_keys(key_id, org_id),
-        args=[now, WINDOW_MS, limits.key_rpm, limits.org_rpm, limits.key_tpm, limits.org_tpm, request_id],
+        keys=[*_keys(key_id, org_id), *queue_lists],
+        args=[now, WINDOW_MS, limits.key_rpm, limits.org_rpm, limits.key_tpm, limits.org_tpm, request_id,
+              -1 if queue_limit is None else queue_limit],
     )
+    if int(out[0]) == -1:
+        return Decision(False, 1000, {}, queue_full=True)
     allowed, retry_ms, key_req, key_req_reset, org_req, org_req_reset, key_tok, key_tok_reset, org_tok, org_tok_reset = (
         int(v) for v in out
     )

@@ -49,11 +49,12 @@ def spec_from_row(row: dict) -> dict:
     }
 
 
-def queue_depth(name: str) -> int:
-    """Requests waiting on the deployment's queue, not yet taken by a worker."""
-    from .fleet import queue_depths
+def queue_lists(name: str) -> list[str]:
+    """The Redis lists the deployment's waiting requests are on: the sum of their lengths is how
+    many wait, for a check made inside a Redis script."""
+    from .fleet import queue_lists as lists
 
-    return queue_depths([name])[name]
+    return lists(deployment_queue(name))
 
 
 def enqueue(payload: dict) -> None:

@@ -77,7 +77,7 @@ def liveness_ttl() -> int:
 # ------------------------------------------------------------------------------- queue depths
 
 
-def _queue_lists(queue: str) -> list[str]:
+def queue_lists(queue: str) -> list[str]:
     return [queue if step == 0 else f"{queue}{PRIORITY_SEPARATOR}{step}" for step in PRIORITY_STEPS]
 
 
@@ -88,7 +88,7 @@ def queue_depths(names) -> dict[str, int]:
         return {}
     pipe = client().pipeline(transaction=False)
     for name in names:
-        for key in _queue_lists(deployment_queue(name)):
+        for key in queue_lists(deployment_queue(name)):
             pipe.llen(key)
     lengths = pipe.execute()
     steps = len(PRIORITY_STEPS)
@@ -314,7 +314,7 @@ def fail_queued(name: str, *, message: str, code: str, status: int = 503) -> int
     stopped, failed or deleted deployment); returns how many. Nothing ran, so nothing is billed."""
     r = client()
     failed = 0
-    for key in _queue_lists(deployment_queue(name)):
+    for key in queue_lists(deployment_queue(name)):
         while True:
             raw = r.rpop(key)
             if raw is None:

@@ -233,16 +233,24 @@ def test_a_full_deployment_queue_is_refused_with_429(client, seeded, org_key, wa
 
 
 @pytest.mark.django_db
-def test_the_queue_limit_counts_the_requests_waiting(seeded, waiting_requests):
+def test_the_queue_limit_counts_the_requests_waiting_and_a_refusal_counts_nowhere(seeded, org_key,
+                                                                                  waiting_requests):
+    import redis
+    from django.conf import settings
+
     from gateway import calls
     from gateway.errors import ApiError
 
+    org, key, _ = org_key()
+    caller = calls.Caller(api_key=key, organization=org)
     spec = {"name": "smollm2-135m-instruct"}
     waiting_requests("smollm2-135m-instruct", 2)
-    calls._check_queue(spec, 3)  # one place left
+    assert calls._admit(caller, spec, 3, "req-one-place-left").allowed
     with pytest.raises(ApiError) as refused:
-        calls._check_queue(spec, 2)
+        calls._admit(caller, spec, 2, "req-queue-full")
     assert refused.value.status == 429 and refused.value.code == "queue_full"
+    windows = redis.Redis.from_url(settings.REDIS_URL)
+    assert [m.decode() for m in windows.zrange(f"rl:key:{key.pk}:req", 0, -1)] == ["req-one-place-left"]
 
 
 def test_a_known_key_and_deployment_are_read_from_the_database_once(org_key, seeded, django_assert_num_queries):
