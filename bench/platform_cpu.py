@@ -1,7 +1,7 @@
 """CPU per request of the platform's own work, the engine aside: the gateway's admission of a
 request (its key, its deployment, the quota, the queue depth and rate limits in one script, the
-publish on the deployment's queue), billing's recording of its usage event, and the quota check
-against an organization with a long history.
+publish on the deployment's queue), billing's recording of its usage event, the quota check
+against an organization with a long history, and the rate-limit script against a busy minute.
 
 Each step runs here, in one thread, against the embedded defaults (SQLite and a private Redis in a
 temporary folder, migrated and seeded as `inference-platform up` does, but no worker), and is timed in this thread's CPU time: the
@@ -11,7 +11,8 @@ admission also run with the read cache off (every read from the database, as bef
 recording with the database connection closed after each event (as Celery did around every
 task); the quota check (running totals) also against summing the ledger's rows, as it did
 before the totals existed, with ``--history-rows`` usage records and ledger entries on file. The
-ratios say what each saves.
+ratios say what each saves. The rate-limit script's time is Redis's (wall time, one round trip
+included), with ``--window-requests`` finished requests in the last minute against none.
 
     python bench/platform_cpu.py
     python bench/platform_cpu.py --requests 100
@@ -43,6 +44,8 @@ def parse_args(argv=None):
     parser.add_argument("--requests", type=int, default=300, help="times each step runs (300)")
     parser.add_argument("--history-rows", type=int, default=100_000,
                         help="usage records and ledger entries on file for the quota check (100000; 0: skip)")
+    parser.add_argument("--window-requests", type=int, default=10_000,
+                        help="finished requests in the rate-limit windows for the busy case (10000; 0: skip)")
     parser.add_argument("--out", default=str(RESULTS / "platform-cpu.json"))
     return parser.parse_args(argv)
 
@@ -87,6 +90,35 @@ def measure_history(count: int, rows: int) -> dict:
                    Sum("amount")), max(3, count // 20))}
     return {"history_rows": rows, "quota_cpu_ms_per_request": figures,
             "running_totals_speedup": round(figures["summing_the_ledger"] / figures["running_totals"], 1)}
+
+
+def measure_busy_window(count: int, requests: int) -> dict:
+    """The admission script's wall time with no request in the last minute, then with ``requests``
+    whose tokens were recorded (a key and an organization at ``requests`` a minute)."""
+    import asyncio
+
+    from gateway import ratelimit
+
+    ids = {"key_id": f"bench-{uuid.uuid4().hex}", "org_id": f"bench-{uuid.uuid4().hex}"}
+
+    def wall_ms():
+        ratelimit.admit(**ids, request_id=uuid.uuid4().hex)
+        started = time.perf_counter()
+        for _ in range(count):
+            ratelimit.admit(**ids, request_id=uuid.uuid4().hex)
+        return round((time.perf_counter() - started) * 1000 / count, 3)
+
+    empty = wall_ms()
+
+    async def fill():
+        for i in range(requests):
+            await ratelimit.record_tokens(**ids, request_id=f"bench-{i}", tokens=100)
+
+    print(f"recording {requests} requests' tokens in the rate-limit windows ...", flush=True)
+    asyncio.run(fill())
+    busy = wall_ms()
+    return {"requests_in_window": requests, "admission_script_wall_ms": {"empty_window": empty, "busy_window": busy},
+            "busy_over_empty": round(busy / empty, 2)}
 
 
 def measure(count: int) -> dict:
@@ -177,6 +209,8 @@ def main(argv=None) -> int:
         figures = measure(args.requests)
         if args.history_rows:
             figures["quota_with_history"] = measure_history(args.requests, args.history_rows)
+        if args.window_requests:
+            figures["rate_limits_with_busy_window"] = measure_busy_window(args.requests, args.window_requests)
     finally:
         stop_all(procs)
     result = {

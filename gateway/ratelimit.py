@@ -23,19 +23,34 @@ from django.conf import settings
 
 WINDOW_MS = 60_000
 
-_ADMIT = """
+# A token window is a sorted set of "<request id>:<tokens>" members scored by time, beside a
+# running sum of their tokens (KEYS: the set, then its sum). Admission reads the sum and subtracts
+# only the members that left the window, so its cost does not grow with the requests in it (summing
+# every member cost 3.7 ms of Redis's one thread at 1,000 requests a minute). A sum that is missing
+# (evicted, or from before it existed) is recomputed once from the members.
+_TOKEN_WINDOW = """
+local function tokens_of(member) return tonumber(string.match(member, ':(%d+)$')) or 0 end
+local function ensure_sum(set, sum)
+  if redis.call('EXISTS', sum) == 1 then return end
+  local used = 0
+  for _, member in ipairs(redis.call('ZRANGE', set, 0, -1)) do used = used + tokens_of(member) end
+  local ttl = redis.call('PTTL', set)
+  if used > 0 and ttl > 0 then redis.call('SET', sum, used, 'PX', ttl) end
+end
+"""
+
+_ADMIT = _TOKEN_WINDOW + """
 local now, window = tonumber(ARGV[1]), tonumber(ARGV[2])
 local queue_limit = tonumber(ARGV[8])
-if queue_limit >= 0 then  -- KEYS[5..]: the deployment's queue lists
+if queue_limit >= 0 then  -- KEYS[7..]: the deployment's queue lists
   local waiting = 0
-  for i = 5, #KEYS do waiting = waiting + redis.call('LLEN', KEYS[i]) end
+  for i = 7, #KEYS do waiting = waiting + redis.call('LLEN', KEYS[i]) end
   if waiting >= queue_limit then return {-1, waiting} end
 end
+local cutoff = now - window
 local out = {1, 0}
-for i = 1, 4 do
-  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now - window)
-end
-for i = 1, 2 do  -- request windows
+for i = 1, 2 do  -- request windows: one member per request
+  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', cutoff)
   local count = redis.call('ZCARD', KEYS[i])
   local oldest = redis.call('ZRANGE', KEYS[i], 0, 0, 'WITHSCORES')
   local reset = 0
@@ -43,12 +58,20 @@ for i = 1, 2 do  -- request windows
   if count >= tonumber(ARGV[2 + i]) then out[1] = 0; out[2] = math.max(out[2], reset) end
   table.insert(out, count); table.insert(out, reset)
 end
-for i = 3, 4 do  -- token windows: members are "<request id>:<tokens>"
+for i = 3, 4 do  -- token windows (KEYS[5], KEYS[6]: their sums)
+  local set, sum = KEYS[i], KEYS[i + 2]
+  ensure_sum(set, sum)
+  local gone = 0
+  for _, member in ipairs(redis.call('ZRANGEBYSCORE', set, '-inf', cutoff)) do gone = gone + tokens_of(member) end
+  redis.call('ZREMRANGEBYSCORE', set, '-inf', cutoff)
   local used, reset = 0, 0
-  local entries = redis.call('ZRANGE', KEYS[i], 0, -1, 'WITHSCORES')
-  for j = 1, #entries, 2 do
-    used = used + tonumber(string.match(entries[j], ':(%d+)$'))
-    if reset == 0 then reset = tonumber(entries[j + 1]) + window - now end
+  local oldest = redis.call('ZRANGE', set, 0, 0, 'WITHSCORES')
+  if oldest[2] then
+    if gone > 0 then redis.call('DECRBY', sum, gone) end
+    used = math.max(0, tonumber(redis.call('GET', sum) or '0'))
+    reset = tonumber(oldest[2]) + window - now
+  else
+    redis.call('DEL', sum)
   end
   if used >= tonumber(ARGV[2 + i]) then out[1] = 0; out[2] = math.max(out[2], reset) end
   table.insert(out, used); table.insert(out, reset)
@@ -60,6 +83,18 @@ if out[1] == 1 then
   end
 end
 return out
+"""
+
+# Add a finished request's tokens to its token windows (KEYS: set, sum, set, sum), once per request.
+_RECORD = _TOKEN_WINDOW + """
+local now, window, member, tokens = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+for i = 1, #KEYS, 2 do
+  local set, sum = KEYS[i], KEYS[i + 1]
+  ensure_sum(set, sum)
+  if redis.call('ZADD', set, 'NX', now, member) == 1 then redis.call('INCRBY', sum, tokens) end
+  redis.call('PEXPIRE', set, window)
+  redis.call('PEXPIRE', sum, window)
+end
 """
 
 
@@ -85,10 +120,13 @@ class Decision:
 
 
 def _keys(key_id, org_id) -> list[str]:
-    return [f"rl:key:{key_id}:req", f"rl:org:{org_id}:req", f"rl:key:{key_id}:tok", f"rl:org:{org_id}:tok"]
+    """The request windows, the token windows, the token windows' sums."""
+    key, org = f"rl:key:{key_id}", f"rl:org:{org_id}"
+    return [f"{key}:req", f"{org}:req", f"{key}:tok", f"{org}:tok", f"{key}:tok:sum", f"{org}:tok:sum"]
 
 
 _clients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aioredis.Redis]" = weakref.WeakKeyDictionary()
+_record_scripts: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, object]" = weakref.WeakKeyDictionary()
 _admit_script = None  # the Lua script registered on the process's blocking client (EVALSHA)
 _sync_lock = threading.Lock()
 
@@ -112,12 +150,12 @@ def _admission_script():
 
 
 def admit(*, key_id, org_id, request_id: str, limits: Limits | None = None, queue_lists: list[str] = (),
-          queue_limit: int | None = None) -> Decision:
+          queue_limit: int | None = None, now_ms: int | None = None) -> Decision:
     """Count this request if its deployment's queue is below ``queue_limit`` (the requests waiting
     on ``queue_lists``; None: not checked) and every window has room; otherwise refuse it,
     counting nothing. Blocking: it runs in the request's admission thread, with the database checks."""
     limits = limits or Limits.from_settings()
-    now = int(time.time() * 1000)
+    now = int(time.time() * 1000) if now_ms is None else now_ms
     out = _admission_script()(
         keys=[*_keys(key_id, org_id), *queue_lists],
         args=[now, WINDOW_MS, limits.key_rpm, limits.org_rpm, limits.key_tpm, limits.org_tpm, request_id,
@@ -145,17 +183,17 @@ def admit(*, key_id, org_id, request_id: str, limits: Limits | None = None, queu
     return Decision(bool(allowed), retry_ms, headers)
 
 
-async def record_tokens(*, key_id, org_id, request_id: str, tokens: int) -> None:
-    """Add a finished request's tokens to both token windows."""
+async def record_tokens(*, key_id, org_id, request_id: str, tokens: int, now_ms: int | None = None) -> None:
+    """Add a finished request's tokens to both token windows (once, however often it is called)."""
     if tokens <= 0:
         return
-    now = int(time.time() * 1000)
-    member = f"{request_id}:{int(tokens)}"
-    pipe = client().pipeline(transaction=True)
-    for name in _keys(key_id, org_id)[2:]:
-        pipe.zadd(name, {member: now})
-        pipe.pexpire(name, WINDOW_MS)
-    await pipe.execute()
+    loop = asyncio.get_running_loop()
+    if loop not in _record_scripts:
+        _record_scripts[loop] = client().register_script(_RECORD)
+    key_set, org_set, key_sum, org_sum = _keys(key_id, org_id)[2:]
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    await _record_scripts[loop](keys=[key_set, key_sum, org_set, org_sum],
+                                args=[now, WINDOW_MS, f"{request_id}:{int(tokens)}", int(tokens)])
 
 
 def duration(ms: int) -> str:
