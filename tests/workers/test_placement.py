@@ -79,7 +79,7 @@ def queued():
 
     yield put
     for name in names:
-        fleet.client().delete(*fleet._queue_lists(f"deployment.{name}"))
+        fleet.client().delete(*fleet.queue_lists(f"deployment.{name}"))
 
 
 def test_a_new_deployment_is_placed_once_and_goes_loading_then_ready(model):

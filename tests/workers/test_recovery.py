@@ -43,7 +43,7 @@ def taken():
     for connection in connections:
         connection.release()
     for name in names:
-        fleet.client().delete(*fleet._queue_lists(f"deployment.{name}"))
+        fleet.client().delete(*fleet.queue_lists(f"deployment.{name}"))
 
 
 def _dead_worker() -> Worker:
