@@ -216,7 +216,7 @@ def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], request_id: s
     decision = _admit(caller, spec, queue_limit, request_id)
     stages.mark("admit")
     call = Call(caller=caller, request=request, spec=spec, request_id=request_id, reply_channel=reply_channel,
-                headers=decision.headers, stages=stages)
+                headers={**decision.headers, "x-request-id": request_id}, stages=stages)
     dispatch.enqueue(call.payload())
     # A deployment with no ready replica: have the fleet load it, and wait as long as that takes.
     call.queue_timeout = float(settings.GATEWAY_QUEUE_TIMEOUT) if ready else capacity.wake(spec)
@@ -230,6 +230,9 @@ async def _begin(kind: str, identify: Callable[[], tuple[Caller, InferenceReques
     reply_channel = await get_channel_layer().new_channel()  # a name only: no I/O
     try:
         call = await admission.run(_open, identify, request_id, reply_channel, stages)
+    except ApiError as exc:  # refused: the id still names the request (in logs, in a support ticket)
+        exc.headers = {**exc.headers, "x-request-id": request_id}
+        raise
     except asyncio.CancelledError:  # the client left; the thread may still dispatch: abort it there
         await asyncio.shield(dispatch.cancel(ratelimit.client(), request_id))
         raise

@@ -13,6 +13,8 @@ Everything else goes through the full stack as before.
 
 from __future__ import annotations
 
+import uuid
+
 from django.core.handlers.asgi import ASGIHandler
 from django.core.handlers.exception import convert_exception_to_response
 from django.middleware.security import SecurityMiddleware
@@ -27,11 +29,15 @@ def serves(path: str) -> bool:
 
 
 def _security(get_response):
-    """SecurityMiddleware's redirect and headers, without its thread hops."""
+    """SecurityMiddleware's redirect and headers, without its thread hops; and, as OpenAI does,
+    an ``x-request-id`` on every response (an inference request's is its completion id, which
+    its usage record has too)."""
     checks = SecurityMiddleware(get_response)
 
     async def middleware(request):
         response = checks.process_request(request) or await get_response(request)
+        if "x-request-id" not in response:
+            response["x-request-id"] = f"req_{uuid.uuid4().hex}"
         return checks.process_response(request, response)
 
     return middleware

@@ -56,6 +56,8 @@ def test_an_inference_endpoint_answers_with_the_security_headers_and_no_session_
     assert json.loads(response["body"])["error"]["code"] == "invalid_api_key"
     assert headers["x-content-type-options"] == "nosniff" and headers["referrer-policy"] == "same-origin"
     assert "x-frame-options" not in headers and "vary" not in headers  # no clickjacking or session middleware
+    prefix = {"/v1/chat/completions": "chatcmpl-", "/v1/completions": "cmpl-"}.get(path, "req_")
+    assert headers["x-request-id"].startswith(prefix) and len(headers["x-request-id"]) > len(prefix) + 16
 
 
 def test_other_paths_keep_the_whole_middleware_stack(application):
