@@ -256,11 +256,13 @@ class MonthlySpend(models.Model):
 
 
 class ApiKeyTotals(models.Model):
-    """What a key's usage records add up to: cost in micro-dollars, prompt + completion tokens."""
+    """What a key's usage records add up to: cost in micro-dollars, prompt + completion tokens,
+    and how many there are."""
 
     api_key = models.OneToOneField("accounts.ApiKey", on_delete=models.CASCADE, primary_key=True, related_name="+")
     micros = models.BigIntegerField(default=0)
     tokens = models.BigIntegerField(default=0)
+    requests = models.BigIntegerField(default=0)
 
     def __str__(self) -> str:
-        return f"{self.api_key_id}: {self.micros} micro-USD, {self.tokens} tokens"
+        return f"{self.api_key_id}: {self.micros} micro-USD, {self.tokens} tokens, {self.requests} requests"

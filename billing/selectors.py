@@ -73,6 +73,13 @@ def api_key_spend(*, api_key: ApiKey) -> KeySpend:
     return KeySpend(cost=totals.usd(cost), tokens=int(tokens))
 
 
+def api_key_totals(*, api_keys) -> dict[int, tuple[Decimal, int, int]]:
+    """(spend in USD, tokens, requests) of each of ``api_keys`` over its lifetime; keys that made
+    no request are absent."""
+    rows = ApiKeyTotals.objects.filter(api_key__in=api_keys).values_list("api_key_id", "micros", "tokens", "requests")
+    return {key_id: (totals.usd(cost), tokens, requests) for key_id, cost, tokens, requests in rows}
+
+
 def organization_monthly_limit(*, organization: Organization) -> Decimal | None:
     return SpendLimit.objects.filter(organization=organization).values_list("monthly_limit", flat=True).first()
 

@@ -14,7 +14,7 @@ from datetime import date, datetime, timezone
 from decimal import Decimal
 
 from django.db import connection, transaction
-from django.db.models import F, Sum
+from django.db.models import Count, F, Sum
 from django.db.models.functions import TruncMonth
 
 from .models import ApiKeyTotals, LedgerEntry, MonthlySpend, OrganizationBalance, UsageRecord
@@ -62,10 +62,10 @@ def add_to_balance(*, organization_id: int, amount: Decimal) -> None:
 def add_usage(*, organization_id: int, api_key_id: int | None, created_at: datetime, cost: Decimal,
               tokens: int) -> None:
     """A usage record was written (in this transaction): its cost counts toward its month's
-    spend, and its cost and tokens toward its key's."""
+    spend, and it counts toward its key's cost, tokens and requests."""
     _add(MonthlySpend, {"organization": organization_id, "month": month_of(created_at)}, micros=micros(cost))
     if api_key_id is not None:
-        _add(ApiKeyTotals, {"api_key": api_key_id}, micros=micros(cost), tokens=tokens)
+        _add(ApiKeyTotals, {"api_key": api_key_id}, micros=micros(cost), tokens=tokens, requests=1)
 
 
 # --- recomputing them from the rows ---------------------------------------------------------------
@@ -73,11 +73,11 @@ def add_usage(*, organization_id: int, api_key_id: int | None, created_at: datet
 
 @dataclass
 class Totals:
-    """An organization's running totals: balance, spend by month, (cost, tokens) by key."""
+    """An organization's running totals: balance, spend by month, (cost, tokens, requests) by key."""
 
     balance: int = 0
     months: dict[date, int] = field(default_factory=dict)
-    keys: dict[int, tuple[int, int]] = field(default_factory=dict)
+    keys: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
 
 def _as_decimal(value) -> Decimal:
@@ -94,11 +94,12 @@ def from_rows(*, organization_id: int, ledger=LedgerEntry, usage=UsageRecord) ->
     months = usage.annotate(month=TruncMonth("created_at", tzinfo=timezone.utc)).values("month").annotate(
         cost=Sum("cost")).values_list("month", "cost")
     keys = usage.filter(api_key__isnull=False).values("api_key").annotate(
-        cost=Sum("cost"), tokens=Sum(F("prompt_tokens") + F("completion_tokens"))).values_list("api_key", "cost", "tokens")
+        cost=Sum("cost"), tokens=Sum(F("prompt_tokens") + F("completion_tokens")), requests=Count("id"),
+    ).values_list("api_key", "cost", "tokens", "requests")
     return Totals(
         balance=micros(_as_decimal(balance)),
         months={month_of(m) if isinstance(m, datetime) else m.replace(day=1): micros(_as_decimal(c)) for m, c in months},
-        keys={k: (micros(_as_decimal(c)), int(t)) for k, c, t in keys},
+        keys={k: (micros(_as_decimal(c)), int(t), n) for k, c, t, n in keys},
     )
 
 
@@ -109,8 +110,8 @@ def stored(*, organization_id: int) -> Totals:
         .values_list("micros", flat=True).first() or 0,
         months={m: v for m, v in MonthlySpend.objects.filter(organization_id=organization_id)
                 .values_list("month", "micros") if v},
-        keys={k: (c, t) for k, c, t in ApiKeyTotals.objects.filter(api_key__organization_id=organization_id)
-              .values_list("api_key", "micros", "tokens") if c or t},
+        keys={k: (c, t, n) for k, c, t, n in ApiKeyTotals.objects.filter(api_key__organization_id=organization_id)
+              .values_list("api_key", "micros", "tokens", "requests") if n},
     )
 
 
@@ -133,6 +134,7 @@ def reconcile(*, organization_id: int, fix: bool = True) -> tuple[Totals, Totals
                                                       defaults={"micros": value})
             ApiKeyTotals.objects.filter(api_key__organization_id=organization_id).exclude(
                 api_key_id__in=truth.keys).delete()
-            for key_id, (cost, tokens) in truth.keys.items():
-                ApiKeyTotals.objects.update_or_create(api_key_id=key_id, defaults={"micros": cost, "tokens": tokens})
+            for key_id, (cost, tokens, requests) in truth.keys.items():
+                ApiKeyTotals.objects.update_or_create(api_key_id=key_id, defaults={"micros": cost, "tokens": tokens,
+                                                                                   "requests": requests})
     return before, truth

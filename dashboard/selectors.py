@@ -10,7 +10,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from django.db import DatabaseError, connection
-from django.db.models import Count, F, Q, QuerySet, Sum, Value
+from django.db.models import Count, Q, QuerySet, Sum, Value
 from django.db.models.functions import Coalesce, TruncHour, TruncMinute
 from django.utils import timezone as dj_timezone
 
@@ -240,23 +240,12 @@ def recent_requests(*, organization: Organization, deployment: Deployment | None
 
 def api_keys_with_spend(*, organization: Organization, include_revoked: bool = True) -> list[ApiKey]:
     """The organization's keys, newest first, each with ``spend`` (USD), ``tokens`` and ``requests``
-    over its lifetime, computed from the usage records in one query."""
+    over its lifetime, from billing's running totals (however many requests the keys made)."""
     keys = list(api_keys_for_organization(organization=organization, include_revoked=include_revoked))
-    figures = {
-        row["api_key_id"]: row
-        for row in UsageRecord.objects.filter(organization=organization, api_key_id__in=[k.pk for k in keys])
-        .values("api_key_id").annotate(
-            spend=Coalesce(Sum("cost"), _MONEY_ZERO),
-            tokens=Coalesce(Sum(F("prompt_tokens") + F("completion_tokens")), Value(0)),
-            requests=Count("id"),
-        )
-    }
+    figures = billing_selectors.api_key_totals(api_keys=keys)
     now = dj_timezone.now()
     for key in keys:
-        row = figures.get(key.pk, {})
-        key.spend = (row.get("spend") or Decimal(0)).quantize(COST_QUANTUM)
-        key.tokens = row.get("tokens", 0)
-        key.requests = row.get("requests", 0)
+        key.spend, key.tokens, key.requests = figures.get(key.pk, (Decimal(0).quantize(COST_QUANTUM), 0, 0))
         key.state = "revoked" if key.revoked_at else ("expired" if key.is_expired(now) else "active")
     return keys
 

@@ -18,8 +18,8 @@ def fill_totals(apps, schema_editor):
         OrganizationBalance.objects.create(organization_id=organization_id, micros=sums.balance)
         MonthlySpend.objects.bulk_create(MonthlySpend(organization_id=organization_id, month=month, micros=value)
                                          for month, value in sums.months.items())
-        ApiKeyTotals.objects.bulk_create(ApiKeyTotals(api_key_id=key, micros=cost, tokens=tokens)
-                                         for key, (cost, tokens) in sums.keys.items())
+        ApiKeyTotals.objects.bulk_create(ApiKeyTotals(api_key_id=key, micros=cost, tokens=tokens, requests=requests)
+                                         for key, (cost, tokens, requests) in sums.keys.items())
 
 
 class Migration(migrations.Migration):
@@ -36,6 +36,7 @@ class Migration(migrations.Migration):
                 ('api_key', models.OneToOneField(on_delete=django.db.models.deletion.CASCADE, primary_key=True, related_name='+', serialize=False, to='accounts.apikey')),
                 ('micros', models.BigIntegerField(default=0)),
                 ('tokens', models.BigIntegerField(default=0)),
+                ('requests', models.BigIntegerField(default=0)),
             ],
         ),
         migrations.CreateModel(

@@ -42,8 +42,10 @@ def test_the_list_shows_spend_and_tokens_from_usage(ada, acme, catalog):
     _, public = catalog
     key, _ = create_api_key(organization=org, name="metered", scopes=["inference"])
     record(org, public, api_key=key, prompt_tokens=1_000_000, completion_tokens=0)
+    record(org, public, api_key=key, prompt_tokens=10, completion_tokens=5)
     row = ada.get("/api-keys/").content.decode().split('data-key="metered"')[1].split("</tr>")[0]
     assert "$0.05" in row  # a million input tokens at $0.05 per million
+    assert "in 2 requests" in row and "1,000,015 tokens" in row
 
 
 def test_revoke_makes_the_key_fail(ada, acme):
