@@ -92,6 +92,7 @@ def start_embedded_redis(socket_path: Path, *, data_dir: Path, deadline_s: float
         if proc.poll() is not None:
             raise StartError(f"the embedded Redis exited at once (code {proc.returncode}); see {data_dir / 'redis.log'}")
         if redis_answers(url):
+            proc.stop_last = True  # see stop_all
             return proc
         time.sleep(0.05)
     proc.kill()
@@ -116,7 +117,14 @@ def worker_command(*, queues: list[str], concurrency: int, name: str, loglevel: 
 
 
 def stop_all(procs: list[subprocess.Popen], *, grace_s: float = 10.0) -> None:
-    """SIGTERM every child, wait up to the grace period, then SIGKILL what is left."""
+    """SIGTERM every child, wait up to the grace period, then SIGKILL what is left. Children
+    marked ``stop_last`` (the embedded Redis) are stopped once the others have exited: a worker
+    shutting down still reports to Redis."""
+    _stop([p for p in procs if not getattr(p, "stop_last", False)], grace_s)
+    _stop([p for p in procs if getattr(p, "stop_last", False)], grace_s)
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
     for proc in procs:
         if proc.poll() is None:
             proc.terminate()
