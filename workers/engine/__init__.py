@@ -8,7 +8,13 @@ for ``InvalidRequestError``) does not pull in torch.
         print(engine.generate("Hello", SamplingParams(max_tokens=16)).text)
 """
 
+import os
 from importlib import import_module
+
+# Triton fuses multiply-adds unless told otherwise, and its 3.10 turns that default off. The
+# kernels here were validated with fusion on: pin it, so a Triton upgrade cannot change their
+# numerics silently (an explicit setting in the environment still wins).
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 _EXPORTS = {
     "Engine": ".engine",
