@@ -43,9 +43,10 @@ CENTS = Decimal("0.01")
 
 
 def _post(*, organization_id: int, kind: str, amount: Decimal, reference: str = "",
-          description: str = "") -> LedgerEntry:
+          description: str = "") -> tuple[LedgerEntry, bool]:
     """Write a ledger entry and add it to the organization's balance, in one transaction. With a
-    ``reference`` it happens once: a second call returns the first entry and adds nothing."""
+    ``reference`` it happens once: a second call returns the first entry and adds nothing.
+    Returns the entry and whether it was written now."""
     with transaction.atomic():
         if reference:
             entry, created = LedgerEntry.objects.get_or_create(
@@ -57,7 +58,7 @@ def _post(*, organization_id: int, kind: str, amount: Decimal, reference: str = 
                                                         description=description), True
         if created:
             totals.add_to_balance(organization_id=entry.organization_id, amount=entry.amount)
-    return entry
+    return entry, created
 
 
 def grant_signup_credit(*, organization: Organization) -> LedgerEntry | None:
@@ -65,9 +66,10 @@ def grant_signup_credit(*, organization: Organization) -> LedgerEntry | None:
     amount = settings.BILLING_SIGNUP_CREDIT
     if amount <= 0:
         return None
-    return _post(organization_id=organization.pk, kind=LedgerEntry.Kind.SIGNUP_CREDIT,
-                 amount=amount.quantize(COST_QUANTUM), reference=f"organization:{organization.pk}",
-                 description="Sign-up credit")
+    entry, _ = _post(organization_id=organization.pk, kind=LedgerEntry.Kind.SIGNUP_CREDIT,
+                     amount=amount.quantize(COST_QUANTUM), reference=f"organization:{organization.pk}",
+                     description="Sign-up credit")
+    return entry
 
 
 def add_adjustment(*, organization: Organization, amount: Decimal, description: str, reference: str = "") -> LedgerEntry:
@@ -78,8 +80,9 @@ def add_adjustment(*, organization: Organization, amount: Decimal, description: 
     amount = amount.quantize(COST_QUANTUM, rounding=ROUND_HALF_UP)
     if amount == 0:
         raise InvalidParameter("amount", "an adjustment cannot be zero")
-    return _post(organization_id=organization.pk, kind=LedgerEntry.Kind.ADJUSTMENT, amount=amount,
-                 reference=reference, description=description[:255])
+    entry, _ = _post(organization_id=organization.pk, kind=LedgerEntry.Kind.ADJUSTMENT, amount=amount,
+                     reference=reference, description=description[:255])
+    return entry
 
 
 # --- usage ------------------------------------------------------------------------------------------
@@ -159,12 +162,12 @@ def record_usage(*, event: Mapping[str, Any]) -> UsageRecord:
             if existing is None:
                 raise  # another constraint: a real error, not a duplicate
             return existing
-        if cost > 0:
-            _post(organization_id=organization.pk, kind=LedgerEntry.Kind.USAGE, amount=-cost,
-                  reference=parsed.request_id,
-                  description=f"{parsed.model}" + (f" on {parsed.deployment}" if parsed.deployment else ""))
-        else:  # nothing to charge; the balance's row is still taken first (the lock order reconcile relies on)
-            totals.add_to_balance(organization_id=organization.pk, amount=cost)
+        charged = cost > 0 and _post(
+            organization_id=organization.pk, kind=LedgerEntry.Kind.USAGE, amount=-cost, reference=parsed.request_id,
+            description=f"{parsed.model}" + (f" on {parsed.deployment}" if parsed.deployment else ""),
+        )[1]
+        if not charged:  # the balance's row is still taken first: the lock order reconcile relies on
+            totals.add_to_balance(organization_id=organization.pk, amount=Decimal(0))
         totals.add_usage(organization_id=organization.pk, api_key_id=api_key_id, created_at=record.created_at,
                          cost=cost, tokens=parsed.prompt_tokens + parsed.completion_tokens)
     return record

@@ -14,8 +14,8 @@ from datetime import date, datetime, timezone
 from decimal import Decimal
 
 from django.db import connection, transaction
-from django.db.models import Count, F, Sum
-from django.db.models.functions import TruncMonth
+from django.db.models import Count, F, Sum, Value
+from django.db.models.functions import Round, TruncMonth
 
 from .models import ApiKeyTotals, LedgerEntry, MonthlySpend, OrganizationBalance, UsageRecord
 from .pricing import COST_QUANTUM
@@ -80,27 +80,31 @@ class Totals:
     keys: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
 
-def _as_decimal(value) -> Decimal:
-    """A sum as the driver returns it: Decimal (PostgreSQL) or int/float (SQLite; a float's
-    shortest repr is the decimal it stands for)."""
-    return Decimal(repr(value) if isinstance(value, float) else value or 0).quantize(COST_QUANTUM)
+def micros_sum(expression) -> Sum:
+    """The sum of a money column in micro-dollars, rounded to an integer row by row: exact on
+    SQLite too, which keeps decimals as floating point (and before 3.43 sums them so)."""
+    return Sum(Round(expression * Value(10**6)))
 
 
-def from_rows(*, organization_id: int, ledger=LedgerEntry, usage=UsageRecord) -> Totals:
-    """The totals as the rows add up now (time in proportion to the organization's history).
-    ``ledger`` and ``usage`` are the row models (a migration passes its historical ones)."""
-    balance = ledger.objects.filter(organization_id=organization_id).aggregate(total=Sum("amount"))["total"]
-    usage = usage.objects.filter(organization_id=organization_id)
+def from_rows(*, organization_id: int) -> Totals:
+    """The totals as the rows add up now (time in proportion to the organization's history)."""
+    usage = UsageRecord.objects.filter(organization_id=organization_id)
+    balance = LedgerEntry.objects.filter(organization_id=organization_id).aggregate(total=micros_sum(F("amount")))
     months = usage.annotate(month=TruncMonth("created_at", tzinfo=timezone.utc)).values("month").annotate(
-        cost=Sum("cost")).values_list("month", "cost")
+        cost=micros_sum(F("cost"))).values_list("month", "cost")
     keys = usage.filter(api_key__isnull=False).values("api_key").annotate(
-        cost=Sum("cost"), tokens=Sum(F("prompt_tokens") + F("completion_tokens")), requests=Count("id"),
+        cost=micros_sum(F("cost")), tokens=Sum(F("prompt_tokens") + F("completion_tokens")), requests=Count("id"),
     ).values_list("api_key", "cost", "tokens", "requests")
     return Totals(
-        balance=micros(_as_decimal(balance)),
-        months={month_of(m) if isinstance(m, datetime) else m.replace(day=1): micros(_as_decimal(c)) for m, c in months},
-        keys={k: (micros(_as_decimal(c)), int(t), n) for k, c, t, n in keys},
+        balance=_integer(balance["total"]),
+        months={month_of(m) if isinstance(m, datetime) else m.replace(day=1): _integer(c) for m, c in months if c},
+        keys={k: (_integer(c), int(t), n) for k, c, t, n in keys},
     )
+
+
+def _integer(value) -> int:
+    """An integral sum as the driver returns it (Decimal, float or int; None: no rows)."""
+    return int(round(value or 0))
 
 
 def stored(*, organization_id: int) -> Totals:
@@ -117,24 +121,40 @@ def stored(*, organization_id: int) -> Totals:
 
 def reconcile(*, organization_id: int, fix: bool = True) -> tuple[Totals, Totals]:
     """Compare an organization's stored totals with its rows; with ``fix``, store the rows' sums.
-    Returns (stored, from the rows). Safe while charges run: the totals' rows are locked first,
-    so a charge either committed before the sums were taken (and is in them) or adds itself
-    after the fix."""
+    Returns (stored, from the rows).
+
+    Safe while charges run. A fix locks the totals' rows first, in the order charges take them
+    (balance, month, key), so a charge either committed before the sums were taken (and is in
+    them) or adds itself after the fix. A check takes no lock and writes nothing: on PostgreSQL
+    it reads one snapshot of both (REPEATABLE READ), so a charge committing meanwhile is not
+    reported as a difference."""
+    outermost = not connection.in_atomic_block
     with transaction.atomic():
-        _add(OrganizationBalance, {"organization": organization_id}, micros=0)  # takes the row's lock
-        OrganizationBalance.objects.select_for_update().filter(organization_id=organization_id).first()
-        list(MonthlySpend.objects.select_for_update().filter(organization_id=organization_id))
-        list(ApiKeyTotals.objects.select_for_update().filter(api_key__organization_id=organization_id))
+        if fix:
+            _lock(organization_id)
+        elif outermost and connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         before, truth = stored(organization_id=organization_id), from_rows(organization_id=organization_id)
         if fix and before != truth:
-            OrganizationBalance.objects.filter(organization_id=organization_id).update(micros=truth.balance)
-            MonthlySpend.objects.filter(organization_id=organization_id).exclude(month__in=truth.months).delete()
-            for month, value in truth.months.items():
-                MonthlySpend.objects.update_or_create(organization_id=organization_id, month=month,
-                                                      defaults={"micros": value})
-            ApiKeyTotals.objects.filter(api_key__organization_id=organization_id).exclude(
-                api_key_id__in=truth.keys).delete()
-            for key_id, (cost, tokens, requests) in truth.keys.items():
-                ApiKeyTotals.objects.update_or_create(api_key_id=key_id, defaults={"micros": cost, "tokens": tokens,
-                                                                                   "requests": requests})
+            _store(organization_id, truth)
     return before, truth
+
+
+def _lock(organization_id: int) -> None:
+    _add(OrganizationBalance, {"organization": organization_id}, micros=0)  # creates the row if need be
+    OrganizationBalance.objects.select_for_update().filter(organization_id=organization_id).first()
+    list(MonthlySpend.objects.select_for_update().filter(organization_id=organization_id))
+    # of=("self",): the totals' rows only, not the API keys they are joined to (the gateway writes those)
+    list(ApiKeyTotals.objects.select_for_update(of=("self",)).filter(api_key__organization_id=organization_id))
+
+
+def _store(organization_id: int, truth: Totals) -> None:
+    OrganizationBalance.objects.filter(organization_id=organization_id).update(micros=truth.balance)
+    MonthlySpend.objects.filter(organization_id=organization_id).exclude(month__in=truth.months).delete()
+    for month, value in truth.months.items():
+        MonthlySpend.objects.update_or_create(organization_id=organization_id, month=month, defaults={"micros": value})
+    ApiKeyTotals.objects.filter(api_key__organization_id=organization_id).exclude(api_key_id__in=truth.keys).delete()
+    for key_id, (cost, tokens, requests) in truth.keys.items():
+        ApiKeyTotals.objects.update_or_create(api_key_id=key_id,
+                                              defaults={"micros": cost, "tokens": tokens, "requests": requests})

@@ -26,16 +26,19 @@ WINDOW_MS = 60_000
 # A token window is a sorted set of "<request id>:<tokens>" members scored by time, beside a
 # running sum of their tokens (KEYS: the set, then its sum). Admission reads the sum and subtracts
 # only the members that left the window, so its cost does not grow with the requests in it (summing
-# every member cost 3.7 ms of Redis's one thread at 1,000 requests a minute). A sum that is missing
-# (evicted, or from before it existed) is recomputed once from the members.
+# every member cost 3.7 ms of Redis's one thread at 1,000 requests a minute). A sum that cannot be
+# right is rebuilt from the members: one that is missing (evicted, or from before sums existed) or
+# below zero; one whose set is gone counts nothing.
 _TOKEN_WINDOW = """
 local function tokens_of(member) return tonumber(string.match(member, ':(%d+)$')) or 0 end
 local function ensure_sum(set, sum)
-  if redis.call('EXISTS', sum) == 1 then return end
+  if redis.call('EXISTS', set) == 0 then redis.call('DEL', sum); return end
+  local current = tonumber(redis.call('GET', sum) or '-1')
+  if current >= 0 then return end
   local used = 0
   for _, member in ipairs(redis.call('ZRANGE', set, 0, -1)) do used = used + tokens_of(member) end
   local ttl = redis.call('PTTL', set)
-  if used > 0 and ttl > 0 then redis.call('SET', sum, used, 'PX', ttl) end
+  if ttl > 0 then redis.call('SET', sum, used, 'PX', ttl) else redis.call('DEL', sum) end
 end
 """
 
@@ -67,7 +70,9 @@ for i = 3, 4 do  -- token windows (KEYS[5], KEYS[6]: their sums)
   local used, reset = 0, 0
   local oldest = redis.call('ZRANGE', set, 0, 0, 'WITHSCORES')
   if oldest[2] then
-    if gone > 0 then redis.call('DECRBY', sum, gone) end
+    if gone > 0 and redis.call('EXISTS', sum) == 1 and redis.call('DECRBY', sum, gone) < 0 then
+      ensure_sum(set, sum)  -- members added without the sum (a gateway of an older version)
+    end
     used = math.max(0, tonumber(redis.call('GET', sum) or '0'))
     reset = tonumber(oldest[2]) + window - now
   else

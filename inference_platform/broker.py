@@ -30,5 +30,7 @@ class Transport(kombu_redis.Transport):
 
 
 def use_for_redis_urls() -> None:
-    """Make ``redis://`` and ``redis+socket://`` broker URLs use this transport (in this process)."""
-    TRANSPORT_ALIASES["redis"] = f"{__name__}:Transport"
+    """Make ``redis://``, ``rediss://`` and ``redis+socket://`` broker URLs use this transport (in
+    this process). Kombu picks TLS by the URL's scheme, before the class: ``rediss`` keeps it."""
+    for scheme in ("redis", "rediss"):
+        TRANSPORT_ALIASES[scheme] = f"{__name__}:Transport"

@@ -31,11 +31,15 @@ def _die_with_parent() -> None:
         pass
 
 
-def spawn(args: list[str], *, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+def spawn(args: list[str], *, env: dict | None = None, log: Path | None = None,
+          own_session: bool = False) -> subprocess.Popen:
+    """Start a child that dies with this process. ``own_session``: out of the terminal's process
+    group, so that Ctrl-C reaches it only through us (when we choose to stop it)."""
     out = open(log, "ab") if log else None
     try:
         return subprocess.Popen(
-            args, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, preexec_fn=_die_with_parent
+            args, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, preexec_fn=_die_with_parent,
+            start_new_session=own_session,
         )
     finally:
         if out:
@@ -85,7 +89,8 @@ def start_embedded_redis(socket_path: Path, *, data_dir: Path, deadline_s: float
             "--dir", str(data_dir),
             "--daemonize", "no",
             "--logfile", str(data_dir / "redis.log"),
-        ]
+        ],
+        own_session=True,  # Ctrl-C must not stop it before the processes that use it (see stop_all)
     )
     give_up = time.monotonic() + deadline_s
     while time.monotonic() < give_up:

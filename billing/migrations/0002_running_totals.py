@@ -5,21 +5,42 @@ from django.db import migrations, models
 
 
 def fill_totals(apps, schema_editor):
-    """The running totals of the rows written before they existed (``billing.totals``)."""
-    from billing import totals
+    """The running totals of the rows written before they existed (see ``billing.totals``; written
+    out here rather than imported, so that later changes there cannot change this migration).
+    Money is summed in micro-dollars rounded row by row: exact on SQLite's floating point too."""
+    from datetime import timezone
 
-    Organization = apps.get_model("accounts", "Organization")
+    from django.db.models import Count, F, Sum, Value
+    from django.db.models.functions import Round, TruncMonth
+
+    def micros(field):
+        return Sum(Round(F(field) * Value(10**6)))
+
+    def integer(value):
+        return int(round(value or 0))
+
+    LedgerEntry, UsageRecord = apps.get_model("billing", "LedgerEntry"), apps.get_model("billing", "UsageRecord")
     OrganizationBalance = apps.get_model("billing", "OrganizationBalance")
     MonthlySpend = apps.get_model("billing", "MonthlySpend")
     ApiKeyTotals = apps.get_model("billing", "ApiKeyTotals")
-    rows = {"ledger": apps.get_model("billing", "LedgerEntry"), "usage": apps.get_model("billing", "UsageRecord")}
-    for organization_id in Organization.objects.values_list("pk", flat=True):
-        sums = totals.from_rows(organization_id=organization_id, **rows)
-        OrganizationBalance.objects.create(organization_id=organization_id, micros=sums.balance)
-        MonthlySpend.objects.bulk_create(MonthlySpend(organization_id=organization_id, month=month, micros=value)
-                                         for month, value in sums.months.items())
-        ApiKeyTotals.objects.bulk_create(ApiKeyTotals(api_key_id=key, micros=cost, tokens=tokens, requests=requests)
-                                         for key, (cost, tokens, requests) in sums.keys.items())
+    OrganizationBalance.objects.bulk_create(
+        OrganizationBalance(organization_id=org, micros=integer(total))
+        for org, total in LedgerEntry.objects.values("organization").annotate(total=micros("amount"))
+        .values_list("organization", "total")
+    )
+    months = UsageRecord.objects.annotate(month=TruncMonth("created_at", tzinfo=timezone.utc))
+    MonthlySpend.objects.bulk_create(
+        MonthlySpend(organization_id=org, month=month.date().replace(day=1) if hasattr(month, "date") else month,
+                     micros=integer(cost))
+        for org, month, cost in months.values("organization", "month").annotate(cost=micros("cost"))
+        .values_list("organization", "month", "cost") if cost
+    )
+    ApiKeyTotals.objects.bulk_create(
+        ApiKeyTotals(api_key_id=key, micros=integer(cost), tokens=int(tokens), requests=requests)
+        for key, cost, tokens, requests in UsageRecord.objects.filter(api_key__isnull=False).values("api_key")
+        .annotate(cost=micros("cost"), tokens=Sum(F("prompt_tokens") + F("completion_tokens")), requests=Count("id"))
+        .values_list("api_key", "cost", "tokens", "requests")
+    )
 
 
 class Migration(migrations.Migration):

@@ -14,7 +14,7 @@ from django.test.utils import CaptureQueriesContext
 
 from billing import selectors, services, totals
 from billing.models import LedgerEntry, MonthlySpend, OrganizationBalance, UsageRecord
-from tests.billing.conftest import make_key, make_organization, usage_event
+from tests.billing.conftest import make_catalog_model, make_key, make_organization, usage_event
 
 pytestmark = pytest.mark.django_db
 
@@ -99,6 +99,17 @@ def _organizations() -> int:
     from accounts.models import Organization
 
     return Organization.objects.count()
+
+
+def test_reconcile_finds_nothing_to_correct_after_free_requests(organization, catalog_model):
+    free = {name: Decimal(0) for name in ("price_input_per_mtok", "price_cached_input_per_mtok",
+                                          "price_output_per_mtok", "price_per_request")}
+    make_catalog_model(slug="free-model", **free)
+    api_key, _ = make_key(organization)
+    services.record_usage(event=usage_event(organization, api_key=api_key, model="free-model"))
+    assert totals.stored(organization_id=organization.pk) == totals.from_rows(organization_id=organization.pk)
+    assert _reconcile("--check", "--organization", str(organization.pk)) == (
+        0, "1 organizations checked, 0 differ.\n")
 
 
 def test_reconcile_names_an_unknown_organization():

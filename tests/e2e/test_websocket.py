@@ -76,11 +76,10 @@ def test_cancel_message_aborts_the_request_and_frees_its_blocks(tenant, inferenc
 
 def test_a_dropped_connection_aborts_the_request(tenant, inference_worker):
     aborted_before = engine_stats(inference_worker, DEPLOYMENT)["requests_aborted"]
-    ws = open_ws(tenant)
-    ws.send(json.dumps({"request_id": "d", "model": DEPLOYMENT, "messages": QUESTION, "max_tokens": 2000}))
-    for _ in range(3):
-        json.loads(ws.recv(timeout=120))
-    ws.close()
+    with open_ws(tenant) as ws:  # leaving the block drops the connection mid-answer
+        ws.send(json.dumps({"request_id": "d", "model": DEPLOYMENT, "messages": QUESTION, "max_tokens": 2000}))
+        for _ in range(3):
+            json.loads(ws.recv(timeout=120))
     stats = wait_idle(inference_worker, DEPLOYMENT)
     assert stats["requests_aborted"] > aborted_before
 

@@ -68,3 +68,17 @@ def test_a_lost_token_sum_is_rebuilt_from_the_window(ids):
     assert answer.headers["x-ratelimit-remaining-tokens"] == "500"
     record(ids, "req-3", 100, now)
     assert admit(ids, limits, now + 1).headers["x-ratelimit-remaining-tokens"] == "400"
+
+
+def test_a_sum_that_cannot_be_right_is_rebuilt(ids):
+    limits, now = Limits(key_rpm=BIG, org_rpm=BIG, key_tpm=1000, org_tpm=BIG), int(time.time() * 1000)
+    windows = redis.Redis.from_url(settings.REDIS_URL)
+    keys = ratelimit._keys(*ids)
+    key_set, key_sum = keys[2], keys[4]
+    record(ids, "req-1", 300, now - 1000)
+    windows.delete(key_set)  # the set evicted, its sum left: the sum counts nothing
+    record(ids, "req-2", 10, now - 500)
+    assert admit(ids, limits, now).headers["x-ratelimit-remaining-tokens"] == "990"
+    windows.set(key_sum, -500)  # below zero: rebuilt from the members
+    assert admit(ids, limits, now + 1).headers["x-ratelimit-remaining-tokens"] == "990"
+    assert int(windows.get(key_sum)) == 10 and windows.pttl(key_sum) > 0

@@ -90,7 +90,8 @@ def test_up_starts_everything_on_embedded_defaults_and_ctrl_c_leaves_no_process(
     log = tmp_path / "up.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([*CLI, "up", "--port", str(port), "--concurrency", "2", "--web-workers", "2"],
-                                cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+                                cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # a process group of its own, as in a terminal
     try:
         wait_until(lambda: "Ready." in log.read_text() or proc.poll() is not None, timeout=180, interval=0.5,
                    message="`up` to say it is ready")
@@ -102,7 +103,7 @@ def test_up_starts_everything_on_embedded_defaults_and_ctrl_c_leaves_no_process(
         assert sum("spawn_main" in " ".join(c.cmdline()) for c in web.children()) == 2  # and a resource tracker
         assert (tmp_path / "db.sqlite3").exists() and (tmp_path / "redis.sock").exists()
 
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground group
         proc.wait(timeout=60)
         output = log.read_text()
         assert proc.returncode == 0, output

@@ -28,20 +28,20 @@ class Command(BaseCommand):
             stored, truth = totals.reconcile(organization_id=organization_id, fix=not check)
             if stored != truth:
                 differing += 1
-                verb = "differs" if check else "corrected"
-                self.stdout.write(f"organization {organization_id}: {verb}: balance "
-                                  f"{totals.usd(stored.balance)} -> {totals.usd(truth.balance)} USD" +
-                                  _other_differences(stored, truth))
+                self.stdout.write(f"organization {organization_id}: {'differs' if check else 'corrected'}: "
+                                  f"{_differences(stored, truth)}")
         self.stdout.write(f"{len(ids)} organizations checked, {differing} "
                           f"{'differ' if check else 'corrected'}.")
         if check and differing:
             raise SystemExit(1)
 
 
-def _other_differences(stored: totals.Totals, truth: totals.Totals) -> str:
+def _differences(stored: totals.Totals, truth: totals.Totals) -> str:
     parts = []
+    if stored.balance != truth.balance:
+        parts.append(f"balance {totals.usd(stored.balance)} -> {totals.usd(truth.balance)} USD")
     if stored.months != truth.months:
         parts.append("monthly spend")
     if stored.keys != truth.keys:
-        parts.append("API key spend")
-    return f"; also {' and '.join(parts)}" if parts else ""
+        parts.append("API key totals")
+    return "; ".join(parts)
