@@ -69,8 +69,8 @@ class KeySpend:
 
 def api_key_spend(*, api_key: ApiKey) -> KeySpend:
     """Everything a key has spent (USD) and used (prompt + completion tokens) since it was created."""
-    cost, tokens = ApiKeyTotals.objects.filter(api_key=api_key).values_list("micros", "tokens").first() or (0, 0)
-    return KeySpend(cost=totals.usd(cost), tokens=int(tokens))
+    cost, tokens, _ = api_key_totals(api_keys=[api_key]).get(api_key.pk, (ZERO, 0, 0))
+    return KeySpend(cost=cost, tokens=tokens)
 
 
 def api_key_totals(*, api_keys) -> dict[int, tuple[Decimal, int, int]]:

@@ -142,8 +142,7 @@ def reconcile(*, organization_id: int, fix: bool = True) -> tuple[Totals, Totals
 
 
 def _lock(organization_id: int) -> None:
-    _add(OrganizationBalance, {"organization": organization_id}, micros=0)  # creates the row if need be
-    OrganizationBalance.objects.select_for_update().filter(organization_id=organization_id).first()
+    _add(OrganizationBalance, {"organization": organization_id}, micros=0)  # the upsert locks the row (made if need be)
     list(MonthlySpend.objects.select_for_update().filter(organization_id=organization_id))
     # of=("self",): the totals' rows only, not the API keys they are joined to (the gateway writes those)
     list(ApiKeyTotals.objects.select_for_update(of=("self",)).filter(api_key__organization_id=organization_id))

@@ -18,7 +18,7 @@ from accounts.models import ApiKey, Membership, Organization, User
 from accounts.selectors import api_keys_for_organization, organizations_for_user
 from billing import selectors as billing_selectors
 from billing.models import UsageRecord
-from billing.pricing import COST_QUANTUM, STATUSES, Prices, request_cost
+from billing.pricing import STATUSES, Prices, request_cost
 from models_catalog.models import CatalogModel, Deployment
 from models_catalog.selectors import deployments_of, deployments_visible_to
 
@@ -245,7 +245,7 @@ def api_keys_with_spend(*, organization: Organization, include_revoked: bool = T
     figures = billing_selectors.api_key_totals(api_keys=keys)
     now = dj_timezone.now()
     for key in keys:
-        key.spend, key.tokens, key.requests = figures.get(key.pk, (Decimal(0).quantize(COST_QUANTUM), 0, 0))
+        key.spend, key.tokens, key.requests = figures.get(key.pk, (billing_selectors.ZERO, 0, 0))
         key.state = "revoked" if key.revoked_at else ("expired" if key.is_expired(now) else "active")
     return keys
 
