@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import stripe
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import Exists, Subquery
 
 from accounts.models import ApiKey, Organization
 from inference_platform.read_cache import ReadCache
@@ -42,20 +43,28 @@ CENTS = Decimal("0.01")
 # --- credit -----------------------------------------------------------------------------------------
 
 
+def _write_entry(*, organization_id: int, kind: str, amount: Decimal, reference: str = "",
+                 description: str = "") -> LedgerEntry:
+    """Write a ledger entry and add it to the organization's balance, in the caller's transaction."""
+    entry = LedgerEntry.objects.create(organization_id=organization_id, kind=kind, amount=amount,
+                                       reference=reference, description=description)
+    totals.add_to_balance(organization_id=organization_id, amount=amount)
+    return entry
+
+
 def _post(*, organization_id: int, kind: str, amount: Decimal, reference: str = "",
           description: str = "") -> tuple[LedgerEntry, bool]:
     """Write a ledger entry and add it to the organization's balance, in one transaction. With a
     ``reference`` it happens once: a second call returns the first entry and adds nothing.
     Returns the entry and whether it was written now."""
     with transaction.atomic():
-        if reference:
-            entry, created = LedgerEntry.objects.get_or_create(
-                kind=kind, reference=reference,
-                defaults={"organization_id": organization_id, "amount": amount, "description": description},
-            )
-        else:
-            entry, created = LedgerEntry.objects.create(organization_id=organization_id, kind=kind, amount=amount,
-                                                        description=description), True
+        if not reference:
+            return _write_entry(organization_id=organization_id, kind=kind, amount=amount,
+                                description=description), True
+        entry, created = LedgerEntry.objects.get_or_create(
+            kind=kind, reference=reference,
+            defaults={"organization_id": organization_id, "amount": amount, "description": description},
+        )
         if created:
             totals.add_to_balance(organization_id=entry.organization_id, amount=entry.amount)
     return entry, created
@@ -92,39 +101,39 @@ def add_adjustment(*, organization: Organization, amount: Decimal, description: 
 _catalog_models = ReadCache()
 
 
+def _usage_references(parsed) -> tuple[int | None, int | None]:
+    """The event's API key and deployment ids as they may be stored, in one query: a key or a
+    deployment deleted since is None (the usage is kept; the names still say which it was).
+    Raises InvalidUsageEvent for an unknown organization or a key of another organization."""
+    row = (Organization.objects.filter(pk=parsed.organization_id)
+           .annotate(key_owner=Subquery(ApiKey.objects.filter(pk=parsed.api_key_id).order_by().values("organization_id")),
+                     deployment_exists=Exists(Deployment.objects.filter(pk=parsed.deployment_id)))
+           .values("key_owner", "deployment_exists").first())
+    if row is None:
+        raise InvalidUsageEvent("organization_id", f"no organization has id {parsed.organization_id}")
+    if row["key_owner"] is not None and row["key_owner"] != parsed.organization_id:
+        raise InvalidUsageEvent("api_key_id", "the key belongs to another organization")
+    return (parsed.api_key_id if row["key_owner"] is not None else None,
+            parsed.deployment_id if row["deployment_exists"] else None)
+
+
 def record_usage(*, event: Mapping[str, Any]) -> UsageRecord:
     """Record one usage event (:class:`billing.events.UsageEvent`) and charge its cost, once.
 
-    Idempotent by ``request_id``: the record and its ledger charge are written in one transaction,
-    and the unique request id means a second delivery (a retry, a redelivery, a race between two
-    billing workers) returns the existing record without charging again. The prices applied are the
-    catalog model's at recording time, copied onto the record.
+    Idempotent by ``request_id``: the record, its ledger charge and the running totals are written
+    in one transaction, and the unique request id means a second delivery (a retry, a redelivery,
+    a race between two billing workers) rolls its transaction back and returns the existing record
+    without charging again. The prices applied are the catalog model's at recording time, copied
+    onto the record. Eight statements in all, the transaction's included: this runs once per request.
 
     Raises InvalidUsageEvent (malformed, unknown organization, a key of another organization) or
     UnknownModel: permanent errors, redelivering the event cannot fix them.
     """
     parsed = parse_usage_event(event)
-    existing = UsageRecord.objects.filter(request_id=parsed.request_id).first()
-    if existing is not None:
-        return existing
-
-    organization = Organization.objects.filter(pk=parsed.organization_id).first()
-    if organization is None:
-        raise InvalidUsageEvent("organization_id", f"no organization has id {parsed.organization_id}")
-    api_key_id = None
-    if parsed.api_key_id is not None:
-        owner = ApiKey.objects.filter(pk=parsed.api_key_id).values_list("organization_id", flat=True).first()
-        if owner is not None and owner != organization.pk:
-            raise InvalidUsageEvent("api_key_id", "the key belongs to another organization")
-        api_key_id = parsed.api_key_id if owner is not None else None  # a deleted key: keep the usage
+    api_key_id, deployment_id = _usage_references(parsed)
     catalog_model = _catalog_models.get(parsed.model, lambda: CatalogModel.objects.filter(slug=parsed.model).first())
     if catalog_model is None:
         raise UnknownModel(f"usage event {parsed.request_id}: no catalog model {parsed.model!r}", param="model")
-    deployment_id = parsed.deployment_id
-    if deployment_id is not None:
-        if not Deployment.objects.filter(pk=deployment_id).exists():
-            deployment_id = None  # deleted since: the name still says which it was
-
     prices = Prices.of(catalog_model)
     cost = request_cost(
         prices=prices,
@@ -133,43 +142,45 @@ def record_usage(*, event: Mapping[str, Any]) -> UsageRecord:
         completion_tokens=parsed.completion_tokens,
         status=parsed.status,
     )
-    with transaction.atomic():
-        try:
-            with transaction.atomic():  # a savepoint: the insert alone is undone if another delivery won
-                record = UsageRecord.objects.create(
-                    request_id=parsed.request_id,
-                    organization=organization,
-                    api_key_id=api_key_id,
-                    deployment_id=deployment_id,
-                    model=parsed.model,
-                    deployment_name=parsed.deployment,
-                    prompt_tokens=parsed.prompt_tokens,
-                    cached_prompt_tokens=parsed.cached_prompt_tokens,
-                    completion_tokens=parsed.completion_tokens,
-                    status=parsed.status,
-                    queue_ms=parsed.queue_ms,
-                    ttft_ms=parsed.ttft_ms,
-                    latency_ms=parsed.latency_ms,
-                    price_input_per_mtok=prices.input_per_mtok,
-                    price_cached_input_per_mtok=prices.cached_input_per_mtok,
-                    price_output_per_mtok=prices.output_per_mtok,
-                    price_per_request=prices.per_request,
-                    cost=cost,
-                    created_at=parsed.finished_at,
-                )
-        except IntegrityError:  # recorded meanwhile (request_id is unique): charged there, not here
-            existing = UsageRecord.objects.filter(request_id=parsed.request_id).first()
-            if existing is None:
-                raise  # another constraint: a real error, not a duplicate
-            return existing
-        charged = cost > 0 and _post(
-            organization_id=organization.pk, kind=LedgerEntry.Kind.USAGE, amount=-cost, reference=parsed.request_id,
-            description=f"{parsed.model}" + (f" on {parsed.deployment}" if parsed.deployment else ""),
-        )[1]
-        if not charged:  # the balance's row is still taken first: the lock order reconcile relies on
-            totals.add_to_balance(organization_id=organization.pk, amount=Decimal(0))
-        totals.add_usage(organization_id=organization.pk, api_key_id=api_key_id, created_at=record.created_at,
-                         cost=cost, tokens=parsed.prompt_tokens + parsed.completion_tokens)
+    try:
+        with transaction.atomic():
+            record = UsageRecord.objects.create(
+                request_id=parsed.request_id,
+                organization_id=parsed.organization_id,
+                api_key_id=api_key_id,
+                deployment_id=deployment_id,
+                model=parsed.model,
+                deployment_name=parsed.deployment,
+                prompt_tokens=parsed.prompt_tokens,
+                cached_prompt_tokens=parsed.cached_prompt_tokens,
+                completion_tokens=parsed.completion_tokens,
+                status=parsed.status,
+                queue_ms=parsed.queue_ms,
+                ttft_ms=parsed.ttft_ms,
+                latency_ms=parsed.latency_ms,
+                price_input_per_mtok=prices.input_per_mtok,
+                price_cached_input_per_mtok=prices.cached_input_per_mtok,
+                price_output_per_mtok=prices.output_per_mtok,
+                price_per_request=prices.per_request,
+                cost=cost,
+                created_at=parsed.finished_at,
+            )
+            # The usage record is unique by request id, so its charge is written once with it.
+            # Either way the balance's row is taken first: the lock order reconcile relies on.
+            if cost > 0:
+                _write_entry(organization_id=parsed.organization_id, kind=LedgerEntry.Kind.USAGE, amount=-cost,
+                             reference=parsed.request_id,
+                             description=parsed.model + (f" on {parsed.deployment}" if parsed.deployment else ""))
+            else:
+                totals.add_to_balance(organization_id=parsed.organization_id, amount=Decimal(0))
+            totals.add_usage(organization_id=parsed.organization_id, api_key_id=api_key_id,
+                             created_at=record.created_at, cost=cost,
+                             tokens=parsed.prompt_tokens + parsed.completion_tokens)
+    except IntegrityError:  # recorded meanwhile (request_id is unique): charged there, not here
+        existing = UsageRecord.objects.filter(request_id=parsed.request_id).first()
+        if existing is None:
+            raise  # another constraint: a real error, not a duplicate
+        return existing
     return record
 
 

@@ -61,6 +61,34 @@ def test_the_same_event_twice_bills_once(organization, catalog_model):
     assert selectors.balance(organization=organization) == SIGNUP - SAMPLE_COST
 
 
+def test_an_event_is_recorded_in_eight_statements_and_a_redelivery_in_six(organization, catalog_model,
+                                                                         django_assert_max_num_queries):
+    """Every request ends in one of these: validate (one query), then the record, its charge and
+    the three totals in one transaction. A redelivery rolls back at the record and reads the first."""
+    from models_catalog.services import create_deployment
+
+    api_key, _ = make_key(organization)
+    deployment = create_deployment(organization=organization, model=catalog_model, name="counted")
+    services.record_usage(event=usage_event(organization, api_key=api_key))  # the catalog model's read cached
+    event = usage_event(organization, api_key=api_key, deployment=deployment)
+    with django_assert_max_num_queries(8):  # in a test's transaction BEGIN/COMMIT are a savepoint's
+        first = services.record_usage(event=event)
+    with django_assert_max_num_queries(6):  # its savepoint is rolled back and released
+        assert services.record_usage(event=event).pk == first.pk
+    assert first.api_key == api_key and first.deployment == deployment
+    assert LedgerEntry.objects.filter(kind="usage", reference=event["request_id"]).count() == 1
+    assert selectors.api_key_totals(api_keys=[api_key])[api_key.pk][2] == 2
+
+
+def test_an_event_for_a_deleted_key_is_recorded_without_it(organization, catalog_model):
+    api_key, _ = make_key(organization)
+    event = usage_event(organization, api_key=api_key)
+    api_key.delete()
+    record = services.record_usage(event=event)
+    assert record.api_key_id is None and record.cost == SAMPLE_COST
+    assert selectors.balance(organization=organization) == SIGNUP - SAMPLE_COST
+
+
 def test_prices_are_a_snapshot(organization, catalog_model):
     record = services.record_usage(event=usage_event(organization))
     catalog_model.price_output_per_mtok = Decimal("99")
