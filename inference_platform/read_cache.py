@@ -44,16 +44,33 @@ def _redis() -> redis.Redis:
     return _client
 
 
+_outage = {"down": False}  # so that an outage is logged once, not once per request
+
+
+def _unreachable(exc: Exception, consequence: str) -> None:
+    if not _outage["down"]:
+        _outage["down"] = True
+        log.warning("the read cache cannot reach Redis (%s: %s); %s until it is back",
+                    type(exc).__name__, exc, consequence)
+
+
+def _reachable() -> None:
+    if _outage["down"]:
+        _outage["down"] = False
+        log.warning("the read cache reaches Redis again")
+
+
 def _read_generation() -> bytes | None:
     try:
         value = _redis().get(GENERATION_KEY)
         if value is None:  # first use, or Redis was emptied: start a generation no entry can have
             _redis().set(GENERATION_KEY, secrets.token_hex(8), nx=True)
             value = _redis().get(GENERATION_KEY)
-        return value
-    except Exception:  # Redis is down: read the database every time
-        log.warning("the read cache cannot reach Redis; reading from the database", exc_info=True)
+    except Exception as exc:  # Redis is down: read the database every time
+        _unreachable(exc, "every read goes to the database")
         return None
+    _reachable()
+    return value
 
 
 def generation() -> bytes | None:
@@ -75,9 +92,10 @@ def pinned():
 def _bump() -> None:
     try:
         _redis().set(GENERATION_KEY, secrets.token_hex(8))
-    except Exception:
-        log.warning("the read cache could not be invalidated (Redis is down); entries expire within %s s",
-                    MAX_AGE_S, exc_info=True)
+    except Exception as exc:
+        _unreachable(exc, f"other processes may serve what they cached for up to {MAX_AGE_S:.0f} s")
+        return
+    _reachable()
 
 
 def invalidate() -> None:

@@ -83,7 +83,13 @@ def test_without_redis_every_read_goes_to_the_loader_and_writes_still_succeed(mo
     cache, load = ReadCache(), Loader()
     assert cache.get("k", load) == "value 1" and cache.get("k", load) == "value 2"
     read_cache.invalidate()  # logs, does not raise: the write it follows has happened
-    assert "Redis" in caplog.text
+    outage = [r for r in caplog.records if "cannot reach Redis" in r.getMessage()]
+    assert len(outage) == 1 and not outage[0].exc_info  # once per outage, not a traceback per request
+    assert "ConnectionError" in outage[0].getMessage()
+    monkeypatch.setattr(read_cache, "_client", None)  # Redis is back
+    cache.get("k", load)
+    cache.get("k", load)
+    assert load.calls == 3 and "reaches Redis again" in caplog.text
 
 
 def test_clear_local_empties_every_cache_of_the_process():
