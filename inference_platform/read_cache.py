@@ -50,7 +50,7 @@ _outage = {"down": False}  # so that an outage is logged once, not once per requ
 def _unreachable(exc: Exception, consequence: str) -> None:
     if not _outage["down"]:
         _outage["down"] = True
-        log.warning("the read cache cannot reach Redis (%s: %s); %s until it is back",
+        log.warning("the read cache cannot reach Redis (%s: %s); %s",
                     type(exc).__name__, exc, consequence)
 
 
@@ -67,7 +67,7 @@ def _read_generation() -> bytes | None:
             _redis().set(GENERATION_KEY, secrets.token_hex(8), nx=True)
             value = _redis().get(GENERATION_KEY)
     except Exception as exc:  # Redis is down: read the database every time
-        _unreachable(exc, "every read goes to the database")
+        _unreachable(exc, "every read goes to the database until it is back")
         return None
     _reachable()
     return value
@@ -93,7 +93,7 @@ def _bump() -> None:
     try:
         _redis().set(GENERATION_KEY, secrets.token_hex(8))
     except Exception as exc:
-        _unreachable(exc, f"other processes may serve what they cached for up to {MAX_AGE_S:.0f} s")
+        _unreachable(exc, f"a change may take up to {MAX_AGE_S:.0f} s to reach the processes that cached the row")
         return
     _reachable()
 
