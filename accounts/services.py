@@ -89,17 +89,31 @@ def add_member(*, organization: Organization, user: User, role: str = Membership
     return membership
 
 
-def remove_member(*, organization: Organization, user: User) -> None:
-    """Removes a member; the last owner cannot leave (someone must own the organization)."""
+def lock_organization(organization: Organization) -> None:
+    """Serialize membership changes of ``organization`` until this transaction ends: "is this the
+    last owner?" is a count, which two concurrent changes would each pass."""
+    Organization.objects.select_for_update().filter(pk=organization.pk).first()
+
+
+def remove_member(*, organization: Organization, user: User) -> int:
+    """Removes a member and revokes the API keys they created for the organization (a key must
+    not outlive its holder's access, as with OpenAI's); the last owner cannot leave (someone must
+    own the organization). Returns how many keys were revoked."""
     with transaction.atomic():
-        membership = Membership.objects.select_for_update().filter(organization=organization, user=user).first()
+        lock_organization(organization)
+        membership = Membership.objects.filter(organization=organization, user=user).first()
         if membership is None:
-            return
+            return 0
         if membership.role == Membership.Role.OWNER:
             owners = Membership.objects.filter(organization=organization, role=Membership.Role.OWNER).count()
             if owners <= 1:
                 raise InvalidInput("user", "The last owner cannot leave the organization.")
         membership.delete()
+        revoked = ApiKey.objects.filter(organization=organization, created_by=user,
+                                        revoked_at__isnull=True).update(revoked_at=timezone.now())
+        if revoked:
+            read_cache.invalidate()
+    return revoked
 
 
 def validate_scopes(scopes) -> list[str]:

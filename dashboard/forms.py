@@ -14,6 +14,7 @@ from models_catalog.models import CatalogModel, Deployment
 from models_catalog.services import INT_SETTINGS
 
 MAX_USAGE_DAYS = 366
+USAGE_DATES = (date(2000, 1, 1), date(2999, 12, 31))  # what a usage period may span: no date overflows
 
 SCOPE_CHOICES = [
     ("inference", "Inference — call the chat and completions API"),
@@ -180,18 +181,26 @@ class UsageRangeForm(forms.Form):
     def period(self, today: date) -> tuple[date, date]:
         """The chosen period (inclusive); defaults to the last 30 days. Call after is_valid()."""
         data = self.cleaned_data if self.is_bound and self.is_valid() else {}
-        end = data.get("end") or today
-        start = data.get("start") or end - timedelta(days=29)
-        return start, end
+        return self._period(data.get("start"), data.get("end"), today)
+
+    @staticmethod
+    def _period(start: date | None, end: date | None, today: date) -> tuple[date, date]:
+        """A missing end is today; a missing start 30 days before the end."""
+        end = end or today
+        return start or end - timedelta(days=29), end
 
     def clean(self):
         data = super().clean()
-        start, end = data.get("start"), data.get("end")
-        if start and end:
-            if end < start:
-                self.add_error("end", "The end date is before the start date.")
-            elif (end - start).days + 1 > MAX_USAGE_DAYS:
-                self.add_error("end", f"Choose a period of {MAX_USAGE_DAYS} days at most.")
+        for name in ("start", "end"):  # the period's day after must exist, and 30 days before
+            if data.get(name) and not USAGE_DATES[0] <= data[name] <= USAGE_DATES[1]:
+                self.add_error(name, f"Choose a date between {USAGE_DATES[0]} and {USAGE_DATES[1]}.")
+        if self.errors:
+            return data
+        start, end = self._period(data.get("start"), data.get("end"), timezone.now().date())  # as the view
+        if end < start:
+            self.add_error("end", "The end date is before the start date.")
+        elif (end - start).days + 1 > MAX_USAGE_DAYS:  # also a start alone, which runs to today
+            self.add_error("end" if data.get("end") else "start", f"Choose a period of {MAX_USAGE_DAYS} days at most.")
         return data
 
 

@@ -27,6 +27,7 @@ from .models import Invitation, hash_token
 
 INVITATION_TTL = timedelta(days=7)
 OWNER, ADMIN, MEMBER = Membership.Role.OWNER, Membership.Role.ADMIN, Membership.Role.MEMBER
+ROLE_RANK = {MEMBER: 0, ADMIN: 1, OWNER: 2}
 
 
 def _from_accounts(exc: InvalidInput) -> DashboardError:
@@ -89,9 +90,10 @@ def _owners(organization: Organization) -> int:
 def change_member_role(*, organization: Organization, actor: User, member: User, role: str) -> Membership:
     """Changes ``member``'s role. Owners may assign any role; admins may not touch owners nor make
     one; the last owner keeps the role."""
+    account_services.lock_organization(organization)  # two owners demoting each other: one wins
     actor_role = _role_of(organization, actor)
     _assignable(actor_role, role)
-    membership = Membership.objects.select_for_update().filter(organization=organization, user=member).first()
+    membership = Membership.objects.filter(organization=organization, user=member).first()
     if membership is None:
         raise DashboardError("This person is not a member of the organization.")
     if membership.role == OWNER and actor_role != OWNER:
@@ -102,8 +104,12 @@ def change_member_role(*, organization: Organization, actor: User, member: User,
     return account_services.add_member(organization=organization, user=member, role=role)
 
 
-def remove_member(*, organization: Organization, actor: User, member: User) -> None:
-    """Removes ``member``; anyone may leave, owners and admins may remove others (admins not owners)."""
+@transaction.atomic
+def remove_member(*, organization: Organization, actor: User, member: User) -> int:
+    """Removes ``member``; anyone may leave, owners and admins may remove others (admins not owners).
+    Their API keys for the organization and the invitations they sent that are still open are
+    revoked: neither may outlive their access. Returns how many keys were revoked."""
+    account_services.lock_organization(organization)
     if actor.pk != member.pk:
         actor_role = _role_of(organization, actor)
         if not can_manage_members(actor_role):
@@ -111,9 +117,12 @@ def remove_member(*, organization: Organization, actor: User, member: User) -> N
         if _role_of(organization, member) == OWNER and actor_role != OWNER:
             raise NotAllowed("Only an owner can remove an owner.")
     try:
-        account_services.remove_member(organization=organization, user=member)
+        revoked = account_services.remove_member(organization=organization, user=member)
     except InvalidInput as exc:
         raise _from_accounts(exc) from None
+    Invitation.objects.filter(organization=organization, invited_by=member, accepted_at__isnull=True,
+                              revoked_at__isnull=True).update(revoked_at=timezone.now())
+    return revoked
 
 
 def _role_of(organization: Organization, user: User) -> str | None:
@@ -139,25 +148,28 @@ def invite_member(*, organization: Organization, invited_by: User, email: str, r
     Invitation.objects.filter(organization=organization, email__iexact=email, accepted_at__isnull=True,
                               revoked_at__isnull=True, expires_at__lte=timezone.now()).update(revoked_at=timezone.now())
     raw = secrets.token_urlsafe(32)
+    inviter = invited_by.get_full_name()
     try:
-        with transaction.atomic():
+        with transaction.atomic():  # an invitation whose email could not be sent is not kept
             invitation = Invitation.objects.create(
                 organization=organization, email=email, role=role, token_hash=hash_token(raw),
                 invited_by=invited_by, expires_at=timezone.now() + INVITATION_TTL,
             )
+            send_mail(
+                subject=f"{inviter} invited you to {organization.name}",
+                message=(
+                    f"{inviter} invited you to join {organization.name} as {invitation.role_label}.\n\n"
+                    f"Accept the invitation: {link_for(raw)}\n\n"
+                    f"The link works for {INVITATION_TTL.days} days. If you did not expect it, ignore this email."
+                ),
+                from_email=None,
+                recipient_list=[email],
+            )
     except IntegrityError:
         raise DashboardError(f"{email} already has a pending invitation.", field="email") from None
-    inviter = invited_by.get_full_name()
-    send_mail(
-        subject=f"{inviter} invited you to {organization.name}",
-        message=(
-            f"{inviter} invited you to join {organization.name} as {invitation.role_label}.\n\n"
-            f"Accept the invitation: {link_for(raw)}\n\n"
-            f"The link works for {INVITATION_TTL.days} days. If you did not expect it, ignore this email."
-        ),
-        from_email=None,
-        recipient_list=[email],
-    )
+    except OSError as exc:  # the mail server refused or cannot be reached (SMTPException is one)
+        raise DashboardError(f"The invitation email could not be sent ({exc}); nothing was saved, try again "
+                             "later.", field="email") from None
     return invitation
 
 
@@ -183,8 +195,12 @@ def accept_invitation(*, raw_token: str, user: User) -> Membership:
         raise InvalidInvitation("This invitation link is not valid any more: ask for a new one.")
     if invitation.email.lower() != user.email.lower():
         raise InvalidInvitation(f"This invitation is for {invitation.email}: log in with that address to accept it.")
+    try:  # an invitation carries its sender's authority: not more than they still have
+        _assignable(_role_of(invitation.organization, invitation.invited_by), invitation.role)
+    except DashboardError:
+        raise InvalidInvitation("Whoever sent this invitation can no longer grant it: ask for a new one.") from None
     existing = Membership.objects.filter(organization=invitation.organization, user=user).first()
-    if existing is not None:
+    if existing is not None and ROLE_RANK[existing.role] >= ROLE_RANK[invitation.role]:
         membership = existing
     else:
         membership = account_services.add_member(organization=invitation.organization, user=user, role=invitation.role)

@@ -167,14 +167,16 @@ def member_role(request, user_id: int):
 def member_remove(request, user_id: int):
     member = _member(request, user_id)
     try:
-        services.remove_member(organization=request.organization, actor=request.user, member=member)
+        revoked = services.remove_member(organization=request.organization, actor=request.user, member=member)
     except DashboardError as exc:
         messages.error(request, exc.message)
         return redirect("members")
+    keys = f" {revoked} API key{'s' if revoked != 1 else ''} they created {'were' if revoked != 1 else 'was'} revoked." \
+        if revoked else ""
     if member.pk == request.user.pk:
-        messages.success(request, f"You left {request.organization.name}.")
+        messages.success(request, f"You left {request.organization.name}.{keys.replace('they', 'you')}")
         return redirect("home")
-    messages.success(request, f"{member.email} was removed from {request.organization.name}.")
+    messages.success(request, f"{member.email} was removed from {request.organization.name}.{keys}")
     return redirect("members")
 
 

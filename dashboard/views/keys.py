@@ -15,7 +15,19 @@ from .. import selectors, snippets
 from ..forms import ApiKeyForm
 from .common import organization_required
 
-NEW_KEY_SESSION = "dashboard_new_api_key"
+# The new secret rides to the next page (post/redirect/get, so a reload creates nothing) in a
+# signed cookie that lives a minute at most and is deleted on that page: it is stored nowhere on
+# the server, not even in the session.
+NEW_KEY_COOKIE, NEW_KEY_SALT, NEW_KEY_MAX_AGE = "new_api_key", "dashboard.new-api-key", 60
+
+
+def _new_key(request) -> dict | None:
+    """The key created just before this page, if it is this organization's."""
+    value = request.get_signed_cookie(NEW_KEY_COOKIE, default=None, salt=NEW_KEY_SALT, max_age=NEW_KEY_MAX_AGE)
+    key_id, _, secret = (value or "").partition(":")
+    if not key_id.isdecimal() or selectors.api_key_of(organization=request.organization, key_id=int(key_id)) is None:
+        return None
+    return {"id": int(key_id), "secret": secret}
 
 
 @organization_required
@@ -33,16 +45,23 @@ def api_keys(request):
         else:
             if data.get("spend_limit") is not None:
                 set_api_key_spend_limit(api_key=api_key, amount_limit=data["spend_limit"])
-            # Shown once, on the next page: the session holds it for that one rendering only.
-            request.session[NEW_KEY_SESSION] = {"id": api_key.pk, "secret": secret}
-            return redirect("api-keys")
-    new_key = request.session.pop(NEW_KEY_SESSION, None)
+            response = redirect("api-keys")
+            response.set_signed_cookie(NEW_KEY_COOKIE, f"{api_key.pk}:{secret}", salt=NEW_KEY_SALT,
+                                       max_age=NEW_KEY_MAX_AGE, path=request.path, secure=request.is_secure(),
+                                       httponly=True, samesite="Strict")
+            return response
+    new_key = _new_key(request) if request.method == "GET" else None
     keys = selectors.api_keys_with_spend(organization=request.organization)
-    return render(request, "dashboard/api_keys.html", {
+    response = render(request, "dashboard/api_keys.html", {
         "form": form, "keys": keys, "new_key": new_key, "open_form": request.method == "POST",
         "active_count": sum(1 for k in keys if k.state == "active"),
         "base_url": snippets.endpoints(request)["base_url"], "key_variable": snippets.KEY_VARIABLE,
     }, status=400 if request.method == "POST" else 200)
+    if NEW_KEY_COOKIE in request.COOKIES:
+        response.delete_cookie(NEW_KEY_COOKIE, path=request.path, samesite="Strict")
+    if new_key is not None:
+        response["Cache-Control"] = "no-store"  # nor in the browser's cache
+    return response
 
 
 @organization_required

@@ -29,7 +29,7 @@ def playground(request):
 
 def _count(request, name: str) -> int | None:
     raw = request.GET.get(name, "0")
-    return int(raw) if raw.isdigit() and len(raw) < 10 else None
+    return int(raw) if raw.isascii() and raw.isdigit() and len(raw) < 10 else None  # not "²": a digit, not a number
 
 
 @organization_required

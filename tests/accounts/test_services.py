@@ -108,6 +108,70 @@ def test_the_last_owner_cannot_leave():
     assert list(organizations_for_user(user=owner)) == []
 
 
+def test_a_removed_member_loses_the_keys_they_created():
+    from accounts.errors import ApiKeyError
+    from accounts.selectors import authenticate_api_key
+    from accounts.services import create_api_key
+
+    owner = create_user(email="ada@example.com", password=PASSWORD)
+    org = create_organization(name="Acme", owner=owner)
+    bob = create_user(email="bob@example.com", password=PASSWORD)
+    add_member(organization=org, user=bob)
+    _, bobs = create_api_key(organization=org, name="bob's", scopes=["inference"], created_by=bob)
+    _, owners = create_api_key(organization=org, name="owner's", scopes=["inference"], created_by=owner)
+    elsewhere = create_organization(name="Bob's own", owner=bob)
+    _, bobs_own = create_api_key(organization=elsewhere, name="own", scopes=["inference"], created_by=bob)
+    assert authenticate_api_key(bobs).organization == org  # cached by the gateway's read cache
+    assert remove_member(organization=org, user=bob) == 1
+    with pytest.raises(ApiKeyError):
+        authenticate_api_key(bobs)
+    assert authenticate_api_key(owners) and authenticate_api_key(bobs_own)  # others', and his elsewhere
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_owners_leaving_at_once_leave_one_owner(monkeypatch):
+    """Each removal counts the owners: without a lock both would count two and both leave."""
+    import threading
+
+    from django.db import connection
+    from django.db.models import QuerySet
+
+    ada = create_user(email="ada@example.com", password=PASSWORD)
+    org = create_organization(name="Acme", owner=ada)
+    bob = create_user(email="bob@example.com", password=PASSWORD)
+    add_member(organization=org, user=bob, role="owner")
+    both_counting = threading.Barrier(2)
+    count = QuerySet.count
+
+    def count_together(self):  # hold each removal at its count until the other is there too
+        try:
+            both_counting.wait(timeout=3)  # with the lock the other never gets here: go on alone
+        except threading.BrokenBarrierError:
+            pass
+        return count(self)
+
+    monkeypatch.setattr(QuerySet, "count", count_together)
+    outcomes = []
+
+    def leave(user):
+        try:
+            remove_member(organization=org, user=user)
+            outcomes.append("left")
+        except InvalidInput:
+            outcomes.append("refused")
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=leave, args=(user,)) for user in (ada, bob)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    monkeypatch.setattr(QuerySet, "count", count)
+    assert sorted(outcomes) == ["left", "refused"]
+    assert Membership.objects.filter(organization=org, role="owner").count() == 1
+
+
 def test_current_organization_is_the_session_choice_when_a_member_else_the_first():
     ada = create_user(email="ada@example.com", password=PASSWORD)
     eve = create_user(email="eve@example.com", password=PASSWORD)

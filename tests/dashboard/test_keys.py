@@ -28,6 +28,20 @@ def test_a_new_key_is_shown_once_and_works(ada, acme):
     assert ApiKeySpendLimit.objects.get(api_key=key).amount_limit == Decimal("12.50")
     again = ada.get("/api-keys/").content.decode()
     assert secret not in again and key.display_prefix in again
+    from django.contrib.sessions.models import Session
+
+    assert all(secret not in str(s.get_decoded()) for s in Session.objects.all())  # stored nowhere
+
+
+def test_a_new_key_is_shown_only_on_its_organizations_page(ada, acme):
+    from accounts.services import create_organization
+
+    user, _ = acme
+    other = create_organization(name="Second", owner=user)
+    ada.post("/api-keys/", {"name": "backend", "scopes": ["inference"]})
+    ada.post("/organizations/switch/", {"organization": other.pk})
+    page = ada.get("/api-keys/")
+    assert page.context["new_key"] is None and "new-key-secret" not in page.content.decode()
 
 
 def test_a_key_needs_a_name_and_a_scope(ada, acme):

@@ -141,6 +141,72 @@ def test_owners_remove_members_and_revoke_invitations(ada, acme, globex):
     assert Client().get(_link(mail.outbox[0])).status_code == 404
 
 
+def test_a_removed_admin_takes_their_keys_and_invitations_along(ada, acme):
+    from accounts.models import ApiKey
+
+    _, org = acme
+    admin, _ = sign_up("Al", "Own")
+    add_member(organization=org, user=admin, role="admin")
+    client = Client()
+    client.force_login(admin)
+    client.post("/organizations/switch/", {"organization": org.pk})
+    client.post("/api-keys/", {"name": "al's", "scopes": ["inference"]})
+    _invite(client, "al.again@example.com", "admin")  # his other address, say
+    response = ada.post(f"/settings/members/{admin.pk}/remove/", follow=True)
+    assert "1 API key they created was revoked" in response.content.decode()
+    assert ApiKey.objects.get(organization=org, created_by=admin).revoked_at is not None
+    assert Invitation.objects.get().status == "revoked"
+    assert Client().get(_link(mail.outbox[0])).status_code == 404
+
+
+def test_an_invitation_grants_no_more_than_its_sender_still_may(ada, acme):
+    _, org = acme
+    admin, _ = sign_up("Al", "Own")
+    add_member(organization=org, user=admin, role="admin")
+    guest_user, _ = sign_up("Gus", "Gus's")
+    from dashboard.services import accept_invitation, change_member_role, invite_member
+    from dashboard.errors import InvalidInvitation
+
+    tokens = []
+    invite_member(organization=org, invited_by=admin, email=guest_user.email, role="admin",
+                  link_for=lambda token: tokens.append(token) or token)
+    change_member_role(organization=org, actor=acme[0], member=admin, role="member")
+    with pytest.raises(InvalidInvitation):
+        accept_invitation(raw_token=tokens[0], user=guest_user)
+    assert not Membership.objects.filter(organization=org, user=guest_user).exists()
+
+
+def test_accepting_an_invitation_to_a_higher_role_raises_the_members_role(ada, acme, globex):
+    grace, _ = globex
+    _, org = acme
+    add_member(organization=org, user=grace, role="member")
+    Invitation.objects.all().delete()
+    from dashboard.services import accept_invitation, invite_member
+
+    tokens = []
+    for role in ("admin", "member"):  # a lower one afterwards keeps the higher
+        Membership.objects.filter(organization=org, user=grace).update(role="member" if role == "admin" else "admin")
+        invite_member(organization=org, invited_by=acme[0], email=f"second-{role}@example.com", role=role,
+                      link_for=lambda token: tokens.append(token) or token)
+        Invitation.objects.filter(email=f"second-{role}@example.com").update(email=grace.email)
+        accept_invitation(raw_token=tokens[-1], user=grace)
+        assert Membership.objects.get(organization=org, user=grace).role == "admin"
+
+
+def test_an_invitation_whose_email_fails_is_not_kept(ada, acme, monkeypatch):
+    import smtplib
+
+    def refuse(*args, **kwargs):
+        raise smtplib.SMTPRecipientsRefused({"x@example.com": (550, b"no such mailbox")})
+
+    monkeypatch.setattr("dashboard.services.send_mail", refuse)
+    response = _invite(ada, "x@example.com")
+    assert response.status_code == 200 and "could not be sent" in response.content.decode()
+    assert not Invitation.objects.exists()
+    monkeypatch.undo()
+    assert _invite(ada, "x@example.com").status_code == 302  # a retry is not "already pending"
+
+
 @pytest.mark.parametrize("url", ["/settings/members/{user}/role/", "/settings/members/{user}/remove/"])
 def test_members_of_another_organization_are_out_of_reach(ada, globex, url):
     grace, globex_org = globex

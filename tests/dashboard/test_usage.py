@@ -5,6 +5,8 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 
+import pytest
+
 from accounts.services import create_api_key
 from billing.pricing import Prices, request_cost
 from tests.dashboard.conftest import record
@@ -41,6 +43,18 @@ def test_the_date_range_filters_and_bad_ranges_fall_back(ada, acme, catalog):
     assert page.context["days"] == 30
 
 
+@pytest.mark.parametrize("query, field", [
+    ("end=0001-01-01", "end"),  # 30 days before it does not exist
+    ("start=9999-12-31&end=9999-12-31", "start"),  # nor the day after
+    ("start=2001-01-01", "start"),  # runs to today: thousands of days
+    ("start=2026-01-01&end=2031-01-01", "end"),
+])
+def test_out_of_range_periods_are_form_errors_not_errors(ada, acme, query, field):
+    page = ada.get(f"/usage/?{query}")
+    assert page.status_code == 200 and page.context["form"].errors.get(field)
+    assert page.context["days"] == 30  # the default period instead
+
+
 def test_the_csv_export_link_serves_the_organizations_rows(ada, acme, globex, catalog):
     _, org = acme
     _, public = catalog
@@ -75,5 +89,7 @@ def test_reply_cost_refuses_bad_counts_and_unknown_deployments(ada, acme, catalo
     bad = ada.get("/playground/cost/", {"deployment": "smollm2-135m-instruct", "prompt_tokens": "1",
                                         "cached_prompt_tokens": "2"})
     assert bad.status_code == 400
+    bad = ada.get("/playground/cost/", {"deployment": "smollm2-135m-instruct", "prompt_tokens": "²"})
+    assert bad.status_code == 400  # a digit to str.isdigit, not a number to int()
     unknown = ada.get("/playground/cost/", {"deployment": "nope", "prompt_tokens": "1", "completion_tokens": "1"})
     assert unknown.status_code == 404
