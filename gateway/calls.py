@@ -14,6 +14,7 @@ worker that ran the request emits usage.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from typing import Callable
 
 from channels.layers import get_channel_layer
 from django.conf import settings
+from kombu.exceptions import OperationalError as BrokerError
+from redis.exceptions import RedisError
 
 from inference_platform import read_cache
 from workers import capacity, dispatch
@@ -29,6 +32,8 @@ from . import admission, ratelimit
 from .errors import ApiError
 from .protocol import InferenceRequest
 from .timing import Stages
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -116,6 +121,30 @@ def _check_quota(caller: Caller) -> None:
         raise ApiError(429, exc.message, code=exc.code, type=exc.type) from None
 
 
+# Redis failing (the broker, the rate limits, the reply channels): the client may retry. The
+# channel layer fails its waiters with the built-in ConnectionError when its reader loses Redis.
+REDIS_FAILURES = (RedisError, BrokerError, ConnectionError)
+
+
+def unavailable(exc: BaseException) -> ApiError:
+    log.warning("the gateway cannot reach Redis: %s: %s", type(exc).__name__, exc)
+    return ApiError(503, "The platform cannot reach its message broker right now; retry shortly.",
+                    code="service_unavailable", headers={"Retry-After": "2"})
+
+
+def _ended_badly(event: dict, *, cancelled: bool) -> ApiError | None:
+    """The error a finished request reports instead of a normal end: its engine failed, or it was
+    aborted by something other than this client (its worker stopped serving the model)."""
+    reason = event.get("finish_reason")
+    if reason == "error":
+        return ApiError(500, f"The model failed while generating: {event.get('error') or 'engine error'}.",
+                        code="engine_error")
+    if reason == "abort" and not cancelled:
+        return ApiError(503, "The request was interrupted before it finished (its worker stopped serving "
+                             "the model); retry.", code="interrupted")
+    return None
+
+
 @dataclass
 class Call:
     """A dispatched request: ``start()`` waits until a worker has taken it, ``events()`` relays the rest."""
@@ -147,8 +176,12 @@ class Call:
         }
 
     async def _receive(self, timeout: float) -> dict:
-        async with asyncio.timeout(timeout):  # not wait_for: no task per token
-            return await get_channel_layer().receive(self.reply_channel)
+        try:
+            async with asyncio.timeout(timeout):  # not wait_for: no task per token
+                return await get_channel_layer().receive(self.reply_channel)
+        except REDIS_FAILURES as exc:
+            await self.cancel()  # if Redis takes it: the worker must not generate for nobody
+            raise unavailable(exc) from None
 
     async def start(self) -> None:
         """Wait for a worker to accept and the engine to admit the request; raise ApiError if not."""
@@ -186,8 +219,14 @@ class Call:
                 self.done = True
                 usage = event["usage"]
                 self.tokens_used = usage["prompt_tokens"] + usage["completion_tokens"]
-                await ratelimit.record_tokens(key_id=self.caller.key_id, org_id=self.caller.org_id,
-                                              request_id=self.request_id, tokens=self.tokens_used)
+                try:
+                    await ratelimit.record_tokens(key_id=self.caller.key_id, org_id=self.caller.org_id,
+                                                  request_id=self.request_id, tokens=self.tokens_used)
+                except REDIS_FAILURES as exc:  # the answer is complete: deliver it, uncounted
+                    log.warning("tokens of %s not counted against rate limits: %s", self.request_id, exc)
+                failure = _ended_badly(event, cancelled=self.cancelled)
+                if failure is not None:
+                    raise failure
             yield event
             if self.done:
                 return
@@ -195,8 +234,12 @@ class Call:
     async def cancel(self) -> None:
         """Abort the request wherever it is (queued or running); the worker bills what it produced."""
         if not self.done and not self.cancelled:
-            self.cancelled = True
-            await dispatch.cancel(ratelimit.client(), self.request_id)
+            self.cancelled = True  # before the publish: the abort it causes may come back first
+            try:
+                await dispatch.cancel(ratelimit.client(), self.request_id)
+            except REDIS_FAILURES as exc:  # best effort; a later call may try again
+                self.cancelled = False
+                log.warning("could not cancel %s: %s", self.request_id, exc)
 
 
 def new_request_id(kind: str) -> str:
@@ -229,12 +272,18 @@ async def _begin(kind: str, identify: Callable[[], tuple[Caller, InferenceReques
     request_id = new_request_id(kind)
     reply_channel = await get_channel_layer().new_channel()  # a name only: no I/O
     try:
-        call = await admission.run(_open, identify, request_id, reply_channel, stages)
+        try:
+            call = await admission.run(_open, identify, request_id, reply_channel, stages)
+        except REDIS_FAILURES as exc:
+            raise unavailable(exc) from None
     except ApiError as exc:  # refused: the id still names the request (in logs, in a support ticket)
         exc.headers = {**exc.headers, "x-request-id": request_id}
         raise
     except asyncio.CancelledError:  # the client left; the thread may still dispatch: abort it there
-        await asyncio.shield(dispatch.cancel(ratelimit.client(), request_id))
+        try:
+            await asyncio.shield(dispatch.cancel(ratelimit.client(), request_id))
+        except REDIS_FAILURES as exc:
+            log.warning("could not cancel %s: %s", request_id, exc)
         raise
     try:
         await call.start()

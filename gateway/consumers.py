@@ -5,6 +5,7 @@ Client frames:
     {"type": "cancel", "request_id": "r1"}
 Server frames: each OpenAI chunk with the client's ``request_id`` added, then
 ``{"type": "done", "request_id": ...}``; or ``{"type": "error", "request_id": ..., "error": {...}}``.
+A request cancelled before it started ends with ``{"type": "done", "request_id": ..., "cancelled": true}``.
 Several requests can run at once on one connection. Closing the socket aborts them all.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 
 from channels.generic.websocket import AsyncWebsocketConsumer
@@ -19,9 +21,22 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from . import calls, formatting
 from .errors import ApiError
 from .protocol import parse_chat, parse_completion
-from .views import stream_chunks
+from .views import INTERNAL_ERROR, stream_chunks
 
+log = logging.getLogger(__name__)
 PARSERS = {"chat.completions": parse_chat, "completions": parse_completion}
+MAX_REQUEST_ID = 200
+
+
+def _request_id(message: dict) -> str | ApiError:
+    """The client's id for a request (a string or an integer, as a string), or a new one."""
+    value = message.pop("request_id", None)
+    if value is None or value == "":
+        return uuid.uuid4().hex
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or len(str(value)) > MAX_REQUEST_ID:
+        return ApiError(400, f"request_id must be a string of at most {MAX_REQUEST_ID} characters",
+                        param="request_id")
+    return str(value)
 
 
 class InferenceConsumer(AsyncWebsocketConsumer):
@@ -52,13 +67,15 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             return await self._error(None, ApiError(400, "Frames must be JSON objects.", code="invalid_json"))
         if not isinstance(message, dict):
             return await self._error(None, ApiError(400, "Frames must be JSON objects.", code="invalid_json"))
-        request_id = message.pop("request_id", None) or uuid.uuid4().hex
+        request_id = _request_id(message)
+        if isinstance(request_id, ApiError):
+            return await self._error(None, request_id)
         if message.get("type") == "cancel":
-            return await self._cancel(str(request_id))
+            return await self._cancel(request_id)
         message.pop("type", None)
         message["stream"] = True  # a WebSocket always streams
         endpoint = message.pop("endpoint", "chat.completions")
-        if endpoint not in PARSERS:
+        if not isinstance(endpoint, str) or endpoint not in PARSERS:
             return await self._error(request_id, ApiError(400, "endpoint must be chat.completions or completions",
                                                           param="endpoint"))
         if request_id in self.running:
@@ -82,6 +99,9 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             await self._send({"type": "done", "request_id": request_id})
         except ApiError as exc:
             await self._error(request_id, exc)
+        except Exception:  # a bug: answer this request, keep the connection and the others
+            log.exception("WebSocket request %s failed", request_id)
+            await self._error(request_id, INTERNAL_ERROR)
         finally:
             if call is not None:
                 await asyncio.shield(call.cancel())
@@ -97,6 +117,7 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             await holder[0].cancel()  # the stream then ends with finish_reason "stop" and usage
         else:
             task.cancel()  # still being admitted: nothing ran, nothing is billed
+            await self._send({"type": "done", "request_id": request_id, "cancelled": True})
 
     async def disconnect(self, code):
         for task, holder in list(getattr(self, "running", {}).values()):

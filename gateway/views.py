@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
@@ -14,6 +15,9 @@ from django.views.decorators.csrf import csrf_exempt
 from . import admission, calls, formatting
 from .errors import ApiError
 from .protocol import MAX_MODEL_NAME, parse_chat, parse_completion
+
+log = logging.getLogger(__name__)
+INTERNAL_ERROR = ApiError(500, "The server failed while streaming this response; it is logged.", code="internal_error")
 
 
 def _read_json(request) -> object:
@@ -103,6 +107,9 @@ async def _sse(call: calls.Call, ctx: formatting.Context, include_usage: bool):
         yield "data: [DONE]\n\n"
     except ApiError as exc:  # after the first byte the status is sent: report in-band
         yield f"data: {json.dumps(exc.body())}\n\n"
+    except Exception:  # a bug: the client still gets an end it can parse, the log the traceback
+        log.exception("streaming %s failed", call.request_id)
+        yield f"data: {json.dumps(INTERNAL_ERROR.body())}\n\n"
     finally:  # normal end, error, or the client disconnected (CancelledError / GeneratorExit)
         await asyncio.shield(call.cancel())
 

@@ -17,6 +17,7 @@ import uuid
 
 from django.core.handlers.asgi import ASGIHandler
 from django.core.handlers.exception import convert_exception_to_response
+from django.http import JsonResponse
 from django.middleware.security import SecurityMiddleware
 
 # Exact paths, and prefixes, of the endpoints this handler serves (all of them Bearer-key only).
@@ -29,13 +30,18 @@ def serves(path: str) -> bool:
 
 
 def _security(get_response):
-    """SecurityMiddleware's redirect and headers, without its thread hops; and, as OpenAI does,
-    an ``x-request-id`` on every response (an inference request's is its completion id, which
-    its usage record has too)."""
+    """SecurityMiddleware's redirect and headers, without its thread hops; errors in OpenAI's JSON
+    shape, Django's 500 page included; and, as OpenAI does, an ``x-request-id`` on every response
+    (an inference request's is its completion id, which its usage record has too)."""
     checks = SecurityMiddleware(get_response)
 
     async def middleware(request):
         response = checks.process_request(request) or await get_response(request)
+        if response.status_code == 500 and not response.get("Content-Type", "").startswith("application/json"):
+            # A bug (Django logged it): an API client still gets an error it can parse.
+            response = JsonResponse({"error": {
+                "message": "The server hit an unexpected error; it is logged under this response's x-request-id.",
+                "type": "server_error", "param": None, "code": "internal_error"}}, status=500)
         if "x-request-id" not in response:
             response["x-request-id"] = f"req_{uuid.uuid4().hex}"
         return checks.process_response(request, response)

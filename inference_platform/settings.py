@@ -101,7 +101,10 @@ CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "inference_platform.channel_layer.RedisChannelLayer",
         # The socket timeout must outlast channels_redis's 5 s blocking pops (redis-py's default is 5 s).
-        "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}], "capacity": 1000, "expiry": 120},
+        "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}], "capacity": 1000, "expiry": 120,
+                   # A gateway process has ONE channel for all its streams (process-specific names):
+                   # at 1,000, half a second of stall under load refused every stream.
+                   "channel_capacity": {"specific.*": 100_000}},
     }
 }
 

@@ -52,11 +52,26 @@ class CancelListener:
         with self._lock:
             self._callbacks.pop(request_id, None)
 
+    def _catch_up(self) -> None:
+        """Abort the watched requests whose mark is set: cancels published while this listener
+        was not subscribed (pub/sub delivers to those listening, once) left their marks."""
+        with self._lock:
+            watched = list(self._callbacks.items())
+        if not watched:
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for request_id, _ in watched:
+            pipe.exists(mark_key(request_id))
+        for (_, callback), marked in zip(watched, pipe.execute()):
+            if marked:
+                callback()
+
     def _listen(self) -> None:
         while True:
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
             try:
-                pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
                 pubsub.subscribe(CHANNEL)
+                self._catch_up()  # after subscribing: no cancel falls between the two
                 for message in pubsub.listen():
                     request_id = message["data"].decode()
                     with self._lock:
@@ -66,6 +81,8 @@ class CancelListener:
             except redis.RedisError as exc:  # Redis restarted: resubscribe after a pause
                 log.warning("cancel listener lost Redis (%s); resubscribing", exc)
                 threading.Event().wait(1.0)
+            finally:
+                pubsub.close()
 
 
 _listener: CancelListener | None = None

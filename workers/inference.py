@@ -27,7 +27,7 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "") -> 
     """Serve one request: the start and the end go through ``send`` from this thread; the tokens
     go from the engine through ``relay`` (``workers.relay.StreamRelay``). Returns the usage event
     it emitted (None if the engine never took the request)."""
-    from workers.engine import InvalidRequestError, SamplingParams
+    from workers.engine import EngineError, InvalidRequestError, SamplingParams
 
     request_id, reply = payload["request_id"], payload["reply_channel"]
     if cancels.is_cancelled(request_id):
@@ -53,6 +53,11 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "") -> 
             handle = engine.submit(payload["prompt"], params, request_id=request_id, listener=stream)
     except InvalidRequestError as exc:
         _send_quietly(send, reply, _refusal(exc, payload["kind"]))
+        return None
+    except EngineError as exc:  # stopped (an unload raced this request) or its loop died: retryable
+        log.error("deployment %s could not take request %s: %s", payload["deployment"]["name"], request_id, exc)
+        _send_quietly(send, reply, _error(503, f"the model is not running on this worker ({exc}); retry",
+                                          code="model_unavailable"))
         return None
 
     stream.handle = handle
@@ -157,7 +162,8 @@ def _usage_event(payload: dict, last, handle) -> dict:
     if last is not None and last.finished:
         usage, timings, status = _usage(last), _timings_ms(last.timings), STATUS_BY_FINISH.get(last.finish_reason, "failed")
     else:
-        usage = {"prompt_tokens": handle.prompt_tokens, "cached_prompt_tokens": 0,
+        usage = {"prompt_tokens": handle.prompt_tokens,
+                 "cached_prompt_tokens": last.cached_prompt_tokens if last else 0,
                  "completion_tokens": last.completion_tokens if last else 0}
         timings, status = {"queue_ms": None, "ttft_ms": None, "latency_ms": None}, "failed"
     return {

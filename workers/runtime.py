@@ -21,10 +21,14 @@ class EngineHost:
         """The running engine for a deployment, loading it on first use (one load at a time)."""
         name = spec["name"]
         engine = self._engines.get(name)
-        if engine is not None:
+        if engine is not None and engine.is_running:
             return engine
         with self._lock:
             engine = self._engines.get(name)
+            if engine is not None and not engine.is_running:  # its loop died (unload pops first)
+                log.error("the engine of deployment %s stopped running; loading it again", name)
+                self._engines.pop(name, None)
+                engine = None
             if engine is None:
                 engine = self._load(spec)
                 self._engines[name] = engine

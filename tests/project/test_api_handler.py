@@ -73,3 +73,16 @@ def test_the_security_redirect_still_applies_to_inference_endpoints(application)
     response = async_to_sync(_call)(handler, "POST", "/v1/completions", b"{}")
     assert response["status"] == 301
     assert _headers(response)["location"].startswith("https://")
+
+
+def test_an_unexpected_error_is_a_json_500_not_djangos_page(application, monkeypatch):
+    from gateway import views
+
+    def bug(*args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(views, "_list_models", bug)
+    response = async_to_sync(_call)(application, "GET", "/v1/models")
+    assert response["status"] == 500 and _headers(response)["content-type"] == "application/json"
+    assert json.loads(response["body"])["error"]["code"] == "internal_error"
+    assert _headers(response)["x-request-id"].startswith("req_")

@@ -1,0 +1,97 @@
+"""What a client sees when something other than its request fails: the engine mid-stream, its
+worker stopping, Redis. Always an error in OpenAI's shape (in-band once streaming), never a
+normal-looking end and never Django's HTML 500."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import redis
+from channels.layers import get_channel_layer
+
+from gateway.errors import ApiError
+from tests.gateway.test_timeouts import cancel_marked, new_call, reply_channel_with
+
+STARTED = {"type": "inference.started", "prompt_tokens": 3}
+DELTA = {"type": "inference.delta", "text": "Hel", "token_ids": [1], "logprobs": None}
+USAGE = {"prompt_tokens": 3, "cached_prompt_tokens": 0, "completion_tokens": 1}
+
+
+class Caller:
+    key_id, org_id = "test-key", "test-org"
+
+
+def finished(reason: str, error: str | None = None) -> dict:
+    return {"type": "inference.finished", "finish_reason": reason, "error": error, "usage": USAGE, "timings": {}}
+
+
+def run_call(*events: dict, cancel_first: bool = False):
+    """Start a call whose worker sends ``events``; the events it yields and the error it raises."""
+    async def scenario():
+        call = new_call(await reply_channel_with(*events))
+        call.caller = Caller()
+        await call.start()
+        if cancel_first:
+            await call.cancel()
+        received = []
+        try:
+            async for event in call.events():
+                received.append(event["type"])
+        except ApiError as exc:
+            return call, received, exc
+        return call, received, None
+
+    return asyncio.run(scenario())
+
+
+def test_an_engine_failure_mid_stream_is_an_error_not_a_stop():
+    call, received, error = run_call(STARTED, DELTA, finished("error", "step failed: CUDA error"))
+    assert received == ["inference.delta"]
+    assert (error.status, error.type, error.code) == (500, "server_error", "engine_error")
+    assert "step failed" in error.message
+    assert call.tokens_used == 4  # what it produced still counts against the rate limits
+
+
+def test_an_abort_nobody_asked_for_is_an_interruption():
+    _, _, error = run_call(STARTED, DELTA, finished("abort"))
+    assert (error.status, error.code) == (503, "interrupted")
+
+
+def test_an_abort_the_client_asked_for_ends_normally():
+    call, received, error = run_call(STARTED, DELTA, finished("abort"), cancel_first=True)
+    assert error is None and received == ["inference.delta", "inference.finished"]
+    assert cancel_marked(call.request_id)
+
+
+def test_losing_redis_while_waiting_is_a_503(monkeypatch):
+    async def broken_receive(channel):
+        raise ConnectionError("the channel layer's reader lost Redis")
+
+    async def scenario():
+        channel = await reply_channel_with(STARTED)
+        monkeypatch.setattr(get_channel_layer(), "receive", broken_receive)
+        with pytest.raises(ApiError) as caught:
+            await new_call(channel).start()
+        return caught.value
+
+    error = asyncio.run(scenario())
+    assert (error.status, error.type, error.code) == (503, "service_unavailable", "service_unavailable")
+    assert error.headers["Retry-After"]
+
+
+@pytest.mark.django_db
+def test_a_request_when_redis_refuses_is_a_json_503(client, seeded, org_key, monkeypatch):
+    from gateway import ratelimit
+
+    def down(**kwargs):
+        raise redis.exceptions.ConnectionError("Connection refused")
+
+    monkeypatch.setattr(ratelimit, "admit", down)
+    _, _, key = org_key()
+    body = {"model": seeded, "messages": [{"role": "user", "content": "Hi"}]}
+    response = client.post("/v1/chat/completions", data=json.dumps(body), content_type="application/json",
+                           HTTP_AUTHORIZATION=f"Bearer {key}")
+    assert response.status_code == 503 and response["Content-Type"] == "application/json"
+    assert response.json()["error"]["code"] == "service_unavailable" and response["x-request-id"]
