@@ -161,6 +161,8 @@ class Call:
     done: bool = False  # the worker's last event arrived
     cancelled: bool = False
     tokens_used: int = 0
+    completion_seen: int = 0  # tokens relayed so far
+    tokens_counted: bool = False  # against the token rate limits: once per request
     queue_timeout: float | None = None  # longer while a scaled-to-zero deployment cold-starts
 
     def payload(self) -> dict:
@@ -215,15 +217,13 @@ class Call:
             if event["type"] == "inference.error":
                 self.done = True
                 raise ApiError(event["status"], event["message"], param=event.get("param"), code=event.get("code"))
-            if event["type"] == "inference.finished":
+            if event["type"] == "inference.delta":
+                self.completion_seen += len(event.get("token_ids") or ())
+            elif event["type"] == "inference.finished":
                 self.done = True
                 usage = event["usage"]
                 self.tokens_used = usage["prompt_tokens"] + usage["completion_tokens"]
-                try:
-                    await ratelimit.record_tokens(key_id=self.caller.key_id, org_id=self.caller.org_id,
-                                                  request_id=self.request_id, tokens=self.tokens_used)
-                except REDIS_FAILURES as exc:  # the answer is complete: deliver it, uncounted
-                    log.warning("tokens of %s not counted against rate limits: %s", self.request_id, exc)
+                await self._count_tokens(self.tokens_used)
                 failure = _ended_badly(event, cancelled=self.cancelled)
                 if failure is not None:
                     raise failure
@@ -240,6 +240,21 @@ class Call:
             except REDIS_FAILURES as exc:  # best effort; a later call may try again
                 self.cancelled = False
                 log.warning("could not cancel %s: %s", self.request_id, exc)
+                return
+            # A client that leaves before the end still spent what it got: leaving just before the
+            # last token must not dodge the token limits. (One that cancels and reads on is
+            # counted here too, a few tokens short.)
+            await self._count_tokens(self.prompt_tokens + self.completion_seen)
+
+    async def _count_tokens(self, tokens: int) -> None:
+        if self.tokens_counted or tokens <= 0:
+            return
+        self.tokens_counted = True
+        try:
+            await ratelimit.record_tokens(key_id=self.caller.key_id, org_id=self.caller.org_id,
+                                          request_id=self.request_id, tokens=tokens)
+        except REDIS_FAILURES as exc:  # the answer is what matters: deliver it, uncounted
+            log.warning("tokens of %s not counted against rate limits: %s", self.request_id, exc)
 
 
 def new_request_id(kind: str) -> str:

@@ -19,10 +19,6 @@ DELTA = {"type": "inference.delta", "text": "Hel", "token_ids": [1], "logprobs":
 USAGE = {"prompt_tokens": 3, "cached_prompt_tokens": 0, "completion_tokens": 1}
 
 
-class Caller:
-    key_id, org_id = "test-key", "test-org"
-
-
 def finished(reason: str, error: str | None = None) -> dict:
     return {"type": "inference.finished", "finish_reason": reason, "error": error, "usage": USAGE, "timings": {}}
 
@@ -31,7 +27,6 @@ def run_call(*events: dict, cancel_first: bool = False):
     """Start a call whose worker sends ``events``; the events it yields and the error it raises."""
     async def scenario():
         call = new_call(await reply_channel_with(*events))
-        call.caller = Caller()
         await call.start()
         if cancel_first:
             await call.cancel()
@@ -63,6 +58,22 @@ def test_an_abort_the_client_asked_for_ends_normally():
     call, received, error = run_call(STARTED, DELTA, finished("abort"), cancel_first=True)
     assert error is None and received == ["inference.delta", "inference.finished"]
     assert cancel_marked(call.request_id)
+
+
+def test_a_client_that_leaves_mid_stream_is_counted_what_it_got():
+    from gateway import ratelimit
+
+    async def scenario():
+        call = new_call(await reply_channel_with(STARTED, DELTA, DELTA, finished("length")))
+        await call.start()
+        async for event in call.events():
+            if event["type"] == "inference.delta" and call.completion_seen == 2:
+                break  # the client went away before the end
+        await call.cancel()
+        key_sum = ratelimit._keys(call.caller.key_id, call.caller.org_id)[4]
+        return int(await ratelimit.client().get(key_sum) or 0)
+
+    assert asyncio.run(scenario()) == 3 + 2  # the prompt and the two tokens it received
 
 
 def test_losing_redis_while_waiting_is_a_503(monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from types import SimpleNamespace
 
 import pytest
 from channels.layers import get_channel_layer
@@ -15,7 +16,8 @@ from gateway.timing import Stages
 
 
 def new_call(reply_channel: str) -> Call:
-    return Call(caller=None, request=None, spec={"name": "smol"}, request_id=f"chatcmpl-{uuid.uuid4().hex}",
+    caller = SimpleNamespace(key_id=f"test-{uuid.uuid4().hex}", org_id=f"test-{uuid.uuid4().hex}")
+    return Call(caller=caller, request=None, spec={"name": "smol"}, request_id=f"chatcmpl-{uuid.uuid4().hex}",
                 reply_channel=reply_channel, headers={}, stages=Stages(), queue_timeout=5)
 
 
