@@ -57,13 +57,22 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def cpu_ms(step, count: int) -> float:
-    """This thread's CPU milliseconds per call of ``step``, after one call to warm it."""
+def ms_per_call(step, count: int, clock=time.thread_time) -> float:
+    """Milliseconds of ``clock`` (this thread's CPU time unless told) per call of ``step``, after
+    one call to warm it."""
     step()
-    started = time.thread_time()
+    started = clock()
     for _ in range(count):
         step()
-    return round((time.thread_time() - started) * 1000 / count, 3)
+    return round((clock() - started) * 1000 / count, 3)
+
+
+def cpu_ms(step, count: int) -> float:
+    return ms_per_call(step, count)
+
+
+def wall_ms(step, count: int) -> float:
+    return ms_per_call(step, count, time.perf_counter)
 
 
 def measure_history(count: int, rows: int) -> dict:
@@ -92,11 +101,15 @@ def measure_history(count: int, rows: int) -> dict:
             price_input_per_mtok=0, price_cached_input_per_mtok=0, price_output_per_mtok=0, price_per_request=0,
         ) for i in ids)
     caller = calls.Caller(api_key=api_key, organization=organization)
-    figures = {"running_totals": cpu_ms(lambda: calls._check_quota(caller), count),
-               "summing_the_ledger": cpu_ms(lambda: LedgerEntry.objects.filter(organization=organization).aggregate(
-                   Sum("amount")), max(3, count // 20))}
-    return {"history_rows": rows, "quota_cpu_ms_per_request": figures,
-            "running_totals_speedup": round(figures["summing_the_ledger"] / figures["running_totals"], 1)}
+    steps = {"running_totals": (lambda: calls._check_quota(caller), count),
+             "summing_the_ledger": (lambda: LedgerEntry.objects.filter(organization=organization).aggregate(
+                 Sum("amount")), max(3, count // 20))}
+    cpu = {name: cpu_ms(step, times) for name, (step, times) in steps.items()}
+    # On PostgreSQL the sum runs in the server's process, which this thread's CPU time does not see.
+    wall = {name: wall_ms(step, times) for name, (step, times) in steps.items()}
+    return {"history_rows": rows, "quota_cpu_ms_per_request": cpu, "quota_wall_ms_per_request": wall,
+            "running_totals_speedup": round(cpu["summing_the_ledger"] / cpu["running_totals"], 1),
+            "running_totals_speedup_wall": round(wall["summing_the_ledger"] / wall["running_totals"], 1)}
 
 
 def measure_busy_window(count: int, requests: int) -> dict:

@@ -9,6 +9,7 @@ follow OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import csv
+from decimal import Decimal
 from typing import Iterable, Iterator
 
 from asgiref.sync import sync_to_async
@@ -91,13 +92,19 @@ class _Echo:
         return value
 
 
+def _cell(value) -> object:
+    if value is None:
+        return ""
+    if isinstance(value, Decimal):
+        return format(value, "f")  # 0.0000000000, not str()'s 0E-10
+    return value.isoformat() if hasattr(value, "isoformat") else value
+
+
 def _csv_lines(rows: Iterable[tuple]) -> Iterator[str]:
     writer = csv.writer(_Echo())
     yield writer.writerow(selectors.EXPORT_COLUMNS)
     for row in rows:
-        yield writer.writerow(
-            [value.isoformat() if hasattr(value, "isoformat") else ("" if value is None else value) for value in row]
-        )
+        yield writer.writerow([_cell(value) for value in row])
 
 
 def _next_chunk(lines: Iterator[str], size: int) -> str:

@@ -159,6 +159,11 @@ def ledger_page(*, organization: Organization, limit: int, after: int | None = N
 GROUP_BYS = ("day", "hour", "model", "deployment", "api_key")
 
 
+# The dates a report's period may span: far enough inside the calendar that its bounds and its
+# default start (30 days before its end) exist.
+REPORT_DATES = (date(2000, 1, 1), date(2999, 12, 31))
+
+
 def period_bounds(start: date, end: date) -> tuple[datetime, datetime]:
     """[start 00:00 UTC, the day after end 00:00 UTC): ``end`` is inclusive."""
     return (datetime.combine(start, time.min, tzinfo=timezone.utc),

@@ -9,7 +9,7 @@ from rest_framework import serializers
 
 from .errors import InvalidParameter
 from .pricing import COST_QUANTUM
-from .selectors import GROUP_BYS
+from .selectors import GROUP_BYS, REPORT_DATES
 
 MAX_REPORT_DAYS = 366
 DEFAULT_REPORT_DAYS = 30
@@ -26,9 +26,12 @@ def _date(params, name: str, default: date) -> date:
     if raw is None or raw == "":
         return default
     try:
-        return date.fromisoformat(raw) if len(raw) == 10 else _bad_date(name, raw)
+        value = date.fromisoformat(raw) if len(raw) == 10 else _bad_date(name, raw)
     except ValueError:
         return _bad_date(name, raw)
+    if not REPORT_DATES[0] <= value <= REPORT_DATES[1]:  # the day after, and 30 days before, must exist
+        raise InvalidParameter(name, f"'{name}' must be between {REPORT_DATES[0]} and {REPORT_DATES[1]}, not {raw}.")
+    return value
 
 
 def _bad_date(name: str, raw: str):
@@ -57,7 +60,9 @@ def _positive_int(params, name: str, default: int | None, maximum: int | None = 
     raw = params.get(name)
     if raw is None or raw == "":
         return default
-    if not raw.isdigit() or int(raw) < 1 or (maximum is not None and int(raw) > maximum):
+    # isascii: "²" is a digit to isdigit() but no number to int(); 18 digits fit a bigint
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 18) or int(raw) < 1 or \
+            (maximum is not None and int(raw) > maximum):
         bound = f" from 1 to {maximum}" if maximum else " >= 1"
         raise InvalidParameter(name, f"'{name}' must be an integer{bound}, not {raw!r}.")
     return int(raw)

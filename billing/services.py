@@ -83,14 +83,20 @@ def grant_signup_credit(*, organization: Organization) -> LedgerEntry | None:
 
 def add_adjustment(*, organization: Organization, amount: Decimal, description: str, reference: str = "") -> LedgerEntry:
     """An operator's manual credit (positive) or debit (negative). With a ``reference`` it happens
-    once: a second call with the same reference returns the first entry."""
+    once: a second call with the same reference returns the first entry (one of another
+    organization raises InvalidParameter: nothing would be credited where it was meant to be)."""
     if isinstance(amount, float) or not isinstance(amount, Decimal):
         raise InvalidParameter("amount", "amount must be a Decimal")
-    amount = amount.quantize(COST_QUANTUM, rounding=ROUND_HALF_UP)
+    try:
+        amount = amount.quantize(COST_QUANTUM, rounding=ROUND_HALF_UP)
+    except InvalidOperation:
+        raise InvalidParameter("amount", f"amount {amount} is not a USD amount") from None
     if amount == 0:
         raise InvalidParameter("amount", "an adjustment cannot be zero")
     entry, _ = _post(organization_id=organization.pk, kind=LedgerEntry.Kind.ADJUSTMENT, amount=amount,
                      reference=reference, description=description[:255])
+    if entry.organization_id != organization.pk:
+        raise InvalidParameter("reference", f"the reference {reference!r} was already used for another organization")
     return entry
 
 
@@ -130,7 +136,6 @@ def record_usage(*, event: Mapping[str, Any]) -> UsageRecord:
     UnknownModel: permanent errors, redelivering the event cannot fix them.
     """
     parsed = parse_usage_event(event)
-    api_key_id, deployment_id = _usage_references(parsed)
     catalog_model = _catalog_models.get(parsed.model, lambda: CatalogModel.objects.filter(slug=parsed.model).first())
     if catalog_model is None:
         raise UnknownModel(f"usage event {parsed.request_id}: no catalog model {parsed.model!r}", param="model")
@@ -142,45 +147,55 @@ def record_usage(*, event: Mapping[str, Any]) -> UsageRecord:
         completion_tokens=parsed.completion_tokens,
         status=parsed.status,
     )
-    try:
-        with transaction.atomic():
-            record = UsageRecord.objects.create(
-                request_id=parsed.request_id,
-                organization_id=parsed.organization_id,
-                api_key_id=api_key_id,
-                deployment_id=deployment_id,
-                model=parsed.model,
-                deployment_name=parsed.deployment,
-                prompt_tokens=parsed.prompt_tokens,
-                cached_prompt_tokens=parsed.cached_prompt_tokens,
-                completion_tokens=parsed.completion_tokens,
-                status=parsed.status,
-                queue_ms=parsed.queue_ms,
-                ttft_ms=parsed.ttft_ms,
-                latency_ms=parsed.latency_ms,
-                price_input_per_mtok=prices.input_per_mtok,
-                price_cached_input_per_mtok=prices.cached_input_per_mtok,
-                price_output_per_mtok=prices.output_per_mtok,
-                price_per_request=prices.per_request,
-                cost=cost,
-                created_at=parsed.finished_at,
-            )
-            # The usage record is unique by request id, so its charge is written once with it.
-            # Either way the balance's row is taken first: the lock order reconcile relies on.
-            if cost > 0:
-                _write_entry(organization_id=parsed.organization_id, kind=LedgerEntry.Kind.USAGE, amount=-cost,
-                             reference=parsed.request_id,
-                             description=parsed.model + (f" on {parsed.deployment}" if parsed.deployment else ""))
-            else:
-                totals.add_to_balance(organization_id=parsed.organization_id, amount=Decimal(0))
-            totals.add_usage(organization_id=parsed.organization_id, api_key_id=api_key_id,
-                             created_at=record.created_at, cost=cost,
-                             tokens=parsed.prompt_tokens + parsed.completion_tokens)
-    except IntegrityError:  # recorded meanwhile (request_id is unique): charged there, not here
-        existing = UsageRecord.objects.filter(request_id=parsed.request_id).first()
-        if existing is None:
-            raise  # another constraint: a real error, not a duplicate
-        return existing
+    for attempt in range(2):
+        try:
+            return _write_usage(parsed, prices, cost)
+        except IntegrityError:  # recorded meanwhile (request_id is unique): charged there, not here
+            existing = UsageRecord.objects.filter(request_id=parsed.request_id).first()
+            if existing is not None:
+                return existing
+            if attempt:
+                raise  # another constraint: a real error, not a duplicate
+            # Or its key or deployment was deleted since they were looked up (PostgreSQL checks
+            # foreign keys at commit): look them up again rather than lose the event.
+
+
+def _write_usage(parsed, prices: Prices, cost: Decimal) -> UsageRecord:
+    """The record, its charge and the totals, in one transaction; IntegrityError if any fails."""
+    api_key_id, deployment_id = _usage_references(parsed)
+    with transaction.atomic():
+        record = UsageRecord.objects.create(
+            request_id=parsed.request_id,
+            organization_id=parsed.organization_id,
+            api_key_id=api_key_id,
+            deployment_id=deployment_id,
+            model=parsed.model,
+            deployment_name=parsed.deployment,
+            prompt_tokens=parsed.prompt_tokens,
+            cached_prompt_tokens=parsed.cached_prompt_tokens,
+            completion_tokens=parsed.completion_tokens,
+            status=parsed.status,
+            queue_ms=parsed.queue_ms,
+            ttft_ms=parsed.ttft_ms,
+            latency_ms=parsed.latency_ms,
+            price_input_per_mtok=prices.input_per_mtok,
+            price_cached_input_per_mtok=prices.cached_input_per_mtok,
+            price_output_per_mtok=prices.output_per_mtok,
+            price_per_request=prices.per_request,
+            cost=cost,
+            created_at=parsed.finished_at,
+        )
+        # The usage record is unique by request id, so its charge is written once with it.
+        # Either way the balance's row is taken first: the lock order reconcile relies on.
+        if cost > 0:
+            _write_entry(organization_id=parsed.organization_id, kind=LedgerEntry.Kind.USAGE, amount=-cost,
+                         reference=parsed.request_id,
+                         description=parsed.model + (f" on {parsed.deployment}" if parsed.deployment else ""))
+        else:
+            totals.add_to_balance(organization_id=parsed.organization_id, amount=Decimal(0))
+        totals.add_usage(organization_id=parsed.organization_id, api_key_id=api_key_id,
+                         created_at=record.created_at, cost=cost,
+                         tokens=parsed.prompt_tokens + parsed.completion_tokens)
     return record
 
 
@@ -261,10 +276,10 @@ def _topup_amount(amount) -> Decimal:
         raise InvalidParameter("amount", "amount must be a decimal string such as \"20.00\", not a float")
     try:
         value = Decimal(str(amount)) if not isinstance(amount, Decimal) else amount
+        if not value.is_finite() or value != value.quantize(CENTS):  # quantize: too many digits raise
+            raise InvalidParameter("amount", "amount must be in USD with at most 2 decimal places")
     except InvalidOperation:
         raise InvalidParameter("amount", f"amount must be a decimal amount in USD, not {amount!r}") from None
-    if not value.is_finite() or value != value.quantize(CENTS):
-        raise InvalidParameter("amount", "amount must be in USD with at most 2 decimal places")
     if not settings.TOPUP_MIN <= value <= settings.TOPUP_MAX:
         raise InvalidParameter(
             "amount", f"amount must be between {settings.TOPUP_MIN} and {settings.TOPUP_MAX} USD, not {value}"
@@ -398,23 +413,49 @@ def _refunds_of(charge: dict) -> list[dict]:
     return [refund.to_dict() for refund in listing.auto_paging_iter()]
 
 
-def _on_charge_refunded(charge: dict) -> None:
-    topup = TopUp.objects.filter(payment_intent_id=charge.get("payment_intent") or "").first()
-    if topup is None:
-        logger.warning("charge.refunded for %s: not a top-up of this platform, ignored", charge.get("id"))
+def _apply_refund(topup: TopUp, refund: dict) -> None:
+    """A refund of a top-up in its current state: debited once when it succeeded (reference its
+    id); credited back once if it failed or was cancelled after that. Pending: nothing yet (Stripe
+    reports the change in ``charge.refund.updated``)."""
+    amount, refund_id = _usd_from_cents(refund.get("amount")), refund.get("id")
+    if amount is None or not refund_id:
         return
-    for refund in _refunds_of(charge):
-        amount = _usd_from_cents(refund.get("amount"))
-        if refund.get("status") != "succeeded" or amount is None or not refund.get("id"):
-            continue
+    if refund.get("status") == "succeeded":
         _post(organization_id=topup.organization_id, kind=LedgerEntry.Kind.REFUND, amount=-amount,
-              reference=refund["id"], description=f"Refund of top-up {topup.payment_intent_id}")
+              reference=refund_id, description=f"Refund of top-up {topup.payment_intent_id}")
+    elif refund.get("status") in ("failed", "canceled") and \
+            LedgerEntry.objects.filter(kind=LedgerEntry.Kind.REFUND, reference=refund_id).exists():
+        _post(organization_id=topup.organization_id, kind=LedgerEntry.Kind.ADJUSTMENT, amount=amount,
+              reference=f"refund-reversed:{refund_id}", description=f"Refund {refund_id} {refund['status']}: "
+                                                                   "credit restored")
+
+
+def _topup_paid_by(payment_intent_id: str | None, event: str) -> TopUp | None:
+    topup = TopUp.objects.filter(payment_intent_id=payment_intent_id or "").first()
+    if topup is None:
+        logger.warning("%s for %s: not a top-up of this platform, ignored", event, payment_intent_id)
+    return topup
+
+
+def _on_charge_refunded(charge: dict) -> None:
+    topup = _topup_paid_by(charge.get("payment_intent"), "charge.refunded")
+    for refund in _refunds_of(charge) if topup is not None else ():
+        _apply_refund(topup, refund)
+
+
+def _on_refund_updated(refund: dict) -> None:
+    topup = _topup_paid_by(refund.get("payment_intent"), "refund update")
+    if topup is not None:
+        _apply_refund(topup, refund)
 
 
 _STRIPE_HANDLERS = {
     "payment_intent.succeeded": _on_payment_intent_succeeded,
     "payment_intent.payment_failed": _on_payment_intent_failed,
     "charge.refunded": _on_charge_refunded,
+    # A refund that was pending when charge.refunded came, or that failed afterwards.
+    "charge.refund.updated": _on_refund_updated,
+    "refund.updated": _on_refund_updated,
 }
 
 
@@ -422,8 +463,9 @@ def handle_stripe_event(*, event: dict) -> bool:
     """Apply a verified Stripe event (see ``stripe_api.construct_webhook_event``) exactly once.
 
     ``payment_intent.succeeded`` credits the top-up (amount from the PaymentIntent, reference its
-    id); ``charge.refunded`` debits each succeeded refund once (reference the refund id);
-    ``payment_intent.payment_failed`` marks the top-up failed. Other types are stored and ignored.
+    id); ``charge.refunded`` and the refund updates debit each succeeded refund once (reference the
+    refund id) and credit back one that failed after that; ``payment_intent.payment_failed`` marks
+    the top-up failed. Other types are stored and ignored.
     Returns False for an event id already processed. A handler that raises rolls everything back,
     the event included, so Stripe's retry can process it later.
     """

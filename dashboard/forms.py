@@ -11,10 +11,11 @@ from django.utils import timezone
 
 from accounts.models import SCOPES, Membership
 from models_catalog.models import CatalogModel, Deployment
+from billing.selectors import REPORT_DATES
 from models_catalog.services import INT_SETTINGS
 
 MAX_USAGE_DAYS = 366
-USAGE_DATES = (date(2000, 1, 1), date(2999, 12, 31))  # what a usage period may span: no date overflows
+
 
 SCOPE_CHOICES = [
     ("inference", "Inference — call the chat and completions API"),
@@ -192,8 +193,8 @@ class UsageRangeForm(forms.Form):
     def clean(self):
         data = super().clean()
         for name in ("start", "end"):  # the period's day after must exist, and 30 days before
-            if data.get(name) and not USAGE_DATES[0] <= data[name] <= USAGE_DATES[1]:
-                self.add_error(name, f"Choose a date between {USAGE_DATES[0]} and {USAGE_DATES[1]}.")
+            if data.get(name) and not REPORT_DATES[0] <= data[name] <= REPORT_DATES[1]:
+                self.add_error(name, f"Choose a date between {REPORT_DATES[0]} and {REPORT_DATES[1]}.")
         if self.errors:
             return data
         start, end = self._period(data.get("start"), data.get("end"), timezone.now().date())  # as the view

@@ -37,7 +37,7 @@ def world(db):
     from models_catalog.services import create_deployment
 
     tiny = make_catalog_model("tiny-llama")
-    big = make_catalog_model("big-llama", price_output_per_mtok=Decimal("2.000000"))
+    big = make_catalog_model("big-llama", price_output_per_mtok=Decimal("2.000000"), price_per_request=Decimal("0"))
     acme, globex = make_organization("Acme"), make_organization("Globex")
     key_a, raw_a = make_key(acme, name="prod")
     key_b, _ = make_key(acme, name="batch")
@@ -130,6 +130,8 @@ def test_report_by_api_key_names_the_keys(client, world):
     ({"start": "10/03/2025"}, "start"),
     ({"start": "2025-03-10", "end": "soon"}, "end"),
     ({"group_by": "week"}, "group_by"),
+    ({"start": "9999-12-31", "end": "9999-12-31"}, "end"),  # its day after overflowed: a 500
+    ({"end": "0001-01-05"}, "end"),  # and 30 days before it
 ])
 def test_bad_parameters_are_400_naming_the_param(client, world, params, param):
     for path in ("/v1/usage", "/v1/usage/export.csv"):
@@ -175,6 +177,7 @@ def test_csv_export_round_trips(client, world):
     rows = _parse_csv(text)
     assert [row["created_at"] for row in rows] == sorted(row["created_at"] for row in rows)
     _assert_round_trip(rows, world["acme"])
+    assert "E-" not in text  # decimals as plain numbers (a zero price was "0E-10")
 
 
 def test_csv_export_fetches_rows_only_while_streaming(client, world):
@@ -252,7 +255,7 @@ def test_balance_and_ledger(client, world):
     assert [e["id"] for e in seen] == sorted((e["id"] for e in seen), reverse=True)
     assert sum(Decimal(e["amount"]) for e in seen) == Decimal(body["balance"])
     assert seen[-1]["kind"] == "signup_credit" and seen[-1]["amount"] == "5.000000"
-    for bad in ({"limit": 0}, {"limit": 101}, {"limit": "x"}, {"after": "-3"}):
+    for bad in ({"limit": 0}, {"limit": 101}, {"limit": "x"}, {"after": "-3"}, {"limit": "²"}, {"after": "9" * 40}):
         response = client.get("/v1/billing/ledger", bad, headers=bearer(world["raw_a"]))
         assert response.status_code == 400 and response.json()["error"]["param"] in bad
 
@@ -315,6 +318,10 @@ def test_topup_api_validates_the_amount(client, world, settings):
     assert response.status_code == 400 and response.json()["error"]["param"] == "amount"
     response = client.post("/v1/billing/topups", {}, content_type="application/json", headers=bearer(manager))
     assert response.status_code == 400 and response.json()["error"]["param"] == "amount"
+    for huge in ("1e30", "9" * 40 + ".00"):  # more digits than Decimal's context: quantize raised, a 500
+        response = client.post("/v1/billing/topups", {"amount": huge}, content_type="application/json",
+                               headers=bearer(manager))
+        assert response.status_code == 400 and response.json()["error"]["param"] == "amount"
 
 
 def test_percentile_definition_matches_the_database(world):

@@ -195,6 +195,32 @@ def test_only_post(client):
     assert client.get(WEBHOOK_PATH).status_code == 405
 
 
+def test_a_refund_pending_at_charge_refunded_is_debited_when_it_succeeds_and_credited_back_if_it_fails(
+        client, pending_topup):
+    """Stripe reports a pending refund in charge.refunded and its later states in refund updates."""
+    organization, succeeded = pending_topup
+    _post(client, succeeded, signed(succeeded))
+    refund = {"id": "re_pendingrefund1", "object": "refund", "amount": 1000, "payment_intent": "pi_pendingtopup01",
+              "charge": "ch_pendingtopup01"}
+    charge = {"id": "ch_pendingtopup01", "object": "charge", "payment_intent": "pi_pendingtopup01",
+              "refunds": {"object": "list", "has_more": False, "data": [{**refund, "status": "pending"}]}}
+
+    def deliver(event_type: str, obj: dict) -> None:
+        body = event_payload(event_type, obj)
+        assert _post(client, body, signed(body)).status_code == 200
+
+    deliver("charge.refunded", charge)
+    assert balance_of(organization) == SIGNUP + Decimal("50")  # pending: nothing yet
+    deliver("charge.refund.updated", {**refund, "status": "succeeded"})
+    deliver("refund.updated", {**refund, "status": "succeeded"})  # the same change, as the other event type
+    assert balance_of(organization) == SIGNUP + Decimal("40")
+    deliver("charge.refund.updated", {**refund, "status": "failed"})
+    deliver("charge.refund.updated", {**refund, "status": "failed"})
+    assert balance_of(organization) == SIGNUP + Decimal("50")
+    restored = LedgerEntry.objects.get(kind="adjustment", organization=organization)
+    assert restored.amount == Decimal("10") and "re_pendingrefund1" in restored.reference
+
+
 def test_a_payment_for_another_platform_is_ignored(client, pending_topup):
     organization, _ = pending_topup
     body = event_payload("payment_intent.succeeded", {"id": "pi_notours", "object": "payment_intent",

@@ -261,9 +261,14 @@ def test_key_limits_are_computed_from_its_own_usage(organization, catalog_model)
         services.check_quota(organization=organization, api_key=other_key)
 
 
-def test_adjustments_with_a_reference_apply_once(organization):
+def test_adjustments_with_a_reference_apply_once(organization, other_organization):
     services.add_adjustment(organization=organization, amount=Decimal("2.5"), description="goodwill", reference="t-1")
     services.add_adjustment(organization=organization, amount=Decimal("2.5"), description="goodwill", reference="t-1")
     assert selectors.balance(organization=organization) == SIGNUP + Decimal("2.5")
+    with pytest.raises(InvalidParameter) as reused:  # silently crediting nobody is worse than refusing
+        services.add_adjustment(organization=other_organization, amount=Decimal("1"), description="x", reference="t-1")
+    assert reused.value.param == "reference" and selectors.balance(organization=other_organization) == SIGNUP
+    with pytest.raises(InvalidParameter):
+        services.add_adjustment(organization=organization, amount=Decimal("1e40"), description="huge")
     with pytest.raises(InvalidParameter):
         services.add_adjustment(organization=organization, amount=2.5, description="float")
