@@ -13,7 +13,7 @@ from django.utils.text import slugify
 from accounts.models import Organization
 from inference_platform import read_cache
 
-from .errors import InvalidCatalogModel, InvalidDeployment, ModelImportError
+from .errors import DeploymentNotFound, InvalidCatalogModel, InvalidDeployment, ModelImportError
 from .models import DEPLOYMENT_NAME_PATTERN, CatalogModel, Deployment
 from .weights import inspect_weights, models_root, path_under_models_root
 
@@ -68,7 +68,7 @@ def _check_consistency(deployment: Deployment) -> None:
 def _check_name(name) -> str:
     if not isinstance(name, str) or not name:
         raise InvalidDeployment("name", "A deployment needs a name.")
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):  # match() lets "$" take a final newline
         raise InvalidDeployment(
             "name", "Use 1-100 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit."
         )
@@ -116,7 +116,9 @@ def update_deployment(*, deployment: Deployment, **changes) -> Deployment:
     if deployment.organization_id is not None and cleaned.get("is_public"):
         raise InvalidDeployment("is_public", "Only the operator can publish a deployment to every organization.")
     with transaction.atomic():
-        locked = Deployment.objects.select_for_update().get(pk=deployment.pk)
+        locked = Deployment.objects.select_for_update().filter(pk=deployment.pk).first()
+        if locked is None:  # deleted meanwhile
+            raise DeploymentNotFound(deployment.name)
         for field, value in cleaned.items():
             setattr(locked, field, value)
         _check_consistency(locked)
@@ -126,14 +128,21 @@ def update_deployment(*, deployment: Deployment, **changes) -> Deployment:
     return deployment
 
 
-def set_deployment_status(*, deployment: Deployment, status: str, reason: str = "") -> Deployment:
+def set_deployment_status(*, deployment: Deployment, status: str, reason: str = "",
+                          unless_stopped: bool = False) -> bool:
+    """Sets the status; with ``unless_stopped``, not over a stop (checked in the same statement: a
+    stop that lands between a read and this write is kept). Whether it was set."""
     if status not in Deployment.Status.values:
         raise InvalidDeployment("status", f"status must be one of {', '.join(Deployment.Status.values)}.")
     now = timezone.now()
-    Deployment.objects.filter(pk=deployment.pk).update(status=status, status_reason=reason, updated_at=now)
+    rows = Deployment.objects.filter(pk=deployment.pk)
+    if unless_stopped:
+        rows = rows.exclude(status=Deployment.Status.STOPPED)
+    if not rows.update(status=status, status_reason=reason, updated_at=now):
+        return False
     read_cache.invalidate()
     deployment.status, deployment.status_reason, deployment.updated_at = status, reason, now
-    return deployment
+    return True
 
 
 def delete_deployment(*, deployment: Deployment) -> None:

@@ -305,9 +305,8 @@ class Agent:
         from .services import replica_failed
 
         name = spec["name"]
-        with self.lock:
-            if (self.hosted.get(name) or {}).get("state") != "loading":
-                return  # unloaded meanwhile
+        if not self._still_wanted(spec):
+            return  # unloaded meanwhile, or other settings asked for since: the step queued after this loads those
         loaded = host.spec(name)
         if loaded is not None and loaded != spec:
             # Other settings, or a deleted deployment's name taken again: the old engine finishes
@@ -328,17 +327,29 @@ class Agent:
                 self.hosted.pop(name, None)
             return
         seconds = host.load_seconds.get(name) or (time.monotonic() - started)
-        app.control.add_consumer(deployment_queue(name), destination=[self.hostname], reply=False)
         with self.lock:
+            if not self._still_wanted(spec, locked=True):
+                # An unload or other settings came during the load: what is queued after this
+                # step must find the deployment not ready (and not consuming) to do its part.
+                return
             self.hosted[name] = {**self.hosted.get(name, {}), "state": "ready", "load_seconds": round(seconds, 3)}
             self.figures.setdefault(name, Figures()).last_active = time.time()
+        app.control.add_consumer(deployment_queue(name), destination=[self.hostname], reply=False)
         self._report_loaded(spec, seconds)
+
+    def _still_wanted(self, spec: dict, *, locked: bool = False) -> bool:
+        """Whether this worker is still to load ``spec``: its deployment is loading, with these settings."""
+        if not locked:
+            with self.lock:
+                return self._still_wanted(spec, locked=True)
+        hosted = self.hosted.get(spec["name"]) or {}
+        return hosted.get("state") == "loading" and hosted.get("spec_hash") == fleet.spec_hash(spec)
 
     def _report_loaded(self, spec: dict, seconds: float) -> None:
         from .services import replica_loaded
 
         wanted = replica_loaded(hostname=self.hostname, instance=INSTANCE, deployment_id=spec["id"],
-                                name=spec["name"], seconds=round(seconds, 3))
+                                name=spec["name"], seconds=round(seconds, 3), spec_hash=fleet.spec_hash(spec))
         with self.lock:
             origin = (self.hosted.get(spec["name"]) or {}).get("origin")
         if not wanted and origin != "preload":

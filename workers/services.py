@@ -41,7 +41,10 @@ def set_status(*, deployment: Deployment, status: str, reason: str = "") -> Depl
     if current == (status, reason):
         deployment.status, deployment.status_reason = current
         return deployment
-    set_deployment_status(deployment=deployment, status=status, reason=reason)
+    if not set_deployment_status(deployment=deployment, status=status, reason=reason,
+                                 unless_stopped=status != Status.STOPPED):
+        deployment.refresh_from_db(fields=["status", "status_reason"])  # stopped meanwhile: stays so
+        return deployment
     if current[0] != status:
         record_event(kind=FleetEvent.Kind.STATUS, deployment=deployment, status=status, message=reason)
     return deployment
@@ -229,14 +232,18 @@ def place_replica(*, worker: Worker, deployment: Deployment, trigger: str, spec_
     return replica
 
 
-def replica_loaded(*, hostname: str, instance: str, deployment_id: int, name: str, seconds: float) -> bool:
-    """A worker loaded a deployment and consumes its queue. False: no replica wants it any more
-    (released meanwhile, or the worker was marked gone): the worker should unload it."""
+def replica_loaded(*, hostname: str, instance: str, deployment_id: int, name: str, seconds: float,
+                   spec_hash: str | None = None) -> bool:
+    """A worker loaded a deployment (with the settings ``spec_hash`` names) and consumes its queue.
+    False: no replica wants it any more (released meanwhile, the worker was marked gone, or the
+    replica is for other settings): the worker should unload it."""
     now = timezone.now()
-    replica = (Replica.objects.filter(worker__hostname=hostname, worker__instance=instance,
+    replicas = Replica.objects.filter(worker__hostname=hostname, worker__instance=instance,
                                       worker__status=Worker.Status.ALIVE, deployment_id=deployment_id,
                                       deployment_name=name)
-               .select_related("deployment").first())
+    if spec_hash is not None:
+        replicas = replicas.filter(spec_hash=spec_hash)
+    replica = replicas.select_related("deployment").first()
     if replica is None:
         return False
     if replica.status != Replica.Status.READY:

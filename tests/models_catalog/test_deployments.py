@@ -52,6 +52,7 @@ def test_create_with_defaults_and_queue_name(acme, model):
         ({"name": ""}, "name"),
         ({"name": "-leading-dash"}, "name"),
         ({"name": "x" * 101}, "name"),
+        ({"name": "demo\n"}, "name"),  # "$" matched before a final newline
         ({"batch_window_ms": -1}, "batch_window_ms"),
         ({"batch_window_ms": 2.5}, "batch_window_ms"),
         ({"max_batch_size": 0}, "max_batch_size"),

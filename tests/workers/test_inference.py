@@ -84,3 +84,59 @@ def test_a_cancel_published_while_the_listener_was_away_is_caught_up_on():
     listener._catch_up()
     assert cancelled == [running]
     listener._redis.delete(mark_key(running))
+
+
+# --- loads and unloads that overlap -------------------------------------------------------------------
+
+
+class QueuedSteps:
+    """The agent's per-deployment serial queue, run by the test."""
+
+    def __init__(self):
+        self.steps = []
+
+    def submit(self, name, step):
+        self.steps.append(step)
+
+    def run_all(self):
+        while self.steps:
+            self.steps.pop(0)()
+
+
+class FakeHost:
+    def __init__(self, during_load=None):
+        self.loaded, self.load_seconds, self.during_load = {}, {}, during_load
+
+    def spec(self, name):
+        return self.loaded.get(name)
+
+    def engine_for(self, spec):
+        if self.during_load:
+            self.during_load, during = None, self.during_load
+            during()
+        self.loaded[spec["name"]] = spec
+
+    def unload(self, name):
+        self.loaded.pop(name, None)
+
+
+def test_settings_changed_while_loading_are_loaded_next_not_dropped(monkeypatch):
+    """An unload and a load with other settings arrive while the first load runs: the worker must
+    end up serving the new settings (it used to mark the old engine ready and skip the rest)."""
+    from workers import agent as agent_module
+
+    old = {"id": 1, "name": "smol", "dtype": "float32"}
+    new = {**old, "dtype": "bfloat16"}
+    agent = agent_module.Agent()
+    agent.serial = QueuedSteps()
+    reported = []
+    host = FakeHost(during_load=lambda: (agent.submit_unload("smol"), agent.submit_load(new, "placement")))
+    monkeypatch.setattr(agent_module, "host", host)
+    monkeypatch.setattr(agent_module.app.control, "add_consumer", lambda *a, **k: None)
+    monkeypatch.setattr(agent_module.app.control, "cancel_consumer", lambda *a, **k: None)
+    monkeypatch.setattr(agent, "_drain", lambda name: None)
+    monkeypatch.setattr(agent, "_report_loaded", lambda spec, seconds: reported.append(spec))
+    agent.submit_load(old, "placement")
+    agent.serial.run_all()
+    assert host.spec("smol") == new and reported == [new]
+    assert agent.hosted["smol"]["state"] == "ready"

@@ -291,3 +291,19 @@ def test_without_any_fleet_worker_the_loop_leaves_deployments_alone(model, queue
     report = placement._tick_once(now=None)
     assert report.placed == [] and status(ready)[0] == "ready"
     assert fleet.queue_depths([stopped.name]) == {stopped.name: 0}
+
+
+def test_a_stop_that_lands_between_the_loops_read_and_write_is_kept(model, monkeypatch):
+    """The placement loop reads a status, then writes the one that follows from the replicas; a stop
+    through the API in between must survive that write."""
+    deployment = deploy(model)
+    write = set_deployment_status
+
+    def stopped_first(**kwargs):  # the API's stop commits just before the loop's write
+        Deployment.objects.filter(pk=deployment.pk).update(status="stopped", status_reason="stopped through the API")
+        return write(**kwargs)
+
+    monkeypatch.setattr(services, "set_deployment_status", stopped_first)
+    services.set_status(deployment=deployment, status="ready")
+    deployment.refresh_from_db()
+    assert (deployment.status, deployment.status_reason) == ("stopped", "stopped through the API")
