@@ -89,9 +89,7 @@ def _tick_once(*, now: datetime | None) -> TickReport:
     replicas = [r for r in replicas if r.deployment_id is not None]
 
     _release_unowned(workers.values(), replicas)
-    used = defaultdict(int)
-    for replica in replicas:
-        used[replica.worker_id] += 1
+    used = _slots_used(workers.values(), replicas)
     by_deployment: dict[int, list[Replica]] = defaultdict(list)
     for replica in replicas:
         by_deployment[replica.deployment_id].append(replica)
@@ -111,6 +109,22 @@ def _tick_once(*, now: datetime | None) -> TickReport:
         except Exception:  # one deployment's trouble must not stop the fleet's pass
             log.exception("placing %s failed; the next pass tries again", deployment.name)
     return report
+
+
+def _slots_used(workers, replicas) -> dict[int, int]:
+    """Slots taken per worker: its replicas, and what it still reports hosting without one (a
+    released deployment that is still draining or unloading holds its memory until it is gone, so
+    its slot frees only once the worker says so; a release in this pass frees nothing either)."""
+    used = defaultdict(int)
+    owned = set()
+    for replica in replicas:
+        used[replica.worker_id] += 1
+        owned.add((replica.worker_id, replica.deployment_name))
+    for worker in workers:
+        for name, hosted in (worker.engine_stats or {}).items():
+            if hosted.get("state") in ("loading", "ready", "unloading") and (worker.pk, name) not in owned:
+                used[worker.pk] += 1
+    return used
 
 
 def _release_unowned(workers, replicas) -> None:
@@ -159,7 +173,6 @@ def _place_deployment(deployment: Deployment, mine: list[Replica], depth: int, *
     if deployment.status in (Status.STOPPED, Status.FAILED):
         for replica in mine:
             services.release_replica(replica=replica, reason=f"the deployment is {deployment.status}")
-            used[replica.worker_id] -= 1
             report.released.append((deployment.name, replica.worker.hostname))
         if queued:
             what = "is stopped" if deployment.status == Status.STOPPED else f"failed: {deployment.status_reason}"
@@ -172,7 +185,6 @@ def _place_deployment(deployment: Deployment, mine: list[Replica], depth: int, *
     except CatalogError as exc:  # its weights are gone: nothing can load it
         for replica in mine:
             services.release_replica(replica=replica, reason=exc.message)
-            used[replica.worker_id] -= 1
         services.settle_status(deployment=deployment, idle_status=Status.FAILED, reason=exc.message)
         if queued:
             fleet.fail_queued(deployment.name, message=f"The deployment '{deployment.name}' failed: {exc.message}",
@@ -182,7 +194,7 @@ def _place_deployment(deployment: Deployment, mine: list[Replica], depth: int, *
     stale = [r for r in mine if r.spec_hash != current]
     for replica in stale:
         services.release_replica(replica=replica, reason="its settings changed")
-        used[replica.worker_id] -= 1
+        used[replica.worker_id] -= 1  # the same engine, swapped in place: the worker unloads, then loads
         report.released.append((deployment.name, replica.worker.hostname))
     mine = [r for r in mine if r.spec_hash == current]
     if _check_loading(deployment, mine, spec, now=now):
@@ -219,8 +231,7 @@ def _place_deployment(deployment: Deployment, mine: list[Replica], depth: int, *
                 replica=replica, reason=f"idle for {deployment.scale_to_zero_seconds}s",
                 idle_status=Status.SCALED_TO_ZERO if left == 0 else None,
             )
-            mine.remove(replica)
-            used[replica.worker_id] -= 1
+            mine.remove(replica)  # its slot frees once the worker reports the unload (see _slots_used)
             report.released.append((deployment.name, replica.worker.hostname))
     else:
         services.settle_status(deployment=deployment)

@@ -172,17 +172,22 @@ def _reconcile_replicas(*, worker: Worker, deployments: dict[str, dict], now: da
         settle_status(deployment=deployment)
 
 
-def mark_worker_gone(*, worker: Worker, reason: str) -> dict[str, list[tuple[str, str]]]:
+def mark_worker_gone(*, worker: Worker, reason: str,
+                     silent_before: datetime | None = None) -> dict[str, list[tuple[str, str]]] | None:
     """The worker stopped (no heartbeats, a restart, or a clean shutdown): its replicas end, the
     deployments they served are placed again, and the requests it held are recovered: redelivered
-    when the client saw nothing of them yet, failed with a clear error when it did."""
+    when the client saw nothing of them yet, failed with a clear error when it did. With
+    ``silent_before``, only if its last heartbeat is still older than that (one may have committed
+    since it was read). None when it was not marked (already gone, or it beat meanwhile)."""
     from .fleet import clear_alive, recover_requests
 
     with transaction.atomic():
-        updated = Worker.objects.filter(pk=worker.pk, instance=worker.instance, status=Worker.Status.ALIVE).update(
-            status=Worker.Status.GONE, status_reason=reason)
+        rows = Worker.objects.filter(pk=worker.pk, instance=worker.instance, status=Worker.Status.ALIVE)
+        if silent_before is not None:
+            rows = rows.filter(last_heartbeat__lt=silent_before)
+        updated = rows.update(status=Worker.Status.GONE, status_reason=reason)
         if not updated:
-            return {"redelivered": [], "interrupted": []}
+            return None
         replicas = list(Replica.objects.filter(worker=worker).select_related("deployment"))
         Replica.objects.filter(worker=worker).delete()
         record_event(kind=FleetEvent.Kind.WORKER_GONE, worker=worker.hostname, message=reason)
@@ -211,10 +216,21 @@ def mark_silent_workers_gone(*, now: datetime | None = None) -> list[Worker]:
 
     now = now or timezone.now()
     limit = timedelta(seconds=settings.FLEET_HEARTBEAT_SECONDS * settings.FLEET_MISSED_HEARTBEATS)
+    from .fleet import instance_alive
+
     silent = list(Worker.objects.filter(status=Worker.Status.ALIVE, last_heartbeat__lt=now - limit))
+    gone = []
     for worker in silent:
-        mark_worker_gone(worker=worker, reason=f"no heartbeat for {(now - worker.last_heartbeat).total_seconds():.0f}s")
-    return silent
+        if instance_alive(worker.instance):
+            # Its liveness key in Redis is fresh: it runs, but its heartbeats do not reach the
+            # database. Marking it gone would run its requests a second time elsewhere.
+            log.warning("%s has written no heartbeat for %.0fs but is alive in Redis: kept", worker.hostname,
+                        (now - worker.last_heartbeat).total_seconds())
+            continue
+        if mark_worker_gone(worker=worker, silent_before=now - limit,
+                            reason=f"no heartbeat for {(now - worker.last_heartbeat).total_seconds():.0f}s") is not None:
+            gone.append(worker)
+    return gone
 
 
 # ------------------------------------------------------------------------------------ replicas

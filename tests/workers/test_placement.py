@@ -307,3 +307,40 @@ def test_a_stop_that_lands_between_the_loops_read_and_write_is_kept(model, monke
     services.set_status(deployment=deployment, status="ready")
     deployment.refresh_from_db()
     assert (deployment.status, deployment.status_reason) == ("stopped", "stopped through the API")
+
+
+def test_a_slot_frees_only_once_its_worker_has_let_go_of_the_model(model):
+    """A model scaled to zero holds its GPU memory until its worker has drained and unloaded it:
+    placing the next one there at once loaded two models into one model's memory."""
+    worker = register("alpha", slots=1)
+    leaving = deploy(model, scale_to_zero_seconds=30)
+    placement._tick_once(now=None)
+    loaded(worker, leaving)
+    waiting = deploy(model, kind="dedicated", min_replicas=1)
+    Replica.objects.filter(deployment=leaving).update(last_active_at=timezone.now() - timedelta(seconds=31))
+    placement._tick_once(now=None)  # releases the idle one; the slot is not free in the same pass
+    assert replicas(leaving) == [] and replicas(waiting) == []
+    beat(worker, {leaving.name: {"state": "unloading", "origin": "initial"}})
+    placement._tick_once(now=None)
+    assert replicas(waiting) == []  # still unloading
+    beat(worker, {})
+    placement._tick_once(now=None)
+    assert replicas(waiting) == [(worker.hostname, "loading", "initial")]
+
+
+def test_a_worker_is_not_marked_gone_by_a_stale_read_or_while_alive_in_redis(model, settings):
+    worker = register("alpha")
+    stale = timezone.now() - timedelta(seconds=settings.FLEET_HEARTBEAT_SECONDS * settings.FLEET_MISSED_HEARTBEATS + 5)
+    Worker.objects.filter(pk=worker.pk).update(last_heartbeat=stale)
+    worker.refresh_from_db()
+    beat(worker)  # a heartbeat commits after the loop read the stale one
+    limit = timezone.now() - timedelta(seconds=1)
+    assert services.mark_worker_gone(worker=worker, reason="no heartbeat", silent_before=limit) is None
+    assert Worker.objects.get(pk=worker.pk).status == "alive"
+
+    Worker.objects.filter(pk=worker.pk).update(last_heartbeat=stale)  # its database writes fail...
+    fleet.set_alive(worker.instance, worker.hostname)  # ...but it runs
+    assert services.mark_silent_workers_gone() == []
+    fleet.clear_alive(worker.instance)
+    assert [w.pk for w in services.mark_silent_workers_gone()] == [worker.pk]
+    assert Worker.objects.get(pk=worker.pk).status == "gone"
