@@ -10,6 +10,8 @@ from __future__ import annotations
 from django.http import JsonResponse
 from django.views.decorators.http import require_GET
 
+from .protocol import CHAT_NO_OPS
+
 NUMBER = {"type": "number"}
 ERROR = {
     "type": "object",
@@ -50,6 +52,12 @@ CHAT_REQUEST = {
         "max_completion_tokens": {"type": "integer", "minimum": 1},
         "logprobs": {"type": "boolean"},
         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+        # OpenAI's, accepted at the values that ask for nothing (this platform has no tools or
+        # structured output yet); any other value is a 400 unsupported_value.
+        **{name: {"enum": list(accepted), "description": "Accepted, and ignored, at these values only."}
+           for name, accepted in CHAT_NO_OPS.items()},
+        "metadata": {"type": "object", "maxProperties": 16, "additionalProperties": {"type": "string"},
+                     "description": "Accepted and ignored."},
     },
 }
 COMPLETION_REQUEST = {

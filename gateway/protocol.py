@@ -7,6 +7,7 @@ rejection names the offending parameter.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,21 @@ COMMON_FIELDS = {
     # Common open-model extensions (vLLM, Together): accepted, passed to the sampler.
     "top_k", "min_p", "repetition_penalty",
 }
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+# OpenAI's chat parameters this platform does nothing with: accepted at the values that ask for
+# nothing (SDKs and frameworks send them so), any other value refused as unsupported (the client
+# is not wrong, the platform lacks the feature), with what it does accept.
+CHAT_NO_OPS = {
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none", "auto"),  # "auto" with no tools: nothing to choose from
+    "function_call": ("none", "auto"),
+    "parallel_tool_calls": (True, False),
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "metadata"} | \
+    set(CHAT_NO_OPS)
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
 
 
@@ -51,6 +66,7 @@ class InferenceRequest:
 def parse_chat(body: Any) -> InferenceRequest:
     body = _object(body)
     _no_unknown(body, CHAT_FIELDS)
+    _no_ops(body)
     messages = _messages(body.get("messages"))
     sampling = _sampling(body)
     if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
@@ -209,7 +225,7 @@ def _logit_bias(bias: Any) -> dict[str, float]:
         raise invalid("logit_bias", "logit_bias must be an object mapping token ids to numbers")
     clean = {}
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.isdigit()):
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 9):  # not "²"
             raise invalid("logit_bias", f"logit_bias key {key!r} is not a token id")
         if not _is_number(value) or not -100 <= value <= 100:
             raise invalid("logit_bias", f"logit_bias for token {key} must be between -100 and 100")
@@ -221,6 +237,19 @@ def _object(body: Any) -> dict:
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
     return body
+
+
+def _no_ops(body: dict) -> None:
+    for name, accepted in CHAT_NO_OPS.items():
+        value = body.get(name)
+        if value is not None and not any(value == ok and type(value) is type(ok) for ok in accepted):
+            shown = " or ".join(json.dumps(ok) for ok in accepted)
+            raise invalid(name, f"{name}={json.dumps(value)[:200]} is not supported by this platform; "
+                                f"leave it out or send {shown}", code="unsupported_value")
+    metadata = body.get("metadata")
+    if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise invalid("metadata", "metadata must be an object of at most 16 string values")
 
 
 def _no_unknown(body: dict, known: set[str]) -> None:

@@ -59,6 +59,11 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "") -> 
         _send_quietly(send, reply, _error(503, f"the model is not running on this worker ({exc}); retry",
                                           code="model_unavailable"))
         return None
+    except Exception:  # a bug: answer now rather than leave the client waiting for a timeout
+        log.exception("request %s could not be submitted", request_id)
+        _send_quietly(send, reply, _error(500, "the worker failed to start this request; it is logged",
+                                          code="internal_error"))
+        return None
 
     stream.handle = handle
     cancels.watch(request_id, handle.abort)

@@ -259,6 +259,27 @@ def test_stop_token_ids_and_eos(engine, model):
     assert kept.finish_reason == "length" and kept.token_ids == [eos] * 3
 
 
+def test_text_held_for_a_possible_stop_string_is_released_when_a_stop_token_ends_it(engine):
+    free = engine.generate(PROMPTS[2], GREEDY, timeout=60)
+    target = free.token_ids[3]
+    by_token = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop_token_ids=[target])
+    baseline = engine.generate(PROMPTS[2], by_token, timeout=60)
+    assert len(baseline.text) >= 2
+    # Its last two characters could start this stop string, so they are held back until the
+    # next token says otherwise; the stop token that comes instead must let them go.
+    held = engine.generate(PROMPTS[2], replace(by_token, stop=[baseline.text[-2:] + "\x00"]), timeout=60)
+    assert held.finish_reason == "stop" and held.stop_reason == target
+    assert held.text == baseline.text
+
+
+def test_the_token_that_ends_a_request_has_no_logprob_entry(engine, model):
+    eos = next(iter(model.tokenizer.eos_token_ids))
+    ended = engine.generate("Hi", SamplingParams(max_tokens=8, logit_bias={eos: 100}, logprobs=True), timeout=60)
+    assert ended.token_ids == [eos] and ended.logprobs == []  # OpenAI lists no end-of-text token
+    free = engine.generate(PROMPTS[2], replace(GREEDY, logprobs=True), timeout=60)
+    assert len(free.logprobs) == len(free.token_ids)  # every token that is text has its entry
+
+
 def test_seeded_sampling_repeats_whatever_runs_beside_it(engine):
     seeded = SamplingParams(max_tokens=8, temperature=1.5, top_p=0.98, seed=1234,
                             ignore_eos=True)

@@ -233,3 +233,21 @@ def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path):
     pieces = [detok.push(i) for i in tok.encode(text)]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == text
+
+
+def test_a_chat_prompt_has_the_templates_bos_only(gguf_metadata):
+    """A template that writes the BOS, on a tokenizer that adds one too (Llama 3, Mistral GGUFs):
+    the rendered chat is encoded without the tokenizer's own, as transformers and vLLM do."""
+    from types import SimpleNamespace
+
+    from workers.engine import Engine
+
+    tok = Tokenizer.from_gguf_metadata({**gguf_metadata, "tokenizer.ggml.add_bos_token": True,
+                                        "tokenizer.chat_template": "{{ bos_token }}{% for m in messages %}"
+                                                                   "{{ m['content'] }}{% endfor %}"})
+    submitted = []
+    fake = SimpleNamespace(tokenizer=tok, submit=lambda ids, params, **kwargs: submitted.append(ids))
+    Engine.submit_chat(fake, [{"role": "user", "content": "Hi there"}])
+    [ids] = submitted
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+    assert ids[1:] == tok.encode("Hi there")

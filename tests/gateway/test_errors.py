@@ -104,6 +104,10 @@ def test_another_organizations_dedicated_deployment_is_404(client, seeded, org_k
     (CHAT, chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     (CHAT, chat(stream_options={"include_usage": True}), "stream_options"),
     (CHAT, chat(tools=[{"type": "function"}]), "tools"),
+    (CHAT, chat(response_format={"type": "json_object"}), "response_format"),
+    (CHAT, chat(tool_choice="required"), "tool_choice"),
+    (CHAT, chat(metadata={"a": 1}), "metadata"),
+    (CHAT, chat(logit_bias={"²": 1}), "logit_bias"),  # a digit to str.isdigit, no token id to int()
     (CHAT, chat(stream="yes"), "stream"),
     (COMPLETIONS, {"model": "smollm2-135m-instruct"}, "prompt"),
     (COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": ""}, "prompt"),
@@ -116,6 +120,22 @@ def test_invalid_parameters_are_400_naming_the_parameter(client, seeded, org_key
     org, key, plaintext = org_key()
     assert_error(post(client, path, body, key=plaintext), 400, type_="invalid_request_error", param=param)
     assert no_usage(org)
+
+
+def test_openais_parameters_that_ask_for_nothing_are_accepted():
+    """SDKs and frameworks send them at their neutral values; refusing those broke them."""
+    from gateway.protocol import parse_chat
+
+    request = parse_chat(chat(response_format={"type": "text"}, tools=[], tool_choice="none", parallel_tool_calls=False,
+                              store=False, metadata={"team": "search"}, service_tier="auto"))
+    assert request.messages == [{"role": "user", "content": "Hi"}]
+
+
+def test_an_unsupported_value_says_so_and_what_is_accepted(client, seeded, org_key):
+    _, _, plaintext = org_key()
+    response = post(client, CHAT, chat(response_format={"type": "json_schema"}), key=plaintext)
+    error = response.json()["error"]
+    assert error["code"] == "unsupported_value" and '{"type": "text"}' in error["message"]
 
 
 def test_a_body_that_is_not_json_is_400(client, seeded, org_key):

@@ -57,6 +57,19 @@ def test_an_engine_that_cannot_take_the_request_answers_a_503_at_once():
     assert (error["type"], error["status"], error["code"]) == ("inference.error", 503, "model_unavailable")
 
 
+def test_a_bug_while_submitting_answers_a_500_at_once():
+    class Buggy(StoppedEngine):
+        def submit(self, *args, **kwargs):
+            raise ValueError("a bug")
+
+    sent = []
+    payload = {"request_id": f"chatcmpl-{uuid.uuid4().hex}", "reply_channel": "reply", "deployment": SPEC,
+               "kind": "completion", "prompt": "Hi", "sampling": {"max_tokens": 4}}
+    assert inference.run(payload, host=Host(Buggy()), send=lambda reply, message: sent.append(message),
+                         relay=Relay(), cancels=NoCancels()) is None
+    assert [(m["status"], m["code"]) for m in sent] == [(500, "internal_error")]
+
+
 def test_a_deployment_whose_engine_loop_died_is_loaded_again(monkeypatch):
     class Engine:
         is_running = True

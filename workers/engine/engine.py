@@ -402,7 +402,12 @@ class Engine:
             prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except ValueError as exc:  # the template refused the messages
             raise InvalidRequestError(f"messages: {exc}", param="messages") from exc
-        return self.submit(prompt, params, request_id=request_id, listener=listener)
+        # The template writes the special tokens it wants (a BOS among them): encoding its text
+        # with the tokenizer's own added as well gave Llama-style models two BOS tokens.
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not ids:
+            raise InvalidRequestError("messages: the chat template rendered nothing", param="messages")
+        return self.submit(ids, params, request_id=request_id, listener=listener)
 
     def abort(self, request_id: str) -> bool:
         """End a request now (finish_reason "abort"); False if it is not running."""
@@ -677,10 +682,10 @@ class Engine:
         """Add a taken token to its request's pending output; the stop string its text
         completes, if any."""
         live.pending_ids.append(item.token)
+        if item.by_token:
+            return None  # a stop token or EOS adds no text, nor a logprob entry (as OpenAI)
         if item.logprob is not None:
             live.pending_logprobs.append(item.logprob)
-        if item.by_token:
-            return None  # a stop token or EOS adds no text
         seq = item.seq
         text, stop = seq.stop_checker.feed(seq.detokenizer.push(item.token))
         live.pending_text += text
@@ -695,9 +700,9 @@ class Engine:
             self._counters["requests_failed"] += 1
         else:
             self._counters["requests_finished"] += 1
-        if seq.finish_reason is FinishReason.LENGTH:
-            # Text held back as a possible stop-string start is plain text after all.
-            live.pending_text += seq.stop_checker.flush()
+        # Text held back as a possible start of a stop string is plain text after all, however
+        # the sequence ended (a matched stop string leaves nothing held).
+        live.pending_text += seq.stop_checker.flush()
         self._deliver(live, finished=True, locked=locked)
 
     def _deliver(self, live: _Live, *, finished: bool, locked: bool = False) -> None:
