@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import secrets
 import signal
@@ -205,11 +206,33 @@ def wait_ready(url: str, procs: list[subprocess.Popen], *, deadline_s: float) ->
 
 
 def free_port(host: str, port: int) -> None:
-    with socket.socket() as sock:
+    """Abort unless the web server will be able to listen on ``host``:``port``."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise Abort(f"cannot listen on {host!r}: {exc.strerror}") from None
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is free
         try:
-            sock.bind((host, port))
-        except OSError:
-            raise Abort(f"port {port} on {host} is in use: choose another with --port") from None
+            sock.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise Abort(f"port {port} on {host} is in use: choose another with --port") from None
+            raise Abort(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
+def local_url(host: str, port: int) -> str:
+    """Where this machine reaches the web server: a wildcard address is one to listen on, not to
+    connect to (and its Host header is none that ALLOWED_HOSTS lists)."""
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def port_number(value: str) -> int:
+    """argparse type: a TCP port."""
+    if not value.isdecimal() or not 1 <= int(value) <= 65535:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port number (1-65535)")
+    return int(value)
 
 
 def say(message: str) -> None:
@@ -285,7 +308,7 @@ def cmd_up(args) -> int:
         )
         procs.append(spawn(beat_command(settings), env=env, log=logs / "beat.log"))
         say("[5/5] waiting for /readyz")
-        base = f"http://{args.host}:{args.port}"
+        base = local_url(args.host, args.port)
         wait_ready(f"{base}/readyz", procs, deadline_s=args.ready_timeout)
     except (Abort, KeyboardInterrupt) as exc:
         stop_all(procs)
@@ -371,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start everything in the foreground (Redis, migrations, web, worker)",
                         description="Start the whole platform on its embedded defaults; Ctrl-C stops it all.")
     up.add_argument("--host", default="127.0.0.1", help="address the web server listens on (default 127.0.0.1)")
-    up.add_argument("--port", type=int, default=8000, help="web server port (default 8000)")
+    up.add_argument("--port", type=port_number, default=8000, help="web server port (default 8000)")
     up.add_argument("--concurrency", type=int, default=64, help="worker threads (default 64)")
     up.add_argument("--web-workers", type=int, default=1, help="web server processes (default 1)")
     up.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for /readyz (default 180)")
@@ -381,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     web = sub.add_parser("web", help="start the ASGI web server only", description="Start the ASGI web server (HTTP + WebSocket).")
     web.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    web.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    web.add_argument("--port", type=port_number, default=8000, help="port (default 8000)")
     web.add_argument("--workers", type=int, default=1, help="web server processes (default 1)")
     web.set_defaults(func=cmd_web)
 

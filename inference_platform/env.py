@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -28,14 +28,28 @@ def env_bool(name: str, default: bool) -> bool:
     raise ImproperlyConfigured(f"{name} must be true or false, not {raw!r}")
 
 
-def env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
         raise ImproperlyConfigured(f"{name} must be an integer, not {raw!r}") from None
+    if minimum is not None and value < minimum:
+        raise ImproperlyConfigured(f"{name} must be at least {minimum}, not {raw!r}")
+    return value
+
+
+def env_seconds(name: str, default: str, *, minimum: float) -> float:
+    raw = os.environ.get(name, default).strip() or default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be a number of seconds, not {raw!r}") from None
+    if not value >= minimum:
+        raise ImproperlyConfigured(f"{name} must be at least {minimum:g} seconds, not {raw!r}")
+    return value
 
 
 def env_list(name: str, default: str = "") -> list[str]:
@@ -61,13 +75,22 @@ def database_from_url(url: str, *, data_dir: Path) -> dict:
         path = unquote(parts.path)
         return _sqlite(path[1:] if path.startswith("//") else path)
     if parts.scheme in {"postgres", "postgresql", "pgsql"}:
+        try:
+            port = parts.port
+        except ValueError:
+            raise ImproperlyConfigured(f"DATABASE_URL has a bad port: {redact_url(url)!r}") from None
+        # The query string is libpq's connection parameters (sslmode=verify-full, sslrootcert=...):
+        # dropped, a connection asked to verify TLS would not. A host that drops packets fails in
+        # seconds, not the system's two-minute TCP timeout.
+        options = {"connect_timeout": 5, **dict(parse_qsl(parts.query, keep_blank_values=True))}
         return {
             "ENGINE": "django.db.backends.postgresql",
             "NAME": unquote(parts.path.lstrip("/")) or "postgres",
             "USER": unquote(parts.username or ""),
             "PASSWORD": unquote(parts.password or ""),
             "HOST": parts.hostname or "",
-            "PORT": str(parts.port or ""),
+            "PORT": str(port or ""),
+            "OPTIONS": options,
             "CONN_MAX_AGE": 60,
             "CONN_HEALTH_CHECKS": True,
         }

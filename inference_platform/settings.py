@@ -11,7 +11,7 @@ from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 
-from .env import celery_broker_url, database_from_url, env_bool, env_int, env_list, env_str
+from .env import celery_broker_url, database_from_url, env_bool, env_int, env_list, env_seconds, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(env_str("DATA_DIR", str(BASE_DIR / ".data"))).resolve()
@@ -119,7 +119,7 @@ CELERY_TASK_DEFAULT_QUEUE = "default"
 CELERY_DB_REUSE_MAX = 1_000_000
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # A redelivered (unacknowledged) task comes back after this long; keep it above the longest request.
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 3600)}
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 3600, minimum=5)}
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
@@ -142,6 +142,15 @@ STATIC_ROOT = DATA_DIR / "staticfiles"
 
 EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
 DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "noreply@localhost")
+# For EMAIL_BACKEND=django.core.mail.backends.smtp.EmailBackend: where invitations and password
+# resets go out.
+EMAIL_HOST = env_str("EMAIL_HOST", "localhost")
+EMAIL_PORT = env_int("EMAIL_PORT", 25, minimum=1)
+EMAIL_HOST_USER = env_str("EMAIL_HOST_USER")
+EMAIL_HOST_PASSWORD = env_str("EMAIL_HOST_PASSWORD")
+EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", False)
+EMAIL_USE_SSL = env_bool("EMAIL_USE_SSL", False)
+EMAIL_TIMEOUT = 10  # a mail server that does not answer must not hold a request for minutes
 
 REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
@@ -154,27 +163,30 @@ SPECTACULAR_SETTINGS = {
 }
 
 # The inference gateway.
-GATEWAY_MAX_BODY_BYTES = env_int("GATEWAY_MAX_BODY_BYTES", 1 << 20)
+GATEWAY_MAX_BODY_BYTES = env_int("GATEWAY_MAX_BODY_BYTES", 1 << 20, minimum=1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = GATEWAY_MAX_BODY_BYTES + 1
-GATEWAY_QUEUE_TIMEOUT = float(env_str("GATEWAY_QUEUE_TIMEOUT", "30"))  # no worker took it: 503
-GATEWAY_START_TIMEOUT = float(env_str("GATEWAY_START_TIMEOUT", "300"))  # model load + admission: 504
-GATEWAY_STALL_TIMEOUT = float(env_str("GATEWAY_STALL_TIMEOUT", "120"))  # no token for this long: 504
-RATE_LIMIT_KEY_RPM = env_int("RATE_LIMIT_KEY_RPM", 600)
-RATE_LIMIT_ORG_RPM = env_int("RATE_LIMIT_ORG_RPM", 3000)
-RATE_LIMIT_KEY_TPM = env_int("RATE_LIMIT_KEY_TPM", 2_000_000)
-RATE_LIMIT_ORG_TPM = env_int("RATE_LIMIT_ORG_TPM", 10_000_000)
+GATEWAY_QUEUE_TIMEOUT = env_seconds("GATEWAY_QUEUE_TIMEOUT", "30", minimum=0.1)  # no worker took it: 503
+GATEWAY_START_TIMEOUT = env_seconds("GATEWAY_START_TIMEOUT", "300", minimum=0.1)  # model load + admission: 504
+GATEWAY_STALL_TIMEOUT = env_seconds("GATEWAY_STALL_TIMEOUT", "120", minimum=0.1)  # no token for this long: 504
+RATE_LIMIT_KEY_RPM = env_int("RATE_LIMIT_KEY_RPM", 600, minimum=1)
+RATE_LIMIT_ORG_RPM = env_int("RATE_LIMIT_ORG_RPM", 3000, minimum=1)
+RATE_LIMIT_KEY_TPM = env_int("RATE_LIMIT_KEY_TPM", 2_000_000, minimum=1)
+RATE_LIMIT_ORG_TPM = env_int("RATE_LIMIT_ORG_TPM", 10_000_000, minimum=1)
 
 # Where operators keep model weights; catalog imports may only read below it.
 MODELS_ROOT = Path(env_str("MODELS_ROOT", str(DATA_DIR / "models"))).resolve()
 # How long /readyz waits for a Celery worker to answer a ping.
-READYZ_WORKER_TIMEOUT = float(env_str("READYZ_WORKER_TIMEOUT", "1.0"))
+READYZ_WORKER_TIMEOUT = env_seconds("READYZ_WORKER_TIMEOUT", "1.0", minimum=0.05)
 
+LOG_LEVEL = env_str("LOG_LEVEL", "INFO").strip().upper() or "INFO"
+if LOG_LEVEL not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+    raise ImproperlyConfigured(f"LOG_LEVEL must be DEBUG, INFO, WARNING, ERROR or CRITICAL, not {LOG_LEVEL!r}")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
 }
 
 # --- billing (billing/): sign-up credit, Stripe top-ups ----------------------------------------
@@ -210,26 +222,15 @@ if TOPUP_MIN > TOPUP_MAX:
 # Every worker process refreshes its liveness and (a fleet worker, WORKER_SLOTS > 0) its heartbeat
 # every FLEET_HEARTBEAT_SECONDS; FLEET_MISSED_HEARTBEATS missed ones mark it gone. Celery beat runs
 # the placement loop (workers.fleet_tick) every FLEET_TICK_SECONDS on the default queue.
-def _env_seconds(name: str, default: str, *, minimum: float) -> float:
-    raw = env_str(name, default).strip() or default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ImproperlyConfigured(f"{name} must be a number of seconds, not {raw!r}") from None
-    if not value >= minimum:
-        raise ImproperlyConfigured(f"{name} must be at least {minimum:g} seconds, not {raw!r}")
-    return value
-
-
 WORKER_SLOTS = env_int("WORKER_SLOTS", 0)  # deployments this worker process may host; 0: not a fleet worker
-FLEET_HEARTBEAT_SECONDS = _env_seconds("FLEET_HEARTBEAT_SECONDS", "5", minimum=0.2)
+FLEET_HEARTBEAT_SECONDS = env_seconds("FLEET_HEARTBEAT_SECONDS", "5", minimum=0.2)
 FLEET_MISSED_HEARTBEATS = max(2, env_int("FLEET_MISSED_HEARTBEATS", 3))
-FLEET_TICK_SECONDS = _env_seconds("FLEET_TICK_SECONDS", "2", minimum=0.2)
+FLEET_TICK_SECONDS = env_seconds("FLEET_TICK_SECONDS", "2", minimum=0.2)
 FLEET_SCALE_UP_QUEUE_DEPTH = max(1, env_int("FLEET_SCALE_UP_QUEUE_DEPTH", 8))  # waiting per ready replica
-FLEET_LOAD_TIMEOUT = _env_seconds("FLEET_LOAD_TIMEOUT", "600", minimum=1)  # a load taking longer fails
-FLEET_DRAIN_TIMEOUT = _env_seconds("FLEET_DRAIN_TIMEOUT", "600", minimum=0)  # unload waits for requests
+FLEET_LOAD_TIMEOUT = env_seconds("FLEET_LOAD_TIMEOUT", "600", minimum=1)  # a load taking longer fails
+FLEET_DRAIN_TIMEOUT = env_seconds("FLEET_DRAIN_TIMEOUT", "600", minimum=0)  # unload waits for requests
 # A request to a deployment with no replica waits this long for one to load (a cold start).
-FLEET_COLD_START_TIMEOUT = _env_seconds("FLEET_COLD_START_TIMEOUT", "120", minimum=0)
+FLEET_COLD_START_TIMEOUT = env_seconds("FLEET_COLD_START_TIMEOUT", "120", minimum=0)
 # The engines a worker loads: on a GPU, the share of the memory free after the weights that the KV
 # cache, step activations and CUDA graphs may take together (unset: the engine's default, 0.9);
 # ENGINE_CUDA_GRAPHS=false runs decode steps eagerly instead of replaying CUDA graphs.

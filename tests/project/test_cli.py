@@ -41,6 +41,43 @@ def test_production_mode_refuses_empty_allowed_hosts():
     assert "ALLOWED_HOSTS" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("name,value,says", [
+    ("GATEWAY_QUEUE_TIMEOUT", "abc", "a number of seconds"),
+    ("READYZ_WORKER_TIMEOUT", "-1", "at least"),
+    ("RATE_LIMIT_KEY_RPM", "0", "at least 1"),
+    ("GATEWAY_MAX_BODY_BYTES", "-10", "at least"),
+    ("LOG_LEVEL", "loud", "LOG_LEVEL must be"),
+])
+def test_a_bad_setting_stops_with_a_line_naming_it(name, value, says):
+    result = run_cli("web", "--port", str(free_port()), env_overrides={name: value})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert name in result.stderr and says in result.stderr
+
+
+def test_a_lowercase_log_level_is_fine_and_a_bad_port_is_refused_by_the_parser():
+    from inference_platform.cli import local_url
+
+    code = ("import django, os; os.environ['DJANGO_SETTINGS_MODULE'] = 'inference_platform.settings'; "
+            "django.setup(); from django.conf import settings; print(settings.LOG_LEVEL)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env={**os.environ, "LOG_LEVEL": "debug"},
+                            capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "DEBUG", result.stderr
+    assert run_cli("web", "--port", "99999", env_overrides={}).returncode == 2
+    assert local_url("0.0.0.0", 8000) == "http://127.0.0.1:8000"  # polled by up: a wildcard is no address
+    assert local_url("::", 8000) == "http://[::1]:8000"
+
+
+def test_database_url_parameters_reach_the_driver():
+    from pathlib import Path
+
+    from inference_platform.env import database_from_url
+
+    db = database_from_url("postgresql://u:p@db.internal:6543/app?sslmode=verify-full&sslrootcert=/ca.pem",
+                           data_dir=Path("/tmp"))
+    assert db["PORT"] == "6543" and db["OPTIONS"]["sslmode"] == "verify-full"
+    assert db["OPTIONS"]["sslrootcert"] == "/ca.pem" and db["OPTIONS"]["connect_timeout"] == 5
+
+
 def test_a_database_that_is_down_gives_one_clear_line_without_the_password():
     port = free_port()
     result = run_cli(
