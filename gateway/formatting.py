@@ -7,6 +7,7 @@ ids and per-token logprobs as ``{"token", "bytes", "logprob", "top": [[token, lo
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass
 
 SYSTEM_FINGERPRINT = "fp_inference_platform_1"
@@ -54,10 +55,12 @@ def chat_logprobs(entries: list[dict]) -> dict:
 
 
 def completion_logprobs(entries: list[dict], *, text_offset: int) -> dict:
-    offsets, at = [], text_offset
+    # Where each token starts in the text, in characters: from its bytes, since a token may hold
+    # part of a character (its "token" is then "bytes:\\x.."); it starts after the whole ones.
+    offsets, at, decoder = [], text_offset, codecs.getincrementaldecoder("utf-8")(errors="replace")
     for e in entries:
         offsets.append(at)
-        at += len(e["token"])
+        at += len(decoder.decode(bytes(e["bytes"])))
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],

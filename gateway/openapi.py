@@ -26,7 +26,7 @@ COMMON = {
                        "additionalProperties": False},
     "max_tokens": {"type": "integer", "minimum": 1},
     "temperature": {**NUMBER, "minimum": 0, "maximum": 2},
-    "top_p": {**NUMBER, "exclusiveMinimum": 0, "maximum": 1},
+    "top_p": {**NUMBER, "minimum": 0, "maximum": 1},
     "top_k": {"type": "integer", "minimum": -1},
     "min_p": {**NUMBER, "minimum": 0, "maximum": 1},
     "repetition_penalty": {**NUMBER, "exclusiveMinimum": 0, "maximum": 10},

@@ -17,6 +17,7 @@ from .errors import invalid
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_STOP = 4  # OpenAI allows up to four stop sequences
 MAX_MODEL_NAME = 200
+TOP_P_MIN = 1e-6  # top_p 0 asks for the likeliest token alone; the sampler keeps at least one
 COMMON_FIELDS = {
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop", "seed",
     "presence_penalty", "frequency_penalty", "logit_bias", "user",
@@ -148,8 +149,8 @@ def _sampling(body: dict) -> dict:
         ("min_p", 0.0, 1.0, 0.0),
     ):
         sampling[name] = default if body.get(name) is None else _number(body, name, low, high)
-    if sampling["top_p"] == 0:
-        raise invalid("top_p", "top_p must be greater than 0")
+    if sampling["top_p"] == 0:  # OpenAI takes 0 (only the likeliest token): the smallest nucleus
+        sampling["top_p"] = TOP_P_MIN
     if body.get("repetition_penalty") is not None:
         value = _number(body, "repetition_penalty", 0.0, 10.0)
         if value == 0:

@@ -109,6 +109,9 @@ def web_command(*, host: str, port: int, workers: int = 1) -> list[str]:
         sys.executable, "-m", "uvicorn", "inference_platform.asgi:application",
         "--host", host, "--port", str(port), "--workers", str(workers),
         "--no-access-log", "--lifespan", "off",
+        # Open streams must not hold a stop past the supervisor's patience (it kills after 10 s,
+        # which would leave the worker processes of --workers N behind).
+        "--timeout-graceful-shutdown", "5",
     ]
 
 

@@ -21,11 +21,22 @@ DEBUG = env_bool("DEBUG", True)
 SECRET_KEY = env_str("SECRET_KEY", DEFAULT_SECRET_KEY)
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1]" if DEBUG else "")
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS")
+# HTTPS=true: the site is served over HTTPS (usually by a proxy in front that sets
+# X-Forwarded-Proto): cookies go out with the Secure flag, browsers are told to stay on HTTPS, and
+# the proxy's header says whether a request came over HTTPS. Off by default, as the embedded
+# defaults serve plain HTTP on localhost (Secure cookies would make logging in impossible there).
+HTTPS = env_bool("HTTPS", False)
+if HTTPS:
+    SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = True
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 3600, minimum=0)
 
 if not DEBUG:
-    if not SECRET_KEY or SECRET_KEY == DEFAULT_SECRET_KEY:
+    if not SECRET_KEY or SECRET_KEY == DEFAULT_SECRET_KEY or "change-me" in SECRET_KEY or len(SECRET_KEY) < 32:
         raise ImproperlyConfigured(
-            "SECRET_KEY is not set: production mode (DEBUG=false) needs a long random SECRET_KEY"
+            "SECRET_KEY is not set: production mode (DEBUG=false) needs a long random SECRET_KEY "
+            "(32 characters or more, not the example's placeholder), e.g. "
+            "python -c 'import secrets; print(secrets.token_urlsafe(50))'"
         )
     if not ALLOWED_HOSTS:
         raise ImproperlyConfigured(

@@ -131,8 +131,14 @@ def _send_quietly(send, reply: str, message: dict) -> None:
 
 
 def _token(tokenizer, token_id: int) -> tuple[str, list[int]]:
-    text = tokenizer.decode([token_id], skip_special_tokens=False)
-    return text, list(text.encode("utf-8"))
+    """A token as OpenAI's logprobs show it: its text and its raw bytes; one that is part of a
+    character is written "bytes:\\xf0\\x9f" (its bytes still let the client rebuild the character)."""
+    raw = tokenizer.token_bytes(token_id)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return text, list(raw)
 
 
 def _logprobs(tokenizer, entries, sampling: dict) -> list[dict] | None:

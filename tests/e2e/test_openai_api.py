@@ -56,8 +56,9 @@ def test_chat_logprobs_in_the_chat_shape(openai_client):
     reply = openai_client.chat.completions.create(
         model=DEPLOYMENT, messages=QUESTION, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3)
     content = reply.choices[0].logprobs.content
-    assert len(content) == reply.usage.completion_tokens
-    assert "".join(entry.token for entry in content) == reply.choices[0].message.content
+    ended_by_eos = reply.choices[0].finish_reason == "stop"  # the end-of-text token has no entry, as with OpenAI
+    assert len(content) == reply.usage.completion_tokens - ended_by_eos
+    assert b"".join(bytes(entry.bytes) for entry in content) == reply.choices[0].message.content.encode()
     for entry in content:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
         # Greedy: the chosen token is the most likely one.

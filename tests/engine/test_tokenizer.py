@@ -233,6 +233,18 @@ def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path):
     pieces = [detok.push(i) for i in tok.encode(text)]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == text
+    # Each token's own bytes ("▁world" is " world", <0xE2> one byte) add up to the text.
+    assert b"".join(tok.token_bytes(i) for i in tok.encode(text)).lstrip(b" ") == text.encode()
+
+
+@pytest.mark.parametrize("text", ["Hi 🤗 there", "naïve café — 日本語", "plain words"])
+def test_token_bytes_add_up_to_the_text_even_mid_character(tokenizer, text):
+    """OpenAI's logprobs give each token's raw bytes so that clients can rebuild characters split
+    across tokens; decoding one such token alone gives U+FFFD."""
+    ids = tokenizer.encode(text)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode()
+    if "🤗" in text:
+        assert any("\ufffd" in tokenizer.decode([i]) for i in ids)  # the case this is for
 
 
 def test_a_chat_prompt_has_the_templates_bos_only(gguf_metadata):

@@ -92,7 +92,7 @@ def test_another_organizations_dedicated_deployment_is_404(client, seeded, org_k
     (CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role"),
     (CHAT, chat(temperature=2.5), "temperature"),
     (CHAT, chat(temperature="hot"), "temperature"),
-    (CHAT, chat(top_p=0), "top_p"),
+    (CHAT, chat(top_p=-0.1), "top_p"),
     (CHAT, chat(max_tokens=0), "max_tokens"),
     (CHAT, chat(max_completion_tokens=-3), "max_completion_tokens"),
     (CHAT, chat(n=2), "n"),
@@ -129,6 +129,7 @@ def test_openais_parameters_that_ask_for_nothing_are_accepted():
     request = parse_chat(chat(response_format={"type": "text"}, tools=[], tool_choice="none", parallel_tool_calls=False,
                               store=False, metadata={"team": "search"}, service_tier="auto"))
     assert request.messages == [{"role": "user", "content": "Hi"}]
+    assert 0 < parse_chat(chat(top_p=0)).sampling["top_p"] < 1e-3  # OpenAI's "only the likeliest token"
 
 
 def test_an_unsupported_value_says_so_and_what_is_accepted(client, seeded, org_key):

@@ -70,6 +70,8 @@ class Tokenizer:
         # bos_token, eos_token, ... as text, which chat templates refer to.
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self._template = None
+        self._byte_level = "ByteLevel" in repr(backend.decoder)  # GPT-2 style pieces (else "▁" pieces)
+        self._token_bytes: dict[int, bytes] = {}
 
     # -- building ------------------------------------------------------------------------------
 
@@ -154,6 +156,16 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for on its own: part of a UTF-8 character for some (which
+        decoding it alone turns into U+FFFD), a leading space for a sentencepiece "▁word". What
+        OpenAI's logprobs report as ``bytes``, so that clients can put characters back together."""
+        cached = self._token_bytes.get(token_id)
+        if cached is None:
+            cached = self._token_bytes[token_id] = _piece_bytes(self.backend.id_to_token(int(token_id)) or "",
+                                                               byte_level=self._byte_level)
+        return cached
+
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         """The prompt text for ``messages`` ([{"role": ..., "content": ...}, ...])."""
         if not self.chat_template:
@@ -200,6 +212,34 @@ class IncrementalDetokenizer:
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, from character to byte: printable bytes stand for themselves,
+    the others for the characters from U+0100 on, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def _piece_bytes(piece: str, *, byte_level: bool) -> bytes:
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # a byte-fallback token
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            pass
+    if byte_level and all(ch in _BYTE_LEVEL for ch in piece):
+        return bytes(_BYTE_LEVEL[ch] for ch in piece)
+    return (piece if byte_level else piece.replace("\u2581", " ")).encode("utf-8")  # special tokens as written
 
 def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str]) -> BackendTokenizer:
     """GPT-2 style: byte-level alphabet, merges stored in the file, a split regex by pre name."""
