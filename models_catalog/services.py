@@ -6,7 +6,9 @@ import re
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
+from django.conf import settings as django_settings
 from django.db import IntegrityError, transaction
+from django.db.models import Sum
 from django.utils import timezone
 from django.utils.text import slugify
 
@@ -58,6 +60,25 @@ def _clean_settings(values: dict) -> dict:
     return cleaned
 
 
+def _check_quota(deployment: Deployment, *, creating: bool) -> None:
+    """An organization may own ORG_MAX_DEPLOYMENTS deployments and keep ORG_MAX_RESERVED_REPLICAS
+    replicas up (the sum of their min_replicas): one organization's key must not be able to hold
+    the whole fleet. The operator's deployments are not counted. Two creations at the same moment
+    may pass one over; the next change is checked again."""
+    if deployment.organization_id is None:
+        return
+    others = Deployment.objects.filter(organization_id=deployment.organization_id).exclude(pk=deployment.pk)
+    limit = django_settings.ORG_MAX_DEPLOYMENTS
+    if creating and others.count() >= limit:
+        raise InvalidDeployment("name", f"Your organization has {limit} deployments, its limit: delete one first "
+                                        "(the operator sets ORG_MAX_DEPLOYMENTS).")
+    reserved = (others.aggregate(total=Sum("min_replicas"))["total"] or 0) + deployment.min_replicas
+    limit = django_settings.ORG_MAX_RESERVED_REPLICAS
+    if reserved > limit:
+        raise InvalidDeployment("min_replicas", f"This would keep {reserved} replicas up for your organization, "
+                                                f"over its limit of {limit} (the operator sets ORG_MAX_RESERVED_REPLICAS).")
+
+
 def _check_consistency(deployment: Deployment) -> None:
     if deployment.max_replicas < deployment.min_replicas:
         raise InvalidDeployment("max_replicas", "max_replicas must be at least min_replicas.")
@@ -96,6 +117,7 @@ def create_deployment(
         cleaned.setdefault("max_replicas", max(1, cleaned["min_replicas"]))
     deployment = Deployment(organization=organization, model=model, name=name, created_by=created_by, **cleaned)
     _check_consistency(deployment)
+    _check_quota(deployment, creating=True)
     if Deployment.objects.filter(name=name).exists():
         raise InvalidDeployment("name", f"The name '{name}' is taken: choose another.")
     try:
@@ -122,6 +144,8 @@ def update_deployment(*, deployment: Deployment, **changes) -> Deployment:
         for field, value in cleaned.items():
             setattr(locked, field, value)
         _check_consistency(locked)
+        if "min_replicas" in cleaned:
+            _check_quota(locked, creating=False)
         locked.save(update_fields=[*cleaned, "updated_at"])
     for field in [*cleaned, "updated_at"]:
         setattr(deployment, field, getattr(locked, field))

@@ -192,3 +192,22 @@ def test_catalog_listing_and_price_updates(model):
     update_catalog_model(catalog_model=model, price_output_per_mtok="0.30")
     model.refresh_from_db()
     assert str(model.price_output_per_mtok) == "0.300000"
+
+
+def test_an_organization_may_not_hold_the_whole_fleet(acme, model, settings):
+    settings.ORG_MAX_DEPLOYMENTS, settings.ORG_MAX_RESERVED_REPLICAS = 3, 2
+    first = create_deployment(organization=acme, model=model, name="d-1", kind="dedicated", min_replicas=2)
+    with pytest.raises(InvalidDeployment) as too_many_replicas:
+        create_deployment(organization=acme, model=model, name="d-2", kind="dedicated")
+    assert too_many_replicas.value.field == "min_replicas" and "limit of 2" in too_many_replicas.value.message
+    create_deployment(organization=acme, model=model, name="d-2")  # serverless, nothing reserved
+    with pytest.raises(InvalidDeployment):  # raising a floor counts too
+        update_deployment(deployment=Deployment.objects.get(name="d-2"), min_replicas=1, max_replicas=1)
+    update_deployment(deployment=first, min_replicas=1)
+    update_deployment(deployment=Deployment.objects.get(name="d-2"), min_replicas=1, max_replicas=1)
+    create_deployment(organization=acme, model=model, name="d-3")
+    with pytest.raises(InvalidDeployment) as too_many:
+        create_deployment(organization=acme, model=model, name="d-4")
+    assert too_many.value.field == "name" and "ORG_MAX_DEPLOYMENTS" in too_many.value.message
+    create_deployment(organization=None, model=model, name="operators", kind="dedicated", min_replicas=8,
+                      max_replicas=8)  # the operator's are not counted
