@@ -223,12 +223,18 @@ def _place_deployment(deployment: Deployment, mine: list[Replica], depth: int, *
             services.settle_status(deployment=deployment, idle_status=Status.PENDING,
                                    reason="waiting for a worker with a free slot")
     elif len(mine) > wanted:
-        idle = sorted((r for r in mine if r.status == Replica.Status.READY and r.in_flight == 0),
-                      key=lambda r: r.last_active_at or r.assigned_at)
-        for replica in idle[: len(mine) - wanted]:
+        ready = [r for r in mine if r.status == Replica.Status.READY]
+        idle = sorted((r for r in ready if r.in_flight == 0), key=lambda r: r.last_active_at or r.assigned_at)
+        # While one serves, a replica still loading goes first: releasing the serving one instead
+        # left the deployment loading until the other finished.
+        loading = sorted((r for r in mine if r.status == Replica.Status.LOADING), key=lambda r: r.assigned_at,
+                         reverse=True) if ready else []
+        for replica in (loading + idle)[: len(mine) - wanted]:
             left = len(mine) - 1
+            why = "not needed any more" if replica.status == Replica.Status.LOADING else \
+                f"idle for {deployment.scale_to_zero_seconds}s"
             services.release_replica(
-                replica=replica, reason=f"idle for {deployment.scale_to_zero_seconds}s",
+                replica=replica, reason=why,
                 idle_status=Status.SCALED_TO_ZERO if left == 0 else None,
             )
             mine.remove(replica)  # its slot frees once the worker reports the unload (see _slots_used)

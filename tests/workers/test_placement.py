@@ -344,3 +344,16 @@ def test_a_worker_is_not_marked_gone_by_a_stale_read_or_while_alive_in_redis(mod
     fleet.clear_alive(worker.instance)
     assert [w.pk for w in services.mark_silent_workers_gone()] == [worker.pk]
     assert Worker.objects.get(pk=worker.pk).status == "gone"
+
+
+def test_scaling_down_releases_a_replica_still_loading_before_the_one_serving(model):
+    alpha, beta = register("alpha"), register("beta")
+    deployment = deploy(model, kind="dedicated", min_replicas=2, max_replicas=2)
+    placement._tick_once(now=None)
+    [(first, _, _), (second, _, _)] = replicas(deployment)
+    serving = alpha if first == alpha.hostname else beta
+    loaded(serving, deployment)  # one serves, the other still loads
+    update_deployment(deployment=deployment, min_replicas=1, max_replicas=1)
+    placement._tick_once(now=None)
+    assert [(host, state) for host, state, _ in replicas(deployment)] == [(serving.hostname, "ready")]
+    assert status(deployment)[0] == "ready"
