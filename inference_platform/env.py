@@ -72,8 +72,9 @@ def database_from_url(url: str, *, data_dir: Path) -> dict:
         return _sqlite(data_dir / "db.sqlite3")
     parts = urlsplit(url)
     if parts.scheme == "sqlite":
-        path = unquote(parts.path)
-        return _sqlite(path[1:] if path.startswith("//") else path)
+        # sqlite:///relative.db and sqlite:////absolute.db, as SQLAlchemy reads them: the path
+        # after the third slash (sqlite:///db.sqlite3 was /db.sqlite3, at the root).
+        return _sqlite(unquote(parts.path)[1:] or "db.sqlite3")
     if parts.scheme in {"postgres", "postgresql", "pgsql"}:
         try:
             port = parts.port

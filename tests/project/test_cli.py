@@ -67,6 +67,15 @@ def test_a_lowercase_log_level_is_fine_and_a_bad_port_is_refused_by_the_parser()
     assert local_url("::", 8000) == "http://[::1]:8000"
 
 
+def test_sqlite_urls_read_as_sqlalchemy_reads_them():
+    from pathlib import Path
+
+    from inference_platform.env import database_from_url
+
+    assert database_from_url("sqlite:///here.db", data_dir=Path("/tmp"))["NAME"] == "here.db"  # relative
+    assert database_from_url("sqlite:////srv/x.db", data_dir=Path("/tmp"))["NAME"] == "/srv/x.db"
+
+
 def test_database_url_parameters_reach_the_driver():
     from pathlib import Path
 
