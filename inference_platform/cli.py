@@ -450,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     except Abort as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while starting: the children die with this process (PDEATHSIG)
+        return 130
 
 
 if __name__ == "__main__":
