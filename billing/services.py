@@ -136,6 +136,18 @@ def record_usage(*, event: Mapping[str, Any]) -> UsageRecord:
     UnknownModel: permanent errors, redelivering the event cannot fix them.
     """
     parsed = parse_usage_event(event)
+    try:
+        return _record_usage(parsed)
+    except (InvalidUsageEvent, UnknownModel):
+        # A redelivery of an event recorded before its model or organization went away is not
+        # an error: it is recorded.
+        existing = UsageRecord.objects.filter(request_id=parsed.request_id).first()
+        if existing is None:
+            raise
+        return existing
+
+
+def _record_usage(parsed) -> UsageRecord:
     catalog_model = _catalog_models.get(parsed.model, lambda: CatalogModel.objects.filter(slug=parsed.model).first())
     if catalog_model is None:
         raise UnknownModel(f"usage event {parsed.request_id}: no catalog model {parsed.model!r}", param="model")
@@ -446,7 +458,16 @@ def _on_charge_refunded(charge: dict) -> None:
 def _on_refund_updated(refund: dict) -> None:
     topup = _topup_paid_by(refund.get("payment_intent"), "refund update")
     if topup is not None:
-        _apply_refund(topup, refund)
+        _apply_refund(topup, _current_refund(refund))
+
+
+def _current_refund(refund: dict) -> dict:
+    """The refund as Stripe has it now: its update events may arrive out of order (a "failed"
+    before the "succeeded" it follows would leave the refund debited). Without Stripe configured
+    here (tests), the event's own copy."""
+    if not settings.STRIPE_SECRET_KEY or not refund.get("id"):
+        return refund
+    return _stripe_call(stripe_client().v1.refunds.retrieve, refund["id"]).to_dict()
 
 
 _STRIPE_HANDLERS = {

@@ -150,24 +150,26 @@ def invite_member(*, organization: Organization, invited_by: User, email: str, r
     raw = secrets.token_urlsafe(32)
     inviter = invited_by.get_full_name()
     try:
-        with transaction.atomic():  # an invitation whose email could not be sent is not kept
+        with transaction.atomic():
             invitation = Invitation.objects.create(
                 organization=organization, email=email, role=role, token_hash=hash_token(raw),
                 invited_by=invited_by, expires_at=timezone.now() + INVITATION_TTL,
             )
-            send_mail(
-                subject=f"{inviter} invited you to {organization.name}",
-                message=(
-                    f"{inviter} invited you to join {organization.name} as {invitation.role_label}.\n\n"
-                    f"Accept the invitation: {link_for(raw)}\n\n"
-                    f"The link works for {INVITATION_TTL.days} days. If you did not expect it, ignore this email."
-                ),
-                from_email=None,
-                recipient_list=[email],
-            )
     except IntegrityError:
         raise DashboardError(f"{email} already has a pending invitation.", field="email") from None
+    try:  # after the commit: a slow mail server must not hold the database's write lock (SQLite)
+        send_mail(
+            subject=f"{inviter} invited you to {organization.name}",
+            message=(
+                f"{inviter} invited you to join {organization.name} as {invitation.role_label}.\n\n"
+                f"Accept the invitation: {link_for(raw)}\n\n"
+                f"The link works for {INVITATION_TTL.days} days. If you did not expect it, ignore this email."
+            ),
+            from_email=None,
+            recipient_list=[email],
+        )
     except OSError as exc:  # the mail server refused or cannot be reached (SMTPException is one)
+        invitation.delete()  # not kept: a retry must not find it "already pending"
         raise DashboardError(f"The invitation email could not be sent ({exc}); nothing was saved, try again "
                              "later.", field="email") from None
     return invitation

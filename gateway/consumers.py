@@ -28,20 +28,20 @@ PARSERS = {"chat.completions": parse_chat, "completions": parse_completion}
 MAX_REQUEST_ID = 200
 
 
-def _request_id(message: dict) -> str | ApiError:
-    """The client's id for a request (a string or an integer, as a string), or a new one."""
+def _request_id(message: dict) -> str | int | ApiError:
+    """The client's id for a request (a string or an integer, sent back as it came), or a new one."""
     value = message.pop("request_id", None)
     if value is None or value == "":
         return uuid.uuid4().hex
     if isinstance(value, bool) or not isinstance(value, (str, int)) or len(str(value)) > MAX_REQUEST_ID:
         return ApiError(400, f"request_id must be a string of at most {MAX_REQUEST_ID} characters",
                         param="request_id")
-    return str(value)
+    return value
 
 
 class InferenceConsumer(AsyncWebsocketConsumer):
     async def connect(self):
-        self.running: dict[str, tuple[asyncio.Task, list]] = {}
+        self.running: dict[str, tuple[asyncio.Task, list]] = {}  # by str(request_id): 7 and "7" are one
         await self.accept()
         error = self._auth_error()
         if error:
@@ -78,7 +78,7 @@ class InferenceConsumer(AsyncWebsocketConsumer):
         if not isinstance(endpoint, str) or endpoint not in PARSERS:
             return await self._error(request_id, ApiError(400, "endpoint must be chat.completions or completions",
                                                           param="endpoint"))
-        if request_id in self.running:
+        if str(request_id) in self.running:
             return await self._error(request_id, ApiError(400, "request_id is already running", param="request_id"))
         try:
             inference = PARSERS[endpoint](message)
@@ -86,9 +86,9 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             return await self._error(request_id, exc)
         holder: list = []  # the Call, once dispatched
         task = asyncio.create_task(self._run(request_id, inference, holder))
-        self.running[request_id] = (task, holder)
+        self.running[str(request_id)] = (task, holder)
 
-    async def _run(self, request_id: str, inference, holder: list):
+    async def _run(self, request_id: str | int, inference, holder: list):
         call = None
         try:
             call, _ = await calls.begin(self.caller, inference)
@@ -105,10 +105,10 @@ class InferenceConsumer(AsyncWebsocketConsumer):
         finally:
             if call is not None:
                 await asyncio.shield(call.cancel())
-            self.running.pop(request_id, None)
+            self.running.pop(str(request_id), None)
 
-    async def _cancel(self, request_id: str):
-        entry = self.running.get(request_id)
+    async def _cancel(self, request_id: str | int):
+        entry = self.running.get(str(request_id))
         if entry is None:
             return await self._error(request_id, ApiError(404, "No running request with that request_id.",
                                                           param="request_id"))

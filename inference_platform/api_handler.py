@@ -40,7 +40,7 @@ def _security(get_response):
         if response.status_code == 500 and not response.get("Content-Type", "").startswith("application/json"):
             # A bug (Django logged it): an API client still gets an error it can parse.
             response = JsonResponse({"error": {
-                "message": "The server hit an unexpected error; it is logged under this response's x-request-id.",
+                "message": "The server hit an unexpected error; it is logged. Retry, or tell the operator.",
                 "type": "server_error", "param": None, "code": "internal_error"}}, status=500)
         if "x-request-id" not in response:
             response["x-request-id"] = f"req_{uuid.uuid4().hex}"

@@ -207,14 +207,13 @@ def wait_ready(url: str, procs: list[subprocess.Popen], *, deadline_s: float) ->
 
 def free_port(host: str, port: int) -> None:
     """Abort unless the web server will be able to listen on ``host``:``port``."""
-    try:
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    except socket.gaierror as exc:
-        raise Abort(f"cannot listen on {host!r}: {exc.strerror}") from None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn picks it
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is free
         try:
-            sock.bind(address)
+            sock.bind((host, port))
+        except socket.gaierror as exc:
+            raise Abort(f"cannot listen on {host!r}: {exc.strerror}") from None
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise Abort(f"port {port} on {host} is in use: choose another with --port") from None

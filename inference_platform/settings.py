@@ -234,8 +234,8 @@ if TOPUP_MIN > TOPUP_MAX:
 # every FLEET_HEARTBEAT_SECONDS; FLEET_MISSED_HEARTBEATS missed ones mark it gone. Celery beat runs
 # the placement loop (workers.fleet_tick) every FLEET_TICK_SECONDS on the default queue.
 # What one organization's own deployments may hold (the operator's are not counted).
-ORG_MAX_DEPLOYMENTS = env_int("ORG_MAX_DEPLOYMENTS", 20, minimum=0)
-ORG_MAX_RESERVED_REPLICAS = env_int("ORG_MAX_RESERVED_REPLICAS", 4, minimum=0)  # the sum of their min_replicas
+ORG_MAX_DEPLOYMENTS = env_int("ORG_MAX_DEPLOYMENTS", 50, minimum=0)
+ORG_MAX_RESERVED_REPLICAS = env_int("ORG_MAX_RESERVED_REPLICAS", 16, minimum=0)  # see reserved_replicas
 WORKER_SLOTS = env_int("WORKER_SLOTS", 0)  # deployments this worker process may host; 0: not a fleet worker
 FLEET_HEARTBEAT_SECONDS = env_seconds("FLEET_HEARTBEAT_SECONDS", "5", minimum=0.2)
 FLEET_MISSED_HEARTBEATS = max(2, env_int("FLEET_MISSED_HEARTBEATS", 3))

@@ -60,11 +60,18 @@ def _clean_settings(values: dict) -> dict:
     return cleaned
 
 
-def _check_quota(deployment: Deployment, *, creating: bool) -> None:
-    """An organization may own ORG_MAX_DEPLOYMENTS deployments and keep ORG_MAX_RESERVED_REPLICAS
-    replicas up (the sum of their min_replicas): one organization's key must not be able to hold
-    the whole fleet. The operator's deployments are not counted. Two creations at the same moment
-    may pass one over; the next change is checked again."""
+def reserved_replicas(deployment: Deployment) -> int:
+    """The replicas a deployment can keep up however idle it is: its min_replicas, or, if it never
+    scales to zero, every replica it may grow to."""
+    return deployment.max_replicas if deployment.scale_to_zero_seconds == 0 else deployment.min_replicas
+
+
+def _check_quota(deployment: Deployment, *, creating: bool, before: int = 0) -> None:
+    """An organization may own ORG_MAX_DEPLOYMENTS deployments and reserve ORG_MAX_RESERVED_REPLICAS
+    replicas (see ``reserved_replicas``): one organization's key must not be able to hold the
+    whole fleet. The operator's deployments are not counted; a change that reserves no more than
+    ``before`` always passes (an organization over a lowered limit can come down step by step).
+    Two creations at the same moment may pass one over; the next change is checked again."""
     if deployment.organization_id is None:
         return
     others = Deployment.objects.filter(organization_id=deployment.organization_id).exclude(pk=deployment.pk)
@@ -72,11 +79,18 @@ def _check_quota(deployment: Deployment, *, creating: bool) -> None:
     if creating and others.count() >= limit:
         raise InvalidDeployment("name", f"Your organization has {limit} deployments, its limit: delete one first "
                                         "(the operator sets ORG_MAX_DEPLOYMENTS).")
-    reserved = (others.aggregate(total=Sum("min_replicas"))["total"] or 0) + deployment.min_replicas
+    mine = reserved_replicas(deployment)
+    if mine <= before:
+        return
+    reserved = mine + sum(reserved_replicas(d) for d in others.only("min_replicas", "max_replicas",
+                                                                    "scale_to_zero_seconds"))
     limit = django_settings.ORG_MAX_RESERVED_REPLICAS
     if reserved > limit:
-        raise InvalidDeployment("min_replicas", f"This would keep {reserved} replicas up for your organization, "
-                                                f"over its limit of {limit} (the operator sets ORG_MAX_RESERVED_REPLICAS).")
+        field = "scale_to_zero_seconds" if deployment.scale_to_zero_seconds == 0 and mine > deployment.min_replicas \
+            else "min_replicas"
+        raise InvalidDeployment(field, f"This would reserve {reserved} replicas for your organization (min_replicas, "
+                                       f"or max_replicas of a deployment that never scales to zero), over its limit "
+                                       f"of {limit} (the operator sets ORG_MAX_RESERVED_REPLICAS).")
 
 
 def _check_consistency(deployment: Deployment) -> None:
@@ -141,11 +155,11 @@ def update_deployment(*, deployment: Deployment, **changes) -> Deployment:
         locked = Deployment.objects.select_for_update().filter(pk=deployment.pk).first()
         if locked is None:  # deleted meanwhile
             raise DeploymentNotFound(deployment.name)
+        before = reserved_replicas(locked)
         for field, value in cleaned.items():
             setattr(locked, field, value)
         _check_consistency(locked)
-        if "min_replicas" in cleaned:
-            _check_quota(locked, creating=False)
+        _check_quota(locked, creating=False, before=before)
         locked.save(update_fields=[*cleaned, "updated_at"])
     for field in [*cleaned, "updated_at"]:
         setattr(deployment, field, getattr(locked, field))

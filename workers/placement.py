@@ -192,9 +192,10 @@ def _place_deployment(deployment: Deployment, mine: list[Replica], depth: int, *
         return
     current = fleet.spec_hash(spec)
     stale = [r for r in mine if r.spec_hash != current]
+    swapping = set()  # workers whose slot this deployment's replacement may take: swapped in place
     for replica in stale:
         services.release_replica(replica=replica, reason="its settings changed")
-        used[replica.worker_id] -= 1  # the same engine, swapped in place: the worker unloads, then loads
+        swapping.add(replica.worker_id)
         report.released.append((deployment.name, replica.worker.hostname))
     mine = [r for r in mine if r.spec_hash == current]
     if _check_loading(deployment, mine, spec, now=now):
@@ -207,12 +208,16 @@ def _place_deployment(deployment: Deployment, mine: list[Replica], depth: int, *
     if len(mine) < wanted:
         hosting = {r.worker_id for r in mine}
         candidates = sorted(
-            (w for w in workers.values() if w.pk not in hosting and used[w.pk] < w.slots),
-            key=lambda w: (used[w.pk] / max(1, w.slots), used[w.pk], -w.device_memory_bytes, w.hostname),
+            (w for w in workers.values() if w.pk not in hosting and (used[w.pk] < w.slots or w.pk in swapping)),
+            key=lambda w: (w.pk not in swapping, used[w.pk] / max(1, w.slots), used[w.pk], -w.device_memory_bytes,
+                           w.hostname),
         )
         for worker in candidates[: wanted - len(mine)]:
             services.place_replica(worker=worker, deployment=deployment, trigger=trigger, spec_hash=current)
-            used[worker.pk] += 1
+            if worker.pk in swapping:  # the slot of the engine it replaces (the worker unloads it first)
+                swapping.discard(worker.pk)
+            else:  # a released engine elsewhere keeps its slot until its worker reports it gone
+                used[worker.pk] += 1
             try:
                 fleet.send_load(hostname=worker.hostname, spec=spec, trigger=trigger)
             except Exception:

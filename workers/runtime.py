@@ -28,6 +28,7 @@ class EngineHost:
             if engine is not None and not engine.is_running:  # its loop died (unload pops first)
                 log.error("the engine of deployment %s stopped running; loading it again", name)
                 self._engines.pop(name, None)
+                engine.stop(timeout=1)  # fails what it still held and lets its memory go
                 engine = None
             if engine is None:
                 engine = self._load(spec)

@@ -43,7 +43,9 @@ def set_status(*, deployment: Deployment, status: str, reason: str = "") -> Depl
         return deployment
     if not set_deployment_status(deployment=deployment, status=status, reason=reason,
                                  unless_stopped=status != Status.STOPPED):
-        deployment.refresh_from_db(fields=["status", "status_reason"])  # stopped meanwhile: stays so
+        now = Deployment.objects.filter(pk=deployment.pk).values_list("status", "status_reason").first()
+        if now is not None:  # stopped meanwhile: it stays so (None: deleted meanwhile)
+            deployment.status, deployment.status_reason = now
         return deployment
     if current[0] != status:
         record_event(kind=FleetEvent.Kind.STATUS, deployment=deployment, status=status, message=reason)

@@ -118,6 +118,12 @@ def test_refunds_are_reversed_once_each(asgi_server, stripe_settings):
     assert LedgerEntry.objects.filter(kind="refund").count() == 2
     assert balance_of(organization) == SIGNUP + Decimal("30") - Decimal("15")
 
+    # An update that arrives out of order says "failed" of a refund Stripe has as succeeded: the
+    # platform asks Stripe for the refund as it is now, and credits nothing back.
+    stale = event_payload("charge.refund.updated", {**refund.to_dict(), "status": "failed"})
+    assert httpx.post(asgi_server + WEBHOOK_PATH, content=stale, headers=signed(stale)).status_code == 200
+    assert balance_of(organization) == SIGNUP + Decimal("30") - Decimal("15")
+
 
 @e2e
 def test_declined_cards_credit_nothing(asgi_server, stripe_settings):

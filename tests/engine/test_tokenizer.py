@@ -263,3 +263,7 @@ def test_a_chat_prompt_has_the_templates_bos_only(gguf_metadata):
     [ids] = submitted
     assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
     assert ids[1:] == tok.encode("Hi there")
+    # A template that does not write it (Zephyr-style) keeps the one the tokenizer adds, as llama.cpp does.
+    tok.chat_template, tok._template = "{% for m in messages %}{{ m['content'] }}{% endfor %}", None
+    Engine.submit_chat(fake, [{"role": "user", "content": "Hi there"}])
+    assert submitted[-1] == ids

@@ -205,9 +205,14 @@ def test_an_organization_may_not_hold_the_whole_fleet(acme, model, settings):
         update_deployment(deployment=Deployment.objects.get(name="d-2"), min_replicas=1, max_replicas=1)
     update_deployment(deployment=first, min_replicas=1)
     update_deployment(deployment=Deployment.objects.get(name="d-2"), min_replicas=1, max_replicas=1)
+    with pytest.raises(InvalidDeployment) as forever:  # never scaling to zero reserves what it may grow to
+        create_deployment(organization=acme, model=model, name="d-3", scale_to_zero_seconds=0)
+    assert forever.value.field == "scale_to_zero_seconds"
     create_deployment(organization=acme, model=model, name="d-3")
     with pytest.raises(InvalidDeployment) as too_many:
         create_deployment(organization=acme, model=model, name="d-4")
     assert too_many.value.field == "name" and "ORG_MAX_DEPLOYMENTS" in too_many.value.message
+    settings.ORG_MAX_RESERVED_REPLICAS = 0  # lowered by the operator: coming down still works
+    update_deployment(deployment=first, min_replicas=0, kind="serverless")
     create_deployment(organization=None, model=model, name="operators", kind="dedicated", min_replicas=8,
                       max_replicas=8)  # the operator's are not counted

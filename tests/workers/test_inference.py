@@ -74,6 +74,9 @@ def test_a_deployment_whose_engine_loop_died_is_loaded_again(monkeypatch):
     class Engine:
         is_running = True
 
+        def stop(self, timeout=None):
+            self.stopped = True
+
     host, loads = EngineHost(), []
     monkeypatch.setattr(host, "_load", lambda spec: loads.append(Engine()) or loads[-1])
     first = host.engine_for(SPEC)
@@ -81,6 +84,7 @@ def test_a_deployment_whose_engine_loop_died_is_loaded_again(monkeypatch):
     first.is_running = False  # its loop crashed: every request on it would fail
     second = host.engine_for(SPEC)
     assert second is not first and second.is_running and len(loads) == 2
+    assert first.stopped  # what it still held is failed, its memory let go
 
 
 @pytest.mark.django_db

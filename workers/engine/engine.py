@@ -402,9 +402,12 @@ class Engine:
             prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except ValueError as exc:  # the template refused the messages
             raise InvalidRequestError(f"messages: {exc}", param="messages") from exc
-        # The template writes the special tokens it wants (a BOS among them): encoding its text
-        # with the tokenizer's own added as well gave Llama-style models two BOS tokens.
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        # A template that writes the BOS itself, on a tokenizer that adds one too (Llama 3,
+        # Mistral GGUFs), gave two: keep one. One that does not write it keeps the tokenizer's.
+        ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        bos = self.tokenizer.bos_token_id
+        if bos is not None and ids[:2] == [bos, bos]:
+            ids = ids[1:]
         if not ids:
             raise InvalidRequestError("messages: the chat template rendered nothing", param="messages")
         return self.submit(ids, params, request_id=request_id, listener=listener)
