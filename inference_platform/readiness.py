@@ -36,7 +36,9 @@ def check_workers(broker_url: str, *, timeout: float = 1.0) -> dict:
 
     try:
         with app.connection_for_write(broker_url) as conn:
-            replies = app.control.ping(timeout=timeout, connection=conn)
+            # The first answer is enough: without a limit the ping waits out its whole timeout,
+            # and /readyz took a second every time (more than a Kubernetes probe's default wait).
+            replies = app.control.ping(timeout=timeout, connection=conn, limit=1)
     except Exception as exc:
         return {"ok": False, "error": one_line(exc)}
     workers = sorted(name for reply in replies for name in reply)
