@@ -225,7 +225,10 @@ def _place_deployment(deployment: Deployment, mine: list[Replica], depth: int, *
             report.placed.append((deployment.name, worker.hostname))
         if not mine and not candidates:
             report.waiting_for_capacity.append(deployment.name)
-            services.settle_status(deployment=deployment, idle_status=Status.PENDING,
+            # A scaled-to-zero deployment stays so while it waits (a slot frees once its worker
+            # reports the model it released gone): its load is then still a cold start on demand.
+            waiting = Status.SCALED_TO_ZERO if deployment.status == Status.SCALED_TO_ZERO else Status.PENDING
+            services.settle_status(deployment=deployment, idle_status=waiting,
                                    reason="waiting for a worker with a free slot")
     elif len(mine) > wanted:
         ready = [r for r in mine if r.status == Replica.Status.READY]

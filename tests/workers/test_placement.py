@@ -357,3 +357,20 @@ def test_scaling_down_releases_a_replica_still_loading_before_the_one_serving(mo
     placement._tick_once(now=None)
     assert [(host, state) for host, state, _ in replicas(deployment)] == [(serving.hostname, "ready")]
     assert status(deployment)[0] == "ready"
+
+
+def test_a_cold_start_that_waits_for_a_slot_is_still_a_cold_start(model, queued):
+    worker = register("alpha", slots=1)
+    deployment = deploy(model, scale_to_zero_seconds=30)
+    placement._tick_once(now=None)
+    loaded(worker, deployment)
+    Replica.objects.filter(deployment=deployment).update(last_active_at=timezone.now() - timedelta(seconds=31))
+    placement._tick_once(now=None)
+    assert status(deployment)[0] == "scaled_to_zero"
+    beat(worker, {deployment.name: {"state": "unloading", "origin": "initial"}})  # still letting go
+    queued(deployment)
+    placement._tick_once(now=None)
+    assert replicas(deployment) == [] and status(deployment) == ("scaled_to_zero", "waiting for a worker with a free slot")
+    beat(worker, {})
+    placement._tick_once(now=None)
+    assert replicas(deployment) == [(worker.hostname, "loading", "demand")]
