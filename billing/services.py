@@ -141,10 +141,14 @@ def record_usage(*, event: Mapping[str, Any]) -> UsageRecord:
     except (InvalidUsageEvent, UnknownModel):
         # A redelivery of an event recorded before its model or organization went away is not
         # an error: it is recorded.
-        existing = UsageRecord.objects.filter(request_id=parsed.request_id).first()
+        existing = _recorded(parsed.request_id)
         if existing is None:
             raise
         return existing
+
+
+def _recorded(request_id: str) -> UsageRecord | None:
+    return UsageRecord.objects.filter(request_id=request_id).first()
 
 
 def _record_usage(parsed) -> UsageRecord:
@@ -163,7 +167,7 @@ def _record_usage(parsed) -> UsageRecord:
         try:
             return _write_usage(parsed, prices, cost)
         except IntegrityError:  # recorded meanwhile (request_id is unique): charged there, not here
-            existing = UsageRecord.objects.filter(request_id=parsed.request_id).first()
+            existing = _recorded(parsed.request_id)
             if existing is not None:
                 return existing
             if attempt:

@@ -10,12 +10,11 @@ from django.contrib.auth.forms import AuthenticationForm
 from django.utils import timezone
 
 from accounts.models import SCOPES, Membership
-from models_catalog.models import CatalogModel, Deployment
 from billing.selectors import REPORT_DATES
+from models_catalog.models import CatalogModel, Deployment
 from models_catalog.services import INT_SETTINGS
 
 MAX_USAGE_DAYS = 366
-
 
 SCOPE_CHOICES = [
     ("inference", "Inference — call the chat and completions API"),

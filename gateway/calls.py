@@ -235,11 +235,8 @@ class Call:
         """Abort the request wherever it is (queued or running); the worker bills what it produced."""
         if not self.done and not self.cancelled:
             self.cancelled = True  # before the publish: the abort it causes may come back first
-            try:
-                await dispatch.cancel(ratelimit.client(), self.request_id)
-            except REDIS_FAILURES as exc:  # best effort; a later call may try again
-                self.cancelled = False
-                log.warning("could not cancel %s: %s", self.request_id, exc)
+            if not await _send_cancel(self.request_id):
+                self.cancelled = False  # a later call may try again
                 return
             # A client that leaves before the end still spent what it got: leaving just before the
             # last token must not dodge the token limits. (One that cancels and reads on is
@@ -255,6 +252,16 @@ class Call:
                                           request_id=self.request_id, tokens=tokens)
         except REDIS_FAILURES as exc:  # the answer is what matters: deliver it, uncounted
             log.warning("tokens of %s not counted against rate limits: %s", self.request_id, exc)
+
+
+async def _send_cancel(request_id: str) -> bool:
+    """Abort ``request_id`` wherever it is; False (logged) when Redis is failing: best effort."""
+    try:
+        await dispatch.cancel(ratelimit.client(), request_id)
+    except REDIS_FAILURES as exc:
+        log.warning("could not cancel %s: %s", request_id, exc)
+        return False
+    return True
 
 
 def new_request_id(kind: str) -> str:
@@ -295,10 +302,7 @@ async def _begin(kind: str, identify: Callable[[], tuple[Caller, InferenceReques
         exc.headers = {**exc.headers, "x-request-id": request_id}
         raise
     except asyncio.CancelledError:  # the client left; the thread may still dispatch: abort it there
-        try:
-            await asyncio.shield(dispatch.cancel(ratelimit.client(), request_id))
-        except REDIS_FAILURES as exc:
-            log.warning("could not cancel %s: %s", request_id, exc)
+        await asyncio.shield(_send_cancel(request_id))
         raise
     try:
         await call.start()

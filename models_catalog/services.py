@@ -8,7 +8,6 @@ from pathlib import Path
 
 from django.conf import settings as django_settings
 from django.db import IntegrityError, transaction
-from django.db.models import Sum
 from django.utils import timezone
 from django.utils.text import slugify
 

@@ -305,8 +305,9 @@ class Agent:
         from .services import replica_failed
 
         name = spec["name"]
-        if not self._still_wanted(spec):
-            return  # unloaded meanwhile, or other settings asked for since: the step queued after this loads those
+        with self.lock:
+            if not self._still_wanted(spec):
+                return  # unloaded meanwhile, or other settings asked for since: the step queued after this loads those
         loaded = host.spec(name)
         if loaded is not None and loaded != spec:
             # Other settings, or a deleted deployment's name taken again: the old engine finishes
@@ -328,7 +329,7 @@ class Agent:
             return
         seconds = host.load_seconds.get(name) or (time.monotonic() - started)
         with self.lock:
-            if not self._still_wanted(spec, locked=True):
+            if not self._still_wanted(spec):
                 # An unload or other settings came during the load: what is queued after this
                 # step must find the deployment not ready (and not consuming) to do its part.
                 return
@@ -337,11 +338,9 @@ class Agent:
         app.control.add_consumer(deployment_queue(name), destination=[self.hostname], reply=False)
         self._report_loaded(spec, seconds)
 
-    def _still_wanted(self, spec: dict, *, locked: bool = False) -> bool:
-        """Whether this worker is still to load ``spec``: its deployment is loading, with these settings."""
-        if not locked:
-            with self.lock:
-                return self._still_wanted(spec, locked=True)
+    def _still_wanted(self, spec: dict) -> bool:
+        """Whether this worker is still to load ``spec``: its deployment is loading, with these
+        settings. Call with ``self.lock`` held."""
         hosted = self.hosted.get(spec["name"]) or {}
         return hosted.get("state") == "loading" and hosted.get("spec_hash") == fleet.spec_hash(spec)
 

@@ -216,21 +216,20 @@ def mark_silent_workers_gone(*, now: datetime | None = None) -> list[Worker]:
     """Workers whose last heartbeat is older than FLEET_MISSED_HEARTBEATS intervals."""
     from django.conf import settings
 
-    now = now or timezone.now()
-    limit = timedelta(seconds=settings.FLEET_HEARTBEAT_SECONDS * settings.FLEET_MISSED_HEARTBEATS)
     from .fleet import instance_alive
 
+    now = now or timezone.now()
+    limit = timedelta(seconds=settings.FLEET_HEARTBEAT_SECONDS * settings.FLEET_MISSED_HEARTBEATS)
     silent = list(Worker.objects.filter(status=Worker.Status.ALIVE, last_heartbeat__lt=now - limit))
     gone = []
     for worker in silent:
+        quiet_s = (now - worker.last_heartbeat).total_seconds()
         if instance_alive(worker.instance):
             # Its liveness key in Redis is fresh: it runs, but its heartbeats do not reach the
             # database. Marking it gone would run its requests a second time elsewhere.
-            log.warning("%s has written no heartbeat for %.0fs but is alive in Redis: kept", worker.hostname,
-                        (now - worker.last_heartbeat).total_seconds())
+            log.warning("%s has written no heartbeat for %.0fs but is alive in Redis: kept", worker.hostname, quiet_s)
             continue
-        if mark_worker_gone(worker=worker, silent_before=now - limit,
-                            reason=f"no heartbeat for {(now - worker.last_heartbeat).total_seconds():.0f}s") is not None:
+        if mark_worker_gone(worker=worker, silent_before=now - limit, reason=f"no heartbeat for {quiet_s:.0f}s") is not None:
             gone.append(worker)
     return gone
 

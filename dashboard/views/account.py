@@ -171,12 +171,16 @@ def member_remove(request, user_id: int):
     except DashboardError as exc:
         messages.error(request, exc.message)
         return redirect("members")
-    keys = f" {revoked} API key{'s' if revoked != 1 else ''} they created {'were' if revoked != 1 else 'was'} revoked." \
-        if revoked else ""
+
+    def revoked_keys(who: str) -> str:
+        if not revoked:
+            return ""
+        return f" {revoked} API key{'s' if revoked != 1 else ''} {who} created {'were' if revoked != 1 else 'was'} revoked."
+
     if member.pk == request.user.pk:
-        messages.success(request, f"You left {request.organization.name}.{keys.replace('they', 'you')}")
+        messages.success(request, f"You left {request.organization.name}.{revoked_keys('you')}")
         return redirect("home")
-    messages.success(request, f"{member.email} was removed from {request.organization.name}.{keys}")
+    messages.success(request, f"{member.email} was removed from {request.organization.name}.{revoked_keys('they')}")
     return redirect("members")
 
 

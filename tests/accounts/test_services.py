@@ -132,6 +132,7 @@ def test_a_removed_member_loses_the_keys_they_created():
 def test_two_owners_leaving_at_once_leave_one_owner(monkeypatch):
     """Each removal counts the owners: without a lock both would count two and both leave."""
     import threading
+    import time
 
     from django.db import connection
     from django.db.models import QuerySet
@@ -140,14 +141,25 @@ def test_two_owners_leaving_at_once_leave_one_owner(monkeypatch):
     org = create_organization(name="Acme", owner=ada)
     bob = create_user(email="bob@example.com", password=PASSWORD)
     add_member(organization=org, user=bob, role="owner")
-    both_counting = threading.Barrier(2)
+    arrived, changed = [], threading.Condition()
     count = QuerySet.count
 
-    def count_together(self):  # hold each removal at its count until the other is there too
-        try:
-            both_counting.wait(timeout=3)  # with the lock the other never gets here: go on alone
-        except threading.BrokenBarrierError:
-            pass
+    def other_waits_for_a_lock() -> bool:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                           "AND wait_event_type = 'Lock'")
+            return cursor.fetchone()[0] > 0
+
+    def count_together(self):
+        """Hold each removal at its count until the other removal is there too, or is waiting
+        for a lock this one holds (the fix): then neither can count before the other has."""
+        with changed:
+            arrived.append(1)
+            changed.notify_all()
+        deadline = time.monotonic() + 30
+        with changed:
+            while len(arrived) < 2 and not other_waits_for_a_lock() and time.monotonic() < deadline:
+                changed.wait(0.02)
         return count(self)
 
     monkeypatch.setattr(QuerySet, "count", count_together)

@@ -241,6 +241,7 @@ def _piece_bytes(piece: str, *, byte_level: bool) -> bytes:
         return bytes(_BYTE_LEVEL[ch] for ch in piece)
     return (piece if byte_level else piece.replace("\u2581", " ")).encode("utf-8")  # special tokens as written
 
+
 def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str]) -> BackendTokenizer:
     """GPT-2 style: byte-level alphabet, merges stored in the file, a split regex by pre name."""
     merges = list(metadata.get("tokenizer.ggml.merges") or ())
