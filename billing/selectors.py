@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from datetime import date, datetime, time, timedelta, timezone
 from decimal import Decimal
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from django.db import connection
 from django.db.models import Aggregate, Count, F, IntegerField, QuerySet, Sum, Value
@@ -145,9 +145,13 @@ def quota_figures(*, organization: Organization, api_key: ApiKey | None = None,
 # --- the ledger -----------------------------------------------------------------------------------
 
 
-def ledger_page(*, organization: Organization, limit: int, after: int | None = None) -> tuple[list[LedgerEntry], bool]:
-    """Up to ``limit`` entries, newest first, older than entry id ``after``; and whether more follow."""
+def ledger_page(*, organization: Organization, limit: int, after: int | None = None,
+                kinds: Iterable[str] | None = None) -> tuple[list[LedgerEntry], bool]:
+    """Up to ``limit`` entries (of ``kinds``, or all), newest first, older than entry id ``after``;
+    and whether more follow."""
     entries = LedgerEntry.objects.filter(organization=organization).order_by("-id")
+    if kinds is not None:
+        entries = entries.filter(kind__in=list(kinds))
     if after is not None:
         entries = entries.filter(id__lt=after)
     rows = list(entries[: limit + 1])

@@ -15,6 +15,7 @@ from accounts.middleware import SESSION_ORGANIZATION_KEY
 from accounts.selectors import current_organization_for_user
 
 from . import selectors, services
+from .models import LedgerEntry
 from .stripe_api import InvalidWebhook, construct_webhook_event
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,21 @@ def stripe_webhook(request: HttpRequest) -> JsonResponse:
     return JsonResponse({"received": True, "duplicate": not processed})
 
 
+# The billing page's views of the ledger: payments and credits are what people look for, and
+# would drown among one usage charge per request.
+LEDGER_VIEWS = {
+    "all": None,
+    "payments": [LedgerEntry.Kind.SIGNUP_CREDIT, LedgerEntry.Kind.TOPUP, LedgerEntry.Kind.ADJUSTMENT,
+                 LedgerEntry.Kind.REFUND],
+    "usage": [LedgerEntry.Kind.USAGE],
+}
+LEDGER_PAGE_SIZE = 20
+
+
+def _entry_id(value: str | None) -> int | None:
+    return int(value) if value and value.isascii() and value.isdigit() and len(value) < 19 else None
+
+
 @login_required
 @require_GET
 def billing_page(request: HttpRequest):
@@ -46,8 +62,15 @@ def billing_page(request: HttpRequest):
     )
     context = {"organization": organization}
     if organization is not None:
-        entries, _ = selectors.ledger_page(organization=organization, limit=20)
+        show = request.GET.get("show") if request.GET.get("show") in LEDGER_VIEWS else "all"
+        before = _entry_id(request.GET.get("before"))
+        entries, more = selectors.ledger_page(organization=organization, limit=LEDGER_PAGE_SIZE, after=before,
+                                              kinds=LEDGER_VIEWS[show])
         context.update(
+            ledger_show=show,
+            ledger_views=list(LEDGER_VIEWS),
+            ledger_older=entries[-1].pk if more else None,
+            ledger_paged=before is not None,
             balance=selectors.balance(organization=organization),
             monthly_spend=selectors.monthly_spend(organization=organization),
             monthly_limit=selectors.organization_monthly_limit(organization=organization),

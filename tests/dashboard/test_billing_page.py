@@ -42,3 +42,30 @@ def test_paying_checks_the_token_and_the_top_up_before_calling_stripe(ada, acme,
     assert ada.get("/billing/topups/pi_done/pay/").status_code == 405
     response = ada.post("/billing/topups/pi_done/pay/", "{not json", content_type="application/json")
     assert response.status_code == 400
+
+
+def _ledger_kinds(page: str) -> list[str]:
+    import re
+
+    return re.findall(r'<tr data-kind="([a-z_]+)">', page)
+
+
+def test_the_credit_history_pages_and_keeps_payments_within_reach(ada, acme, catalog):
+    """One usage charge per request would push the top-ups off a fixed-length list."""
+    from billing.services import add_adjustment
+    from tests.dashboard.conftest import record
+
+    add_adjustment(organization=acme[1], amount=Decimal("3"), description="Goodwill")
+    for _ in range(25):
+        record(acme[1], catalog[1])
+
+    first = ada.get("/billing/").content.decode()
+    assert _ledger_kinds(first) == ["usage"] * 20 and 'id="ledger-older"' in first
+    older_id = int(first.split('id="ledger-older" href="?show=all&amp;before=')[1].split('"')[0])
+    older = _ledger_kinds(ada.get(f"/billing/?show=all&before={older_id}").content.decode())
+    assert older == ["usage"] * 5 + ["adjustment", "signup_credit"]
+
+    payments = ada.get("/billing/?show=payments").content.decode()
+    assert _ledger_kinds(payments) == ["adjustment", "signup_credit"] and 'id="ledger-older"' not in payments
+    assert _ledger_kinds(ada.get("/billing/?show=usage&before=x").content.decode()) == ["usage"] * 20
+    assert _ledger_kinds(ada.get("/billing/?show=nonsense").content.decode())[:1] == ["usage"]
