@@ -23,11 +23,13 @@ status                 str             "completed" | "cancelled" | "failed"
 queue_ms               int | None      time queued before the engine admitted it
 ttft_ms                int | None      time to first token
 latency_ms             int | None      total time, accepted to finished
+batch_size             float | None    tokens the engine sampled per step, on average over
+                                       the steps that sampled one of this request's (>= 1)
 finished_at            str             ISO 8601 with a time zone, e.g.
                                        "2025-01-31T12:00:00.123+00:00" or "...Z"
 =====================  ==============  ===================================================
 
-``api_key_id``, ``deployment_id`` and the three timings may be omitted (read as null). Timings may
+``api_key_id``, ``deployment_id``, the three timings and ``batch_size`` may be omitted (read as null). Timings may
 also be given as non-negative floats (milliseconds); they are rounded to whole milliseconds. Counts
 and timings stop at 2**31 - 1. Unknown keys are refused, so a typo in a worker fails loudly instead of being lost.
 This module imports no Django models: a worker can validate an event before publishing it.
@@ -64,11 +66,13 @@ class UsageEvent(TypedDict):
     queue_ms: int | float | None
     ttft_ms: int | float | None
     latency_ms: int | float | None
+    batch_size: float | None
     finished_at: str
 
 
 FIELDS = tuple(UsageEvent.__annotations__)
-OPTIONAL_FIELDS = ("api_key_id", "deployment_id", "queue_ms", "ttft_ms", "latency_ms")
+OPTIONAL_FIELDS = ("api_key_id", "deployment_id", "queue_ms", "ttft_ms", "latency_ms", "batch_size")
+BATCH_SIZE_MAX = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,7 @@ class ParsedUsageEvent:
     queue_ms: int | None
     ttft_ms: int | None
     latency_ms: int | None
+    batch_size: float | None
     finished_at: datetime
 
     def to_wire(self) -> UsageEvent:
@@ -125,6 +130,16 @@ def _millis(event: Mapping, name: str) -> int | None:
             or not 0 <= value <= INT_MAX):
         raise InvalidUsageEvent(name, f"must be a number of milliseconds from 0 to {INT_MAX} or null, not {value!r}")
     return int(value) if isinstance(value, int) else int(round(value))
+
+
+def _batch_size(event: Mapping) -> float | None:
+    value = event.get("batch_size")
+    if value is None:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not 1 <= value <= BATCH_SIZE_MAX):
+        raise InvalidUsageEvent("batch_size", f"must be a number from 1 to {BATCH_SIZE_MAX} or null, not {value!r}")
+    return float(value)
 
 
 def _text(event: Mapping, name: str, *, max_length: int, allow_empty: bool) -> str:
@@ -191,5 +206,6 @@ def parse_usage_event(event: Any) -> ParsedUsageEvent:
         queue_ms=_millis(event, "queue_ms"),
         ttft_ms=_millis(event, "ttft_ms"),
         latency_ms=_millis(event, "latency_ms"),
+        batch_size=_batch_size(event),
         finished_at=_finished_at(event),
     )

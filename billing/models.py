@@ -52,6 +52,8 @@ class UsageRecord(models.Model):
     queue_ms = models.PositiveIntegerField(null=True, blank=True)
     ttft_ms = models.PositiveIntegerField(null=True, blank=True)
     latency_ms = models.PositiveIntegerField(null=True, blank=True)
+    # The engine's batch while it decoded this request: tokens sampled per step, on average.
+    mean_batch_size = models.FloatField(null=True, blank=True)
     # The prices applied (USD; per million tokens, and per request), copied from the catalog.
     price_input_per_mtok = models.DecimalField(**PRICE)
     price_cached_input_per_mtok = models.DecimalField(**PRICE)

@@ -194,6 +194,7 @@ def _write_usage(parsed, prices: Prices, cost: Decimal) -> UsageRecord:
             queue_ms=parsed.queue_ms,
             ttft_ms=parsed.ttft_ms,
             latency_ms=parsed.latency_ms,
+            mean_batch_size=parsed.batch_size,
             price_input_per_mtok=prices.input_per_mtok,
             price_cached_input_per_mtok=prices.cached_input_per_mtok,
             price_output_per_mtok=prices.output_per_mtok,

@@ -10,7 +10,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from django.db import DatabaseError, connection
-from django.db.models import Count, Q, QuerySet, Sum, Value
+from django.db.models import Count, F, FloatField, Q, QuerySet, Sum, Value
 from django.db.models.functions import Coalesce, TruncHour, TruncMinute
 from django.utils import timezone as dj_timezone
 
@@ -158,8 +158,8 @@ def deployment_metrics(*, organization: Organization, deployment: Deployment, wi
                        now: datetime | None = None) -> dict:
     """The organization's traffic on ``deployment`` over ``window`` (1h by minute, 24h and 7d by
     hour), from its usage records: requests per minute, output tokens per second, p50/p99 latency
-    (ms), and the average batch size — the mean number of this organization's requests in flight,
-    i.e. the summed request durations over the bucket's length (Little's law)."""
+    (ms), and the average batch size: the engine's tokens per step while it decoded these
+    requests, weighted by each request's output tokens."""
     span, bucket_s, trunc = WINDOWS.get(window, WINDOWS["1h"])
     now = (now or dj_timezone.now()).astimezone(timezone.utc)
     end = _floor(now, bucket_s) + timedelta(seconds=bucket_s)
@@ -170,7 +170,9 @@ def deployment_metrics(*, organization: Organization, deployment: Deployment, wi
         "requests": Count("id"),
         "completion_tokens": Coalesce(Sum("completion_tokens"), Value(0)),
         "prompt_tokens": Coalesce(Sum("prompt_tokens"), Value(0)),
-        "busy_ms": Coalesce(Sum("latency_ms"), Value(0)),
+        # Requests the engine reported no batch size for (failed before a token) weigh nothing.
+        "batch_weighted": Sum("batch_weight", output_field=FloatField()),
+        "batch_tokens": Sum("weighed_tokens", filter=Q(mean_batch_size__isnull=False)),
     }
     postgres = connection.vendor == "postgresql"
     if postgres:
@@ -178,7 +180,9 @@ def deployment_metrics(*, organization: Organization, deployment: Deployment, wi
         sums["p99"] = billing_selectors.PercentileDisc("latency_ms", 0.99)
     rows = {
         row["bucket"]: row
-        for row in records.annotate(bucket=trunc("created_at", tzinfo=timezone.utc)).order_by()
+        for row in records.annotate(bucket=trunc("created_at", tzinfo=timezone.utc),
+                                    batch_weight=F("mean_batch_size") * F("completion_tokens"),
+                                    weighed_tokens=F("completion_tokens")).order_by()
         .values("bucket").annotate(**sums)
     }
     if not postgres:
@@ -198,8 +202,9 @@ def deployment_metrics(*, organization: Organization, deployment: Deployment, wi
         row = rows.get(moment)
         series["labels"].append(moment.isoformat())
         if row is None:
-            for key in ("requests_per_min", "tokens_per_s", "batch"):
+            for key in ("requests_per_min", "tokens_per_s"):
                 series[key].append(0)
+            series["batch"].append(None)
             series["p50_ms"].append(None)
             series["p99_ms"].append(None)
         else:
@@ -207,7 +212,8 @@ def deployment_metrics(*, organization: Organization, deployment: Deployment, wi
             series["tokens_per_s"].append(round(row["completion_tokens"] / bucket_s, 3))
             series["p50_ms"].append(row.get("p50"))
             series["p99_ms"].append(row.get("p99"))
-            series["batch"].append(round(row["busy_ms"] / 1000 / bucket_s, 3))
+            series["batch"].append(round(row["batch_weighted"] / row["batch_tokens"], 2)
+                                   if row["batch_tokens"] else None)
         moment += timedelta(seconds=bucket_s)
 
     totals = records.aggregate(

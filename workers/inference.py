@@ -166,6 +166,11 @@ def _timings_ms(timings) -> dict:
             "tpot_ms": ms(timings.time_per_output_token), "latency_ms": ms(timings.e2e_latency)}
 
 
+def _batch_size(last) -> float | None:
+    mean = last.timings.mean_batch_size if last is not None and last.finished else None
+    return None if mean is None else round(mean, 3)
+
+
 def _usage_event(payload: dict, last, handle) -> dict:
     """What billing records. Without a final output (the worker failed mid-stream), the tokens
     counted are the prompt alone and the request is marked failed."""
@@ -189,5 +194,6 @@ def _usage_event(payload: dict, last, handle) -> dict:
         "queue_ms": timings.get("queue_ms"),
         "ttft_ms": timings.get("ttft_ms"),
         "latency_ms": timings.get("latency_ms"),
+        "batch_size": _batch_size(last),
         "finished_at": datetime.now(timezone.utc).isoformat(),
     }

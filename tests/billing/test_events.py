@@ -15,7 +15,7 @@ def event(**changes):
         "request_id": "req-1", "organization_id": 1, "api_key_id": 2, "deployment_id": 3,
         "model": "tiny-llama", "deployment": "tiny", "prompt_tokens": 10, "cached_prompt_tokens": 4,
         "completion_tokens": 5, "status": "completed", "queue_ms": 1.4, "ttft_ms": 20, "latency_ms": 300.6,
-        "finished_at": "2025-03-01T12:00:00.500000Z",
+        "batch_size": 3.5, "finished_at": "2025-03-01T12:00:00.500000Z",
     }
     base.update(changes)
     return base
@@ -24,7 +24,7 @@ def event(**changes):
 def test_a_good_event_parses_with_python_types():
     parsed = parse_usage_event(event())
     assert parsed.finished_at == datetime(2025, 3, 1, 12, 0, 0, 500000, tzinfo=timezone.utc)
-    assert (parsed.queue_ms, parsed.ttft_ms, parsed.latency_ms) == (1, 20, 301)
+    assert (parsed.queue_ms, parsed.ttft_ms, parsed.latency_ms, parsed.batch_size) == (1, 20, 301, 3.5)
     wire = parsed.to_wire()
     assert wire["finished_at"] == "2025-03-01T12:00:00.500000+00:00"
     assert parse_usage_event(wire) == parsed
@@ -32,9 +32,9 @@ def test_a_good_event_parses_with_python_types():
 
 def test_optional_fields_may_be_null_or_missing():
     raw = event(api_key_id=None, deployment_id=None)
-    del raw["queue_ms"], raw["ttft_ms"], raw["latency_ms"]
+    del raw["queue_ms"], raw["ttft_ms"], raw["latency_ms"], raw["batch_size"]
     parsed = parse_usage_event(raw)
-    assert parsed.api_key_id is None and parsed.latency_ms is None
+    assert parsed.api_key_id is None and parsed.latency_ms is None and parsed.batch_size is None
 
 
 def test_other_time_zones_are_converted_to_utc():
@@ -58,6 +58,9 @@ def test_other_time_zones_are_converted_to_utc():
     ({"status": "done"}, "status"),
     ({"latency_ms": -1}, "latency_ms"),
     ({"latency_ms": float("nan")}, "latency_ms"),
+    ({"batch_size": 0.5}, "batch_size"),
+    ({"batch_size": "2"}, "batch_size"),
+    ({"batch_size": float("inf")}, "batch_size"),
     ({"finished_at": "yesterday"}, "finished_at"),
     ({"finished_at": "2025-03-01T12:00:00"}, "finished_at"),
     ({"finished_at": 1700000000}, "finished_at"),

@@ -61,7 +61,8 @@ def ada(client, acme):
 
 
 def record(organization, deployment, *, api_key=None, prompt_tokens=100, completion_tokens=50, latency_ms=800,
-           ttft_ms=40, status="completed", finished_at: datetime | None = None, request_id: str | None = None):
+           ttft_ms=40, status="completed", finished_at: datetime | None = None, request_id: str | None = None,
+           batch_size: float | None = None):
     """A usage record written by billing's own service, as the worker's usage event does."""
     from billing.services import record_usage
 
@@ -79,5 +80,6 @@ def record(organization, deployment, *, api_key=None, prompt_tokens=100, complet
         "queue_ms": 3,
         "ttft_ms": ttft_ms,
         "latency_ms": latency_ms,
+        "batch_size": batch_size,
         "finished_at": (finished_at or datetime.now(timezone.utc)).isoformat(),
     })

@@ -127,8 +127,8 @@ def test_metrics_come_from_the_organizations_usage_records(ada, acme, globex, ca
     _, acme_org = acme
     now = datetime.now(timezone.utc).replace(second=30, microsecond=0)
     minute = now - timedelta(minutes=2)
-    for latency in (100, 200, 300, 400):
-        record(acme_org, public, completion_tokens=60, latency_ms=latency, finished_at=minute)
+    for latency, tokens, batch in ((100, 60, 2.0), (200, 60, 4.0), (300, 120, 8.0), (400, 0, None)):
+        record(acme_org, public, completion_tokens=tokens, latency_ms=latency, finished_at=minute, batch_size=batch)
     record(acme_org, public, completion_tokens=30, latency_ms=1000, finished_at=now - timedelta(hours=3))  # outside 1h
     record(globex[1], public, completion_tokens=999, latency_ms=5000, finished_at=minute)  # another organization
     data = ada.get(f"/deployments/{public.name}/metrics.json?window=1h").json()
@@ -136,9 +136,11 @@ def test_metrics_come_from_the_organizations_usage_records(ada, acme, globex, ca
     assert data["bucket_s"] == 60 and len(series["labels"]) == 60
     at = series["labels"].index(minute.replace(second=0).isoformat())
     assert series["requests_per_min"][at] == 4
-    assert series["tokens_per_s"][at] == 4 * 60 / 60
+    assert series["tokens_per_s"][at] == 240 / 60
     assert (series["p50_ms"][at], series["p99_ms"][at]) == (200, 400)
-    assert series["batch"][at] == pytest.approx(1.0 / 60, abs=1e-3)  # one second of requests in flight over a minute
+    # The engine's batch size, weighted by output tokens; a request without one does not count.
+    assert series["batch"][at] == pytest.approx((60 * 2 + 60 * 4 + 120 * 8) / 240)
+    assert series["batch"][at - 1] is None
     assert sum(series["requests_per_min"]) == 4
     assert data["totals"]["requests"] == 4 and data["totals"]["completion_tokens"] == 240
     day = ada.get(f"/deployments/{public.name}/metrics.json?window=24h").json()

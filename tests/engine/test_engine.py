@@ -382,6 +382,15 @@ def test_requests_within_the_batch_window_share_the_first_prefill(model):
         handles = [eng.submit(p, GREEDY) for p in PROMPTS[:5]]
         results = [h.result(timeout=120) for h in handles]
     assert len({r.timings.first_scheduled_step for r in results}) == 1
+    # Each was decoded alongside the others: what the dashboard charts as the batch size.
+    assert all(r.timings.mean_batch_size > 1 for r in results), [r.timings.mean_batch_size for r in results]
+    alone = eng_result_alone(model)
+    assert alone.timings.mean_batch_size == 1.0
+
+
+def eng_result_alone(model):
+    with make_engine(model) as eng:
+        return eng.generate(PROMPTS[0], GREEDY, timeout=120)
 
 
 def test_a_full_batch_does_not_wait_for_the_window(model):

@@ -609,7 +609,10 @@ class Engine:
             if seq.status is not SequenceStatus.FINISHED:  # a stop string ended it meanwhile
                 seq.num_computed_tokens += num_new
         now = time.monotonic()
+        batch_size = len(result.sampled)
         for row, seq in enumerate(result.sampled):
+            seq.sampled_steps += 1
+            seq.sampled_alongside += batch_size
             logprob = None
             if seq.params.logprobs:
                 top = []
@@ -717,6 +720,8 @@ class Engine:
             if seq.first_token_time is not None and seq.num_output_tokens > 1:
                 timings.time_per_output_token = (seq.last_token_time - seq.first_token_time) \
                     / (seq.num_output_tokens - 1)
+            if seq.sampled_steps:
+                timings.mean_batch_size = seq.sampled_alongside / seq.sampled_steps
         out = RequestOutput(
             request_id=seq.request_id,
             token_ids=live.pending_ids,

@@ -177,6 +177,7 @@ class RequestTimings:
     time_per_output_token: float | None = None  # mean gap between tokens after the first
     e2e_latency: float | None = None  # arrival → finish
     first_scheduled_step: int | None = None  # engine step that first ran this request
+    mean_batch_size: float | None = None  # tokens sampled per step, over the steps that sampled one for it
 
 
 @dataclass
@@ -222,6 +223,8 @@ class Sequence:
         self.timings = RequestTimings(arrival_time=arrival_time)
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+        self.sampled_steps = 0  # the steps that sampled a token for this request
+        self.sampled_alongside = 0  # the tokens those steps sampled, its own included
 
     @property
     def num_tokens(self) -> int:
