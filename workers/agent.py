@@ -105,6 +105,8 @@ class _ProgressSend:
         if kind in self._skip:
             self._skip.discard(kind)
             return
+        if kind == "inference.finished":  # the run emitted the usage event before it: see inference.run
+            self._stage(fleet.STAGE_BILLED)
         self._send(channel, message)
         if kind == "inference.started":
             self._stage(fleet.STAGE_STARTED, prompt_tokens=message.get("prompt_tokens", 0))
@@ -402,7 +404,7 @@ class Agent:
         skip: set[str] = set()
         if previous:
             stage, owner = previous.get("stage"), previous.get("instance")
-            if stage == fleet.STAGE_FINISHED:
+            if stage in fleet.DONE_STAGES:
                 return None
             if owner == INSTANCE and request_id in self.running:
                 return None  # a copy of a request this process is running

@@ -37,6 +37,9 @@ PRIORITY_SEPARATOR = "\x06\x16"
 PRIORITY_STEPS = (0, 3, 6, 9)
 
 STAGE_ACCEPTED, STAGE_STARTED, STAGE_STREAMING, STAGE_FINISHED = "accepted", "started", "streaming", "finished"
+# Its usage event has left for billing; only its final reply may not have reached the client.
+STAGE_BILLED = "billed"
+DONE_STAGES = (STAGE_BILLED, STAGE_FINISHED)
 WORKER_LOST_CODE = "worker_lost"
 
 _client: redis.Redis | None = None
@@ -177,7 +180,7 @@ def claim(payload: dict, *, instance: str, hostname: str) -> dict:
     key = _progress_key(payload["request_id"])
     r = client()
     previous = r.hgetall(key)
-    if previous and (previous.get("stage") == STAGE_FINISHED
+    if previous and (previous.get("stage") in DONE_STAGES
                      or (previous.get("instance") != instance and instance_alive(previous.get("instance")))):
         return previous  # done, or still running on a live worker: the caller drops this copy
     deployment = payload.get("deployment") or {}
@@ -253,6 +256,15 @@ def fail_interrupted(request_id: str, record: dict, *, reason: str) -> bool:
     return True
 
 
+def _tell_billed(request_id: str, record: dict, *, reason: str) -> None:
+    """The worker died after billing the whole answer but before its last message: the client has
+    every token, and only the end of the stream to learn of."""
+    client().hset(_progress_key(request_id), "stage", STAGE_FINISHED)
+    _send_error(record.get("reply", ""), status=503, code=WORKER_LOST_CODE,
+                message=f"The worker running this request stopped ({reason}) after the whole answer was sent "
+                        "and billed; only the end of the stream was lost.")
+
+
 def _send_error(reply: str, *, status: int, message: str, code: str) -> None:
     if not reply:
         return
@@ -283,8 +295,10 @@ def recover_requests(*, instance: str, reason: str) -> dict[str, list[tuple[str,
             stage = record.get("stage")
             if stage == STAGE_FINISHED:
                 continue
-            if stage == STAGE_STREAMING:
-                if fail_interrupted(request_id, record, reason=reason):
+            if stage in (STAGE_STREAMING, STAGE_BILLED):
+                if stage == STAGE_BILLED:
+                    _tell_billed(request_id, record, reason=reason)
+                elif fail_interrupted(request_id, record, reason=reason):
                     done["interrupted"].append((request_id, record.get("deployment", "")))
                 # Drop the unacknowledged copy: nobody should run it again.
                 r.zrem(channel.unacked_index_key, tag)

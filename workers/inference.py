@@ -8,7 +8,9 @@ Events sent to the reply channel, in order:
     inference.finished  finish_reason, usage, timings, error
 or, instead of all of them, inference.error (status, message, param, code) when the request is
 refused before it starts. Whatever happens after the engine accepted the request, a usage event
-leaves for billing before this returns, i.e. before Celery acknowledges the task.
+leaves for billing before this returns, i.e. before Celery acknowledges the task; and it leaves
+before inference.finished, so a worker that dies between the two has still billed what the
+client received (a request is never served for free, nor billed twice: billing keys it by id).
 """
 
 from __future__ import annotations
@@ -67,11 +69,13 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "") -> 
 
     stream.handle = handle
     cancels.watch(request_id, handle.abort)
+    event = None
     try:
         _send_or_abort(send, reply, {"type": "inference.started", "prompt_tokens": handle.prompt_tokens,
                                      "worker": worker_name}, handle)
         stream.open()
         last = stream.wait(STALL_TIMEOUT_S)
+        event = _bill(payload, stream, handle, cancels)
         _send_quietly(send, reply, {
             "type": "inference.finished", "finish_reason": last.finish_reason, "error": last.error,
             "usage": _usage(last), "timings": _timings_ms(last.timings),
@@ -80,11 +84,18 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "") -> 
         handle.abort()
         _send_quietly(send, reply, _error(504, "the engine produced nothing for too long", code="timeout"))
     finally:
-        cancels.unwatch(request_id)
-        if not stream.ended:  # it failed on the way: stop generating for nobody
-            handle.abort()
-        event = _usage_event(payload, stream.last, handle)
-        emit_usage(event)
+        if event is None:
+            event = _bill(payload, stream, handle, cancels)
+    return event
+
+
+def _bill(payload: dict, stream, handle, cancels) -> dict:
+    """The request is over (or failed on the way): stop it and emit its usage event."""
+    cancels.unwatch(payload["request_id"])
+    if not stream.ended:  # it failed on the way: stop generating for nobody
+        handle.abort()
+    event = _usage_event(payload, stream.last, handle)
+    emit_usage(event)
     return event
 
 

@@ -157,3 +157,55 @@ def test_settings_changed_while_loading_are_loaded_next_not_dropped(monkeypatch)
     agent.serial.run_all()
     assert host.spec("smol") == new and reported == [new]
     assert agent.hosted["smol"]["state"] == "ready"
+
+
+# --- billing before the last message ------------------------------------------------------------------
+
+
+def test_the_usage_event_leaves_before_the_last_message(monkeypatch):
+    """A worker killed between the two must have billed what the client received: the usage
+    event first, then inference.finished (which the progress record reads as 'billed')."""
+    from workers.engine.sequence import RequestOutput, RequestTimings
+
+    happened = []
+    final = RequestOutput(request_id="r", token_ids=[5, 6], text="hi", logprobs=None, finished=True,
+                          finish_reason="length", prompt_tokens=3, cached_prompt_tokens=0, completion_tokens=2,
+                          timings=RequestTimings(arrival_time=0.0, queue_time=0.001, time_to_first_token=0.01,
+                                                 e2e_latency=0.02, mean_batch_size=2.5))
+
+    class Handle:
+        prompt_tokens = 3
+
+        def abort(self):
+            happened.append("abort")
+
+    class Finished:
+        handle, last, ended = None, final, True
+
+        def open(self):
+            pass
+
+        def wait(self, timeout):
+            return final
+
+    class Engine(StoppedEngine):
+        def submit(self, *args, **kwargs):
+            return Handle()
+
+    class Cancels(NoCancels):
+        def watch(self, request_id, abort):
+            pass
+
+        def unwatch(self, request_id):
+            pass
+
+    monkeypatch.setattr(inference, "emit_usage", lambda event: happened.append(("usage", event)))
+    payload = {"request_id": f"chatcmpl-{uuid.uuid4().hex}", "reply_channel": "reply", "deployment": SPEC,
+               "kind": "completion", "prompt": "Hi", "sampling": {"max_tokens": 2}, "organization_id": 1}
+    relay = type("R", (), {"stream": lambda self, reply, to_message: Finished()})()
+    event = inference.run(payload, host=Host(Engine()), send=lambda reply, message: happened.append(message["type"]),
+                          relay=relay, cancels=Cancels())
+    kinds = [h[0] if isinstance(h, tuple) else h for h in happened]
+    assert kinds == ["inference.started", "usage", "inference.finished"]
+    assert happened[1][1] is event
+    assert (event["status"], event["completion_tokens"], event["batch_size"]) == ("completed", 2, 2.5)

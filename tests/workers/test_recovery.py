@@ -174,3 +174,31 @@ def test_a_workers_minute_of_figures_for_the_metrics():
     # Two minutes later only the last minute's work counts.
     aged = figures.summary(1110.0, {"instance": "c", "steps": 44, "generated_tokens": 98})
     assert (aged["steps"], aged["generated_tokens"]) == (4, 8)
+
+
+@pytest.mark.django_db
+def test_a_request_that_died_after_it_was_billed_is_ended_without_a_second_record(taken, monkeypatch):
+    """Billed, but its last message never left: the client learns the stream ended, and no
+    'failed, free' usage event races the one already on billing's queue."""
+    worker = _dead_worker()
+    layer = get_channel_layer()
+    reply = async_to_sync(layer.new_channel)()
+    name = f"r-{uuid.uuid4().hex[:6]}"
+    payload = _payload(name, reply)
+    payload["organization_id"], payload["deployment"]["model"] = 1, "m"
+    tag = taken(payload)
+    fleet.track_received(worker.instance, payload["request_id"], tag)
+    fleet.claim(payload, instance=worker.instance, hostname=worker.hostname)
+    fleet.set_stage(payload["request_id"], fleet.STAGE_BILLED)
+    from workers import inference
+
+    emitted = []
+    monkeypatch.setattr(inference, "emit_usage", emitted.append)
+
+    services.mark_worker_gone(worker=worker, reason="no heartbeat for 5s")
+    error = async_to_sync(layer.receive)(reply)
+    assert error["code"] == "worker_lost" and "billed" in error["message"] and "not billed" not in error["message"]
+    r = fleet.client()
+    assert fleet.queue_depths([name]) == {name: 0} and not r.hexists("unacked", tag)
+    assert emitted == []  # no second, 'failed and free' usage event
+    assert _serve(Agent(), payload).ran == 0  # a copy that turns up later is dropped
