@@ -1,0 +1,106 @@
+"""A request to a scaled-to-zero deployment waits, bounded, for a worker to load it: when no
+replica ever comes, the client gets a 503 in OpenAI's shape after that bound, the request is
+cancelled where it waits, and nothing is billed. In process: the real views, real Redis (the
+request really is queued on the deployment's queue, which nobody consumes), short bounds."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from tests.gateway.test_timeouts import cancel_marked
+from tests.workers.test_capacity import queued_ticks
+
+pytestmark = pytest.mark.django_db
+QUEUE_TIMEOUT, COLD_START_TIMEOUT = 0.2, 1.0
+
+
+@pytest.fixture
+def scaled_to_zero(seeded, org_key):
+    """An organization's serverless deployment at zero replicas, and its key; its queue emptied
+    after, and the placement-loop runs the requests asked for (nobody consumes them here)."""
+    from models_catalog.models import CatalogModel, Deployment
+    from models_catalog.services import create_deployment
+    from workers import fleet
+
+    ticks_before = set(queued_ticks())
+    org, _, plaintext = org_key()
+    name = f"cold-{uuid.uuid4().hex[:8]}"
+    deployment = create_deployment(organization=org, model=CatalogModel.objects.get(slug=seeded), name=name,
+                                   kind="serverless")
+    Deployment.objects.filter(pk=deployment.pk).update(status=Deployment.Status.SCALED_TO_ZERO)
+    yield org, plaintext, name
+    fleet.client().delete(*fleet.queue_lists(f"deployment.{name}"))
+    for raw in set(queued_ticks()) - ticks_before:
+        fleet.client().lrem("default", 0, raw)
+
+
+@pytest.fixture
+def waits(monkeypatch):
+    """The bounds ``capacity.wake`` chose, and those the gateway then waited on the reply channel
+    with (the real functions, observed)."""
+    from gateway.calls import Call
+    from workers import capacity
+
+    chosen: list[float] = []
+    waited: list[float] = []
+    real_wake, real_receive = capacity.wake, Call._receive
+
+    def wake(spec):
+        chosen.append(real_wake(spec))
+        return chosen[-1]
+
+    async def receive(self, timeout):
+        waited.append(timeout)
+        return await real_receive(self, timeout)
+
+    monkeypatch.setattr(capacity, "wake", wake)
+    monkeypatch.setattr(Call, "_receive", receive)
+    return chosen, waited
+
+
+def register_worker(*, slots: int) -> None:
+    """An alive worker as the database knows it; no process behind it, so nothing ever loads."""
+    from workers import services
+
+    services.register_worker(
+        hostname=f"test-cold-{uuid.uuid4().hex[:6]}@nowhere", instance=uuid.uuid4().hex[:16], pid=1,
+        device_kind="cpu", device_name="cpu", device_memory_bytes=8 << 30, slots=slots, queues=["default"])
+
+
+@pytest.mark.parametrize("path,body,stream", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}, False),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}, True),
+    ("/v1/completions", {"prompt": "Hi"}, False),
+])
+@pytest.mark.parametrize("worker_free", [True, False], ids=["a-worker-could-load-it", "no-worker"])
+def test_a_cold_start_that_never_comes_is_a_503_and_not_billed(client, settings, scaled_to_zero, waits,
+                                                                 path, body, stream, worker_free):
+    from billing.models import UsageRecord
+    from workers.models import Worker
+
+    settings.GATEWAY_QUEUE_TIMEOUT = QUEUE_TIMEOUT
+    settings.FLEET_COLD_START_TIMEOUT = COLD_START_TIMEOUT
+    org, key, name = scaled_to_zero
+    Worker.objects.all().delete()
+    if worker_free:
+        register_worker(slots=1)
+
+    response = client.post(path, data=json.dumps({"model": name, "stream": stream, **body}),
+                           content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}")
+
+    # The wait was the cold-start bound only when a worker could have loaded the model.
+    bound = COLD_START_TIMEOUT if worker_free else QUEUE_TIMEOUT
+    assert waits == ([bound], [bound])
+    assert response.status_code == 503, response.content
+    assert response["Content-Type"] == "application/json"  # before any SSE byte, also when streaming
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["code"], error["param"]) == ("service_unavailable", "model_unavailable", None)
+    assert name in error["message"]
+    request_id = response["x-request-id"]
+    assert cancel_marked(request_id)  # a worker that loads the model later must not run it for nobody
+    assert not UsageRecord.objects.filter(organization=org).exists()
+    assert not UsageRecord.objects.filter(request_id=request_id).exists()
