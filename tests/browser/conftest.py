@@ -72,9 +72,21 @@ def browser(stack):
 
 
 @pytest.fixture
-def new_page(browser, stack):
-    """A fresh browser context (its own cookies) at 1440×900; ``new_page(width=390)`` for a phone."""
-    contexts = []
+def new_page(browser, stack, localstripe):  # noqa: F811
+    """A fresh browser context (its own cookies) at 1440×900; ``new_page(width=390)`` for a phone.
+
+    Every page must work offline: at the end, no request may have left for another host (a CDN,
+    web fonts), and every static asset must have loaded."""
+    contexts, stray, broken = [], [], []
+    allowed = (stack + "/", localstripe + "/", "data:", "blob:", "about:")
+
+    def watch(request):
+        if not request.url.startswith(allowed):
+            stray.append(request.url)
+
+    def check(response):
+        if "/static/" in response.url and response.status >= 400:
+            broken.append(f"{response.status} {response.url}")
 
     def make(width: int = 1440, height: int = 900):
         context = browser.new_context(base_url=stack, viewport={"width": width, "height": height},
@@ -83,6 +95,8 @@ def new_page(browser, stack):
         contexts.append(context)
         page = context.new_page()
         page.on("dialog", lambda dialog: dialog.accept())  # "Revoke this key?" and the like
+        page.on("request", watch)
+        page.on("response", check)
         errors = []
         page.on("pageerror", lambda error: errors.append(str(error)))
         page.js_errors = errors
@@ -91,6 +105,8 @@ def new_page(browser, stack):
     yield make
     for context in contexts:
         context.close()
+    assert not stray, f"requests left the platform: {stray}"
+    assert not broken, f"static assets failed: {broken}"
 
 
 def shot(page, name: str) -> Path:

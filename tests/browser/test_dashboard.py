@@ -95,14 +95,18 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     page.evaluate("window.__notReloaded = true")
     _serve(inference_worker, name)
 
-    def ready():
+    def moved_to(status):
         from models_catalog.models import Deployment
         from models_catalog.services import set_deployment_status
 
-        set_deployment_status(deployment=Deployment.objects.get(name=name), status="ready")
+        set_deployment_status(deployment=Deployment.objects.get(name=name), status=status)
 
-    db_call(ready)
-    page.wait_for_selector(f"#own-deployments tr[data-deployment='{name}'] [data-status=ready]", timeout=15_000)
+    # The fleet's own moves are the fleet tests' (tests/workers/test_fleet.py); here, that the
+    # page follows them: loading, then ready.
+    for status in ("loading", "ready"):
+        db_call(lambda: moved_to(status))
+        page.wait_for_selector(f"#own-deployments tr[data-deployment='{name}'] [data-status={status}]",
+                               timeout=15_000)
     assert page.evaluate("window.__notReloaded") is True
     shot(page, "08-deployments")
 
@@ -141,6 +145,20 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     assert record.status == "cancelled" and 0 < record.completion_tokens < 1500
     page.wait_for_selector(".msg.assistant[data-state=stopped] [data-cost][data-source=billed]", timeout=30_000)
     shot(page, "09-playground")
+
+    # The parameters panel reaches the engine: the same seed samples the same reply.
+    _set_range(page, "#p-temperature", "1")
+    _set_range(page, "#p-top-p", "0.9")
+    page.fill("#p-seed", "1234")
+    page.fill("#p-max-tokens", "12")
+    seeded = []
+    for _ in range(2):
+        page.click("#clear-button")
+        page.fill("#chat-input", "Invent a name for a cat.")
+        page.click("#send-button")
+        page.wait_for_selector(".msg.assistant[data-state=done] [data-cost][data-source=billed]", timeout=120_000)
+        seeded.append(page.locator(".msg.assistant .text").inner_text().strip())
+    assert seeded[0] and seeded[0] == seeded[1], seeded
 
     # --- the key works against the new deployment --------------------------------------------------------
     response = _chat(stack, secret, name)
@@ -187,7 +205,7 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     # --- usage: the requests with their tokens and cost --------------------------------------------------
     page.click("nav >> text=Usage")
     rows = page.locator("#usage-requests tbody tr")
-    assert rows.count() == 3
+    assert rows.count() == 5
     for request_id in (stopped_id, api_request):
         row = page.locator(f"#usage-requests tr[data-request='{request_id}']")
         assert int(row.locator("[data-completion-tokens]").get_attribute("data-completion-tokens")) > 0
@@ -199,7 +217,7 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     shot(page, "12-usage")
 
     page.goto(f"/deployments/{name}/")
-    assert page.inner_text("#m-requests") == "3"
+    assert page.inner_text("#m-requests") == "5"
     page.wait_for_timeout(400)
     shot(page, "13-deployment")
 
@@ -220,6 +238,10 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     phone.click("button[type=submit]")
     phone.wait_for_url(HOME)
     shot(phone, "15-overview-phone")
+    for path in ("/", "/models/", f"/deployments/{name}/", "/playground/", "/api-keys/", "/usage/", "/billing/"):
+        phone.goto(path)
+        width = phone.evaluate("document.documentElement.scrollWidth")
+        assert width <= 390, f"{path} is {width} px wide on a 390 px phone"
     assert not page.js_errors and not phone.js_errors, page.js_errors + phone.js_errors
 
 
