@@ -277,6 +277,7 @@ def main(argv=None) -> int:
     report = {
         "benchmark": "fleet",
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": _commit(),
         "device": {"kind": kind, "name": name, "memory_bytes": memory, "cpus": os.cpu_count(),
                    "load_average": os.getloadavg(), "machine": platform.machine()},
         "model": BUNDLED,
@@ -290,6 +291,18 @@ def main(argv=None) -> int:
     print(json.dumps({k: v for k, v in results.items()}, indent=2))
     print(f"wrote {out}")
     return 0
+
+
+def _commit() -> str | None:
+    """The code measured: the commit, marked dirty when the working tree has changes."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=Path(__file__).parent).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("-dirty" if dirty else "")
 
 
 if __name__ == "__main__":
