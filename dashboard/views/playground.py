@@ -15,14 +15,8 @@ def playground(request):
     deployments = selectors.playground_deployments(organization=request.organization)
     wanted = request.GET.get("deployment", "")
     selected = next((d for d in deployments if d.name == wanted), deployments[0] if deployments else None)
-    options = [
-        {"name": d.name, "model": d.model.display_name, "own": d.organization_id == request.organization.pk,
-         "status": d.get_status_display(), "context_length": d.model.context_length,
-         "price_input": str(d.model.price_input_per_mtok), "price_output": str(d.model.price_output_per_mtok)}
-        for d in deployments
-    ]
     return render(request, "dashboard/playground.html", {
-        "deployments": deployments, "selected": selected, "deployment_options": options,
+        "deployments": deployments, "selected": selected,
         "ws_url": snippets.endpoints(request)["ws_url"],
     })
 

@@ -78,3 +78,18 @@ def test_keys_of_another_organization_are_invisible_and_untouchable(ada, globex)
     assert "globex-prod" not in ada.get("/api-keys/").content.decode()
     assert ada.post(f"/api-keys/{key.pk}/revoke/").status_code == 404
     assert authenticate_api_key(secret) == key
+
+
+def test_the_list_shows_when_a_key_was_last_used_and_when_it_expires(ada, acme):
+    from datetime import datetime, timedelta, timezone
+
+    _, org = acme
+    used, _ = create_api_key(organization=org, name="used", scopes=["inference"],
+                             expires_at=datetime(2031, 5, 17, tzinfo=timezone.utc))
+    create_api_key(organization=org, name="idle", scopes=["inference"])
+    ApiKey.objects.filter(pk=used.pk).update(last_used_at=datetime.now(timezone.utc) - timedelta(hours=3))
+    page = ada.get("/api-keys/").content.decode()
+    used_row = page.split('data-key="used"')[1].split("</tr>")[0]
+    idle_row = page.split('data-key="idle"')[1].split("</tr>")[0]
+    assert "3\xa0hours ago" in used_row and "May 17, 2031" in used_row
+    assert idle_row.count("Never") == 2  # never used, never expires
