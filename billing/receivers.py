@@ -6,6 +6,7 @@ from . import services
 
 
 def grant_signup_credit(sender, organization, **kwargs) -> None:
-    """accounts.signals.organization_created: the new organization's free sign-up credit. It runs
-    inside the organization's creation transaction, so both commit or neither does."""
+    """accounts.signals.organization_created: the free sign-up credit, for the first organization
+    its owner creates only (the service checks). It runs inside the organization's creation
+    transaction, so both commit or neither does."""
     services.grant_signup_credit(organization=organization)

@@ -17,7 +17,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Exists, Subquery
 
-from accounts.models import ApiKey, Organization
+from accounts.models import ApiKey, Membership, Organization
 from inference_platform.read_cache import ReadCache
 from models_catalog.models import CatalogModel, Deployment
 
@@ -71,14 +71,33 @@ def _post(*, organization_id: int, kind: str, amount: Decimal, reference: str = 
 
 
 def grant_signup_credit(*, organization: Organization) -> LedgerEntry | None:
-    """Credit ``BILLING_SIGNUP_CREDIT`` to a new organization, once (None when the setting is 0)."""
+    """Credit ``BILLING_SIGNUP_CREDIT`` to the first organization its owner creates, once (None
+    when the setting is 0, or when the owner already had a sign-up credit for another organization:
+    creating organizations must not farm free credit). The entry's reference is the owner's user id,
+    unique per kind, so two organizations created at once by the same user cannot both get it."""
     amount = settings.BILLING_SIGNUP_CREDIT
     if amount <= 0:
         return None
+    existing = LedgerEntry.objects.filter(organization=organization, kind=LedgerEntry.Kind.SIGNUP_CREDIT).first()
+    if existing is not None:
+        return existing
+    owner_id = (Membership.objects.filter(organization=organization, role=Membership.Role.OWNER)
+                .order_by("created_at", "id").values_list("user_id", flat=True).first())
+    if owner_id is None:
+        reference = f"organization:{organization.pk}"
+    else:
+        # Credits granted before they were referenced by user: one in another organization the
+        # owner owns counts too.
+        if LedgerEntry.objects.filter(
+            kind=LedgerEntry.Kind.SIGNUP_CREDIT,
+            organization__memberships__user_id=owner_id,
+            organization__memberships__role=Membership.Role.OWNER,
+        ).exists():
+            return None
+        reference = f"user:{owner_id}"
     entry, _ = _post(organization_id=organization.pk, kind=LedgerEntry.Kind.SIGNUP_CREDIT,
-                     amount=amount.quantize(COST_QUANTUM), reference=f"organization:{organization.pk}",
-                     description="Sign-up credit")
-    return entry
+                     amount=amount.quantize(COST_QUANTUM), reference=reference, description="Sign-up credit")
+    return entry if entry.organization_id == organization.pk else None
 
 
 def add_adjustment(*, organization: Organization, amount: Decimal, description: str, reference: str = "") -> LedgerEntry:
