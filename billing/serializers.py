@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import date, datetime, timedelta, timezone
 from decimal import Decimal
 
@@ -132,10 +133,45 @@ class LedgerEntrySerializer(serializers.Serializer):
         return "usd"
 
 
-class TopUpRequestSerializer(serializers.Serializer):
-    """``{"amount": "20.00"}``: USD as a string (a JSON number is accepted, never as a float)."""
+# A USD amount as a JSON string: plain decimal notation (no sign, exponent or spaces inside).
+_DECIMAL_STRING = re.compile(r"[0-9]{1,15}(\.[0-9]{1,15})?")
 
-    amount = serializers.CharField()
+
+class UsdAmountField(serializers.CharField):
+    """A USD amount, exact: a JSON string such as ``"25.00"`` or a JSON integer, as a Decimal.
+
+    A JSON number with a fraction arrives as a binary float, already rounded (20.000000000000001
+    is 20.0 by then), so it is refused with a 400 asking for a string rather than guessed at.
+    Bounds and precision are the service's to check."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("help_text", 'USD as a decimal string, e.g. "25.00" (a JSON integer is accepted; a '
+                                       "JSON number with a fraction is refused: send the amount as a string)")
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data):
+        name = self.field_name
+        if isinstance(data, bool) or not isinstance(data, (str, int, float)):
+            raise InvalidParameter(name, f"'{name}' must be a decimal string such as \"25.00\".")
+        if isinstance(data, float):
+            raise InvalidParameter(
+                name, f"'{name}' must be sent as a string such as \"25.00\", not as a JSON number with a fraction: "
+                      "a JSON number is read as a binary float, which cannot hold every amount exactly.")
+        if isinstance(data, int):
+            return Decimal(data)
+        text = data.strip()
+        if not _DECIMAL_STRING.fullmatch(text):
+            raise InvalidParameter(name, f"'{name}' must be a decimal string such as \"25.00\", not {data[:40]!r}.")
+        return Decimal(text)
+
+    def to_representation(self, value):
+        return str(value)
+
+
+class TopUpRequestSerializer(serializers.Serializer):
+    """``{"amount": "20.00"}``: USD as a string, or a JSON integer; never a float."""
+
+    amount = UsdAmountField()
 
 
 # --- response shapes (documentation for the OpenAPI document) -------------------------------------

@@ -67,6 +67,18 @@
     return null;
   }
 
+  // Money stays a decimal string end to end: no Number() (a binary float) ever holds the amount.
+  // "25", "25.5", "025.50" → "25.00", "25.50", "25.50"; anything else (a sign, an exponent, more
+  // than two decimals) → null.
+  const AMOUNT = /^(\d{1,9})(?:\.(\d{0,2}))?$/;
+
+  function normalizedAmount(text) {
+    const match = AMOUNT.exec(String(text).trim());
+    if (!match) return null;
+    const whole = match[1].replace(/^0+(?=\d)/, "");
+    return whole + "." + ((match[2] || "") + "00").slice(0, 2);
+  }
+
   form.querySelectorAll("[data-amount]").forEach((button) => {
     button.addEventListener("click", () => {
       amount.value = button.dataset.amount;
@@ -74,13 +86,18 @@
     });
   });
   amount.addEventListener("input", () => {
-    form.querySelectorAll("[data-amount]").forEach((b) => b.classList.toggle("active", b.dataset.amount === Number(amount.value).toFixed(2)));
+    const typed = normalizedAmount(amount.value);
+    form.querySelectorAll("[data-amount]").forEach((b) => b.classList.toggle("active", b.dataset.amount === typed));
   });
 
   form.addEventListener("submit", async (event) => {
     event.preventDefault();
-    const value = Number(amount.value);
-    if (!(value >= Number(amount.min) && value <= Number(amount.max))) {
+    const value = normalizedAmount(amount.value);
+    if (value === null) {
+      say("Enter the amount in dollars and cents, such as 25 or 25.50.", "error");
+      return;
+    }
+    if (toMicros(value) < toMicros(amount.min) || toMicros(value) > toMicros(amount.max)) {
       say(`Choose an amount between $${amount.min} and $${amount.max}.`, "error");
       return;
     }
@@ -90,7 +107,7 @@
       const before = balance.dataset.balance;
       const tokenResult = await stripe.createToken(card);
       if (tokenResult.error) throw new Error(tokenResult.error.message || "Check the card details.");
-      const intent = await postJson(form.dataset.topupsUrl, { amount: value.toFixed(2) });
+      const intent = await postJson(form.dataset.topupsUrl, { amount: value });
       say("Charging your card…");
       let payment = await postJson(form.dataset.payUrl.replace("PAYMENT_INTENT", encodeURIComponent(intent.id)),
                                    { token: tokenResult.token.id });
@@ -108,7 +125,7 @@
       } else {
         balance.textContent = "$" + after.replace(/(\.\d\d\d*?)0+$/, "$1");
         balance.dataset.balance = after;
-        say(`Done: $${value.toFixed(2)} added to your credit.`, "ok");
+        say(`Done: $${value} added to your credit.`, "ok");
         setTimeout(() => window.location.reload(), 1200);
       }
       busy(false);
