@@ -127,6 +127,8 @@ def test_refunds_are_reversed_once_each(asgi_server, stripe_settings):
 
 @e2e
 def test_declined_cards_credit_nothing(asgi_server, stripe_settings):
+    """Declines as localstripe and the webhook see them (paid through Stripe's API directly); the
+    platform's own pay endpoint with a declined card is tested below."""
     organization = make_organization("Declined")
     # 4000 0000 0000 0002: the card is declined.
     intent = services.create_topup(organization=organization, amount=Decimal("10.00"))
@@ -143,6 +145,84 @@ def test_declined_cards_credit_nothing(asgi_server, stripe_settings):
     assert not LedgerEntry.objects.filter(kind="topup").exists()
     assert balance_of(organization) == SIGNUP
     assert TopUp.objects.get(payment_intent_id=intent.id).status == "pending"
+
+
+# --- paying through the platform's own code: the API creates the top-up, the dashboard's pay endpoint
+# confirms it with a card token (what Stripe.js sends from the billing page) -----------------------------
+
+
+def card_token(number: str) -> str:
+    """A card token from localstripe, as ``stripe.createToken(cardElement)`` gets in the browser."""
+    token = stripe_client().v1.tokens.create(params={"card": {
+        "number": number, "exp_month": 12, "exp_year": 2034, "cvc": "123"}})
+    return token.id
+
+
+@pytest.fixture
+def owner_client(client):
+    """The dashboard session of a new organization's owner (Django's test client: CSRF off)."""
+    organization = make_organization("Card payer")
+    client.force_login(organization.memberships.get().user)
+    return client, organization
+
+
+def start_topup(client, amount: str = "10.00") -> str:
+    response = client.post("/v1/billing/topups", {"amount": amount}, content_type="application/json")
+    assert response.status_code == 201, response.content
+    return response.json()["id"]
+
+
+def pay_through_the_platform(client, intent_id: str, number: str):
+    return client.post(f"/billing/topups/{intent_id}/pay/", {"token": card_token(number)},
+                       content_type="application/json")
+
+
+@e2e
+def test_a_declined_card_paid_through_the_platform_is_402_and_credits_nothing(asgi_server, stripe_settings,
+                                                                               owner_client):
+    client, organization = owner_client
+    # 4000 0000 0000 0002: the bank refuses the card as soon as it is saved on the customer.
+    intent_id = start_topup(client)
+    response = pay_through_the_platform(client, intent_id, "4000000000000002")
+    assert response.status_code == 402, response.content
+    error = response.json()["error"]
+    assert error["code"] == "card_declined" and error["param"] == "card" and "declined" in error["message"]
+    assert TopUp.objects.get(payment_intent_id=intent_id).status == "pending"  # another card may still pay it
+
+    # 4000 0000 0000 0341: saved, then the charge is declined at confirmation; Stripe's
+    # payment_intent.payment_failed webhook marks the top-up failed.
+    failing_id = start_topup(client)
+    response = pay_through_the_platform(client, failing_id, "4000000000000341")
+    assert response.status_code == 402 and response.json()["error"]["code"] == "card_declined"
+    wait_until(lambda: TopUp.objects.get(payment_intent_id=failing_id).status == "failed", timeout=30,
+               message="localstripe's payment_intent.payment_failed webhook")
+
+    assert not LedgerEntry.objects.filter(organization=organization, kind="topup").exists()
+    assert balance_of(organization) == SIGNUP
+    assert not TopUp.objects.filter(organization=organization, status="succeeded").exists()
+
+
+@e2e
+def test_a_good_card_paid_through_the_platform_is_credited_once_by_the_signed_webhook(
+        asgi_server, stripe_settings, owner_client):
+    client, organization = owner_client
+    intent_id = start_topup(client, "12.34")
+    assert balance_of(organization) == SIGNUP
+    response = pay_through_the_platform(client, intent_id, "4242424242424242")
+    assert response.status_code == 200, response.content
+    assert response.json()["status"] == "succeeded"
+    # The pay endpoint credits nothing itself: localstripe's signed webhook, delivered to the
+    # platform under uvicorn, does.
+    wait_until(lambda: TopUp.objects.get(payment_intent_id=intent_id).status == "succeeded", timeout=30,
+               message="localstripe's payment_intent.succeeded webhook")
+    assert StripeEvent.objects.filter(type="payment_intent.succeeded").count() == 1
+    entries = LedgerEntry.objects.filter(organization=organization, kind="topup")
+    assert [(e.reference, e.amount) for e in entries] == [(intent_id, Decimal("12.34"))]
+    assert balance_of(organization) == SIGNUP + Decimal("12.34")
+    # Paying the same top-up again is refused before Stripe is asked.
+    response = pay_through_the_platform(client, intent_id, "4242424242424242")
+    assert response.status_code == 400 and "already succeeded" in response.json()["error"]["message"]
+    assert balance_of(organization) == SIGNUP + Decimal("12.34")
 
 
 # --- webhook checks (Django's test client is enough: nothing leaves the process) ----------------------
