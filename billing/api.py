@@ -1,9 +1,10 @@
-"""The billing REST API: usage reports, the CSV export, balance, ledger and top-ups.
+"""The billing REST API: usage reports, the CSV export, balance, ledger, spend limits and top-ups.
 
 Callers: an API key with the ``read_usage`` scope (``Authorization: Bearer sk-...``), or the
-dashboard's logged-in user (session; the session's current organization). Top-ups need the
-``manage`` scope or the dashboard. Every answer concerns the caller's organization only. Errors
-follow OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+dashboard's logged-in user (session; the session's current organization). Top-ups and changes to
+the spend limit need the ``manage`` scope or the dashboard (where changing the limit takes an owner
+or an admin). Every answer concerns the caller's organization only. Errors follow OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ def billing_exception_handler(exc, context):
     if isinstance(exc, drf_exceptions.APIException):
         return drf_error_response(exc)
     return None
+
+
+def _session_user(request):
+    """The dashboard's logged-in user making the call; None for an API key."""
+    return request.user if getattr(request.user, "pk", None) and not isinstance(request.auth, ApiKey) else None
 
 
 class BillingAPIView(APIView):
@@ -196,9 +202,8 @@ class TopUpView(BillingAPIView):
     def post(self, request):
         body = serializers.TopUpRequestSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        user = request.user if getattr(request.user, "pk", None) and not isinstance(request.auth, ApiKey) else None
         intent = services.create_topup(organization=self.organization(request), amount=body.validated_data["amount"],
-                                       created_by=user)
+                                       created_by=_session_user(request))
         return Response({
             "object": "billing.topup",
             "id": intent.id,
@@ -207,3 +212,38 @@ class TopUpView(BillingAPIView):
             "currency": intent.currency,
             "publishable_key": settings.STRIPE_PUBLISHABLE_KEY,
         }, status=201)
+
+
+class SpendLimitView(BillingAPIView):
+    """``GET /v1/billing/limits``; ``PUT /v1/billing/limits {"monthly_limit": "100.00" | null}``."""
+
+    def get_permissions(self):
+        method = getattr(self.request, "method", "GET")  # the schema generator may ask without a request
+        scope = "read_usage" if method in ("GET", "HEAD", "OPTIONS") else "manage"
+        return [require_scope(scope)()]
+
+    def _answer(self, organization, limit) -> Response:
+        return Response({
+            "object": "billing.spend_limit",
+            "monthly_limit": serializers.money(limit) if limit is not None else None,
+            "monthly_spend": serializers.money(selectors.monthly_spend(organization=organization)),
+            "currency": "usd",
+        })
+
+    @extend_schema(responses={200: serializers.SpendLimitSerializer, **_ERRORS})
+    def get(self, request):
+        organization = self.organization(request)
+        return self._answer(organization, selectors.organization_monthly_limit(organization=organization))
+
+    @extend_schema(request=serializers.SpendLimitRequestSerializer,
+                   responses={200: serializers.SpendLimitSerializer, **_ERRORS},
+                   description="Set the organization's monthly spend limit (requests are refused with 429 "
+                               "insufficient_quota once this calendar month's spend reaches it), or remove it with "
+                               "null. An API key needs the manage scope; a dashboard user must be an owner or admin.")
+    def put(self, request):
+        body = serializers.SpendLimitRequestSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        organization = self.organization(request)
+        limit = services.set_spend_limit(organization=organization, monthly_limit=body.validated_data["monthly_limit"],
+                                         actor=_session_user(request))
+        return self._answer(organization, limit.monthly_limit)

@@ -61,6 +61,15 @@ class InvalidParameter(BillingError):
         super().__init__(message, param=param)
 
 
+class NotAllowed(BillingError):
+    """The user's role in the organization does not allow this change."""
+
+    status = 403
+    type = "permission_error"
+    code = "insufficient_role"
+    default_message = "Your role in this organization does not allow this."
+
+
 class CardDeclined(BillingError):
     """The card was refused (or could not be read); the message says why, fit to show."""
 

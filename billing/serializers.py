@@ -133,36 +133,43 @@ class LedgerEntrySerializer(serializers.Serializer):
         return "usd"
 
 
-# A USD amount as a JSON string: plain decimal notation (no sign, exponent or spaces inside).
+# A USD amount as a string: plain decimal notation (no sign, exponent or spaces inside).
 _DECIMAL_STRING = re.compile(r"[0-9]{1,15}(\.[0-9]{1,15})?")
 
 
+def usd_amount(data, *, param: str, integers: bool = True) -> Decimal:
+    """A USD amount, exact, from a JSON value or a form field: a string such as ``"25.00"`` or,
+    with ``integers``, a JSON integer. A JSON number with a fraction arrives as a binary float,
+    already rounded (20.000000000000001 is 20.0 by then), so it is refused, asking for a string,
+    rather than guessed at. Bounds and precision are the service's to check."""
+    example = '"25.00"'
+    if isinstance(data, float) or (isinstance(data, int) and not isinstance(data, bool) and not integers):
+        number = "a JSON number with a fraction" if integers else "a JSON number"
+        raise InvalidParameter(
+            param, f"'{param}' must be sent as a string such as {example}, not as {number}: a JSON number "
+                   "is read as a binary float, which cannot hold every amount exactly.")
+    if isinstance(data, int) and not isinstance(data, bool):
+        return Decimal(data)
+    if not isinstance(data, str):
+        raise InvalidParameter(param, f"'{param}' must be a decimal string such as {example}.")
+    text = data.strip()
+    if not _DECIMAL_STRING.fullmatch(text):
+        raise InvalidParameter(param, f"'{param}' must be a decimal string such as {example}, not {data[:40]!r}.")
+    return Decimal(text)
+
+
 class UsdAmountField(serializers.CharField):
-    """A USD amount, exact: a JSON string such as ``"25.00"`` or a JSON integer, as a Decimal.
+    """A USD amount as :func:`usd_amount` reads it, as a Decimal (documented as a string)."""
 
-    A JSON number with a fraction arrives as a binary float, already rounded (20.000000000000001
-    is 20.0 by then), so it is refused with a 400 asking for a string rather than guessed at.
-    Bounds and precision are the service's to check."""
-
-    def __init__(self, **kwargs):
-        kwargs.setdefault("help_text", 'USD as a decimal string, e.g. "25.00" (a JSON integer is accepted; a '
-                                       "JSON number with a fraction is refused: send the amount as a string)")
+    def __init__(self, *, integers: bool = True, **kwargs):
+        self.integers = integers
+        kwargs.setdefault("help_text", 'USD as a decimal string, e.g. "25.00"' + (
+            " (a JSON integer is accepted; a JSON number with a fraction is refused: send the amount as a string)"
+            if integers else " (a JSON number is refused: send the amount as a string)"))
         super().__init__(**kwargs)
 
     def to_internal_value(self, data):
-        name = self.field_name
-        if isinstance(data, bool) or not isinstance(data, (str, int, float)):
-            raise InvalidParameter(name, f"'{name}' must be a decimal string such as \"25.00\".")
-        if isinstance(data, float):
-            raise InvalidParameter(
-                name, f"'{name}' must be sent as a string such as \"25.00\", not as a JSON number with a fraction: "
-                      "a JSON number is read as a binary float, which cannot hold every amount exactly.")
-        if isinstance(data, int):
-            return Decimal(data)
-        text = data.strip()
-        if not _DECIMAL_STRING.fullmatch(text):
-            raise InvalidParameter(name, f"'{name}' must be a decimal string such as \"25.00\", not {data[:40]!r}.")
-        return Decimal(text)
+        return usd_amount(data, param=self.field_name, integers=self.integers)
 
     def to_representation(self, value):
         return str(value)
@@ -172,6 +179,14 @@ class TopUpRequestSerializer(serializers.Serializer):
     """``{"amount": "20.00"}``: USD as a string, or a JSON integer; never a float."""
 
     amount = UsdAmountField()
+
+
+class SpendLimitRequestSerializer(serializers.Serializer):
+    """``{"monthly_limit": "100.00"}``, or ``{"monthly_limit": null}`` to remove the limit."""
+
+    monthly_limit = UsdAmountField(integers=False, allow_null=True,
+                                   help_text='USD per calendar month (UTC) as a decimal string, e.g. "100.00", at most '
+                                             "6 decimal places; null removes the limit. A JSON number is refused.")
 
 
 # --- response shapes (documentation for the OpenAPI document) -------------------------------------
@@ -229,3 +244,10 @@ class TopUpSerializer(serializers.Serializer):
     amount = serializers.CharField()
     currency = serializers.CharField()
     publishable_key = serializers.CharField()
+
+
+class SpendLimitSerializer(serializers.Serializer):
+    object = serializers.CharField(default="billing.spend_limit")
+    monthly_limit = serializers.CharField(allow_null=True, help_text="USD per calendar month (UTC); null: no limit")
+    monthly_spend = serializers.CharField(help_text="USD spent this calendar month (UTC)")
+    currency = serializers.CharField(default="usd")

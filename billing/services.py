@@ -26,6 +26,7 @@ from .errors import (
     CardDeclined,
     InvalidParameter,
     InvalidUsageEvent,
+    NotAllowed,
     PaymentProviderError,
     QuotaExceeded,
     UnknownModel,
@@ -238,16 +239,30 @@ def _write_usage(parsed, prices: Prices, cost: Decimal) -> UsageRecord:
 # --- spend limits and the quota check ---------------------------------------------------------------
 
 
+# What a USD column holds: 12 digits before the point (``billing.models.MONEY``).
+_MAX_LIMIT = Decimal(10) ** 12
+
+
 def _limit(name: str, value) -> Decimal | None:
+    """A limit as given, exactly: a Decimal >= 0, below 10^12, in micro-dollars at the finest
+    (never rounded: a limit is what its setter wrote)."""
     if value is None:
         return None
     if isinstance(value, float) or not isinstance(value, Decimal) or not value.is_finite() or value < 0:
         raise InvalidParameter(name, f"{name} must be a Decimal >= 0 or None")
-    return value.quantize(COST_QUANTUM, rounding=ROUND_HALF_UP)
+    if value >= _MAX_LIMIT:
+        raise InvalidParameter(name, f"{name} must be below {_MAX_LIMIT:,f} USD")
+    if value != value.quantize(COST_QUANTUM):
+        raise InvalidParameter(name, f"{name} must have at most {-COST_QUANTUM.as_tuple().exponent} decimal places")
+    return value.quantize(COST_QUANTUM)
 
 
-def set_spend_limit(*, organization: Organization, monthly_limit: Decimal | None) -> SpendLimit:
-    """Set (or clear, with None) the organization's monthly spend limit in USD."""
+def set_spend_limit(*, organization: Organization, monthly_limit: Decimal | None, actor=None) -> SpendLimit:
+    """Set (or clear, with None) the organization's monthly spend limit in USD. ``actor``: the
+    dashboard user making the change, who must be an owner or an admin (NotAllowed otherwise);
+    None for an API key with the ``manage`` scope, the operator's admin site, or code."""
+    if actor is not None and not selectors.may_change_spend_limit(user=actor, organization=organization):
+        raise NotAllowed("Only owners and admins can change the organization's spend limit.")
     limit, _ = SpendLimit.objects.update_or_create(
         organization=organization, defaults={"monthly_limit": _limit("monthly_limit", monthly_limit)}
     )
@@ -280,7 +295,8 @@ def check_quota(*, organization: Organization, api_key: ApiKey | None = None) ->
     if figures.monthly_limit is not None and figures.monthly_spend >= figures.monthly_limit:
         raise QuotaExceeded(
             f"You reached your organization's monthly spend limit ({figures.monthly_limit} USD; spent "
-            f"{figures.monthly_spend} USD this month). Raise the limit in the dashboard to continue."
+            f"{figures.monthly_spend} USD this month). An owner or admin can raise or remove it on the billing "
+            "page or with PUT /v1/billing/limits."
         )
     spend = figures.key_spend
     if spend is not None:

@@ -8,6 +8,8 @@ urlpatterns = [
     path("v1/billing/balance", api.BalanceView.as_view(), name="billing-balance"),
     path("v1/billing/ledger", api.LedgerView.as_view(), name="billing-ledger"),
     path("v1/billing/topups", api.TopUpView.as_view(), name="billing-topups"),
+    path("v1/billing/limits", api.SpendLimitView.as_view(), name="billing-limits"),
     path("billing/stripe/webhook", views.stripe_webhook, name="billing-stripe-webhook"),
     path("billing/", views.billing_page, name="billing"),
+    path("billing/limit/", views.spend_limit_update, name="billing-spend-limit"),
 ]

@@ -1,20 +1,23 @@
-"""Billing's plain Django views: Stripe's webhook endpoint and the dashboard's billing page."""
+"""Billing's plain Django views: Stripe's webhook endpoint, the dashboard's billing page and its
+spend-limit form."""
 
 from __future__ import annotations
 
 import logging
 
 from django.conf import settings
+from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, JsonResponse
-from django.shortcuts import render
+from django.shortcuts import redirect, render
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
 from accounts.middleware import SESSION_ORGANIZATION_KEY
 from accounts.selectors import current_organization_for_user
 
-from . import selectors, services
+from . import selectors, serializers, services
+from .errors import BillingError, InvalidParameter
 from .models import LedgerEntry
 from .stripe_api import InvalidWebhook, construct_webhook_event
 
@@ -53,19 +56,18 @@ def _entry_id(value: str | None) -> int | None:
     return int(value) if value and value.isascii() and value.isdigit() and len(value) < 19 else None
 
 
-@login_required
-@require_GET
-def billing_page(request: HttpRequest):
-    """The dashboard's billing page: balance, recent ledger entries, a Stripe top-up form."""
-    organization = current_organization_for_user(
-        user=request.user, organization_id=request.session.get(SESSION_ORGANIZATION_KEY)
-    )
+def _organization(request: HttpRequest):
+    return current_organization_for_user(user=request.user, organization_id=request.session.get(SESSION_ORGANIZATION_KEY))
+
+
+def _render_page(request: HttpRequest, organization, *, status: int = 200, **extra):
     context = {"organization": organization}
     if organization is not None:
         show = request.GET.get("show") if request.GET.get("show") in LEDGER_VIEWS else "all"
         before = _entry_id(request.GET.get("before"))
         entries, more = selectors.ledger_page(organization=organization, limit=LEDGER_PAGE_SIZE, after=before,
                                               kinds=LEDGER_VIEWS[show])
+        monthly_limit = selectors.organization_monthly_limit(organization=organization)
         context.update(
             ledger_show=show,
             ledger_views=list(LEDGER_VIEWS),
@@ -73,7 +75,10 @@ def billing_page(request: HttpRequest):
             ledger_paged=before is not None,
             balance=selectors.balance(organization=organization),
             monthly_spend=selectors.monthly_spend(organization=organization),
-            monthly_limit=selectors.organization_monthly_limit(organization=organization),
+            monthly_limit=monthly_limit,
+            can_change_limit=selectors.may_change_spend_limit(user=request.user, organization=organization),
+            limit_value=_plain(monthly_limit),
+            limit_error=None,
             entries=entries,
             stripe_enabled=bool(settings.STRIPE_SECRET_KEY and settings.STRIPE_PUBLISHABLE_KEY),
             stripe_publishable_key=settings.STRIPE_PUBLISHABLE_KEY,
@@ -81,4 +86,48 @@ def billing_page(request: HttpRequest):
             topup_min=settings.TOPUP_MIN,
             topup_max=settings.TOPUP_MAX,
         )
-    return render(request, "billing/overview.html", context)
+    context.update(extra)
+    return render(request, "billing/overview.html", context, status=status)
+
+
+def _plain(limit) -> str:
+    """A limit as the form shows it: 100.000000 → "100.00", 0.125000 → "0.125"."""
+    if limit is None:
+        return ""
+    text = format(limit.normalize(), "f")
+    whole, _, fraction = text.partition(".")
+    return f"{whole}.{fraction.ljust(2, '0')}"
+
+
+@login_required
+@require_GET
+def billing_page(request: HttpRequest):
+    """The dashboard's billing page: balance, recent ledger entries, a Stripe top-up form and, for
+    owners and admins, the monthly spend limit's form."""
+    return _render_page(request, _organization(request))
+
+
+@login_required
+@require_POST
+def spend_limit_update(request: HttpRequest):
+    """``POST /billing/limit/`` (the billing page's form, CSRF-checked): ``monthly_limit`` in USD,
+    or empty (or ``action=remove``) to remove the limit. Owners and admins only (403 otherwise)."""
+    organization = _organization(request)
+    if organization is None:
+        return redirect("billing")
+    raw = (request.POST.get("monthly_limit") or "").strip()
+    removing = request.POST.get("action") == "remove" or not raw
+    try:
+        value = None if removing else serializers.usd_amount(raw, param="monthly_limit")
+    except InvalidParameter:
+        return _render_page(request, organization, status=400, limit_value=raw[:40],
+                            limit_error="Enter the limit in US dollars, such as 100 or 100.50.")
+    try:
+        services.set_spend_limit(organization=organization, monthly_limit=value, actor=request.user)
+    except BillingError as exc:
+        return _render_page(request, organization, status=exc.status, limit_value=raw[:40], limit_error=exc.message)
+    if value is None:
+        messages.success(request, "The monthly spend limit is removed.")
+    else:
+        messages.success(request, f"The monthly spend limit is now ${_plain(value)}.")
+    return redirect("billing")

@@ -1,0 +1,254 @@
+"""Customers set their organization's monthly spend limit themselves: ``GET/PUT /v1/billing/limits``
+(an API key: read_usage to read, manage to change; the dashboard session: owners and admins) and the
+billing page's form. The limit is what the quota check then refuses at."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from decimal import Decimal
+
+import pytest
+from django.test import Client
+
+from accounts.models import Membership
+from accounts.services import add_member, create_user
+from billing import selectors, services
+from billing.errors import QuotaExceeded
+from billing.models import SpendLimit
+from tests.billing.conftest import make_key, make_organization
+
+pytestmark = pytest.mark.django_db
+
+LIMITS = "/v1/billing/limits"
+
+
+def bearer(plaintext: str) -> dict:
+    return {"Authorization": f"Bearer {plaintext}"}
+
+
+def limit_of(organization):
+    return selectors.organization_monthly_limit(organization=organization)
+
+
+def put(client, body, *, key: str | None = None, raw: str | None = None):
+    return client.generic("PUT", LIMITS, raw if raw is not None else json.dumps(body), content_type="application/json",
+                          headers=bearer(key) if key else {})
+
+
+@pytest.fixture
+def acme(db):
+    organization = make_organization("Acme")
+    _, manager = make_key(organization, scopes=["manage"], name="manager")
+    _, reader = make_key(organization, scopes=["read_usage"], name="reader")
+    return organization, manager, reader
+
+
+def member_of(organization, role: str):
+    user = create_user(email=f"{role}-{uuid.uuid4().hex[:8]}@example.com", password=None, validate=False)
+    add_member(organization=organization, user=user, role=role)
+    return user
+
+
+# --- the API -----------------------------------------------------------------------------------------
+
+
+def test_a_manage_key_sets_reads_and_removes_the_limit(client, acme):
+    organization, manager, reader = acme
+    body = client.get(LIMITS, headers=bearer(reader)).json()
+    assert body == {"object": "billing.spend_limit", "monthly_limit": None, "monthly_spend": "0.000000",
+                    "currency": "usd"}
+
+    response = put(client, {"monthly_limit": "100.00"}, key=manager)
+    assert response.status_code == 200, response.content
+    assert response.json()["monthly_limit"] == "100.000000"
+    assert limit_of(organization) == Decimal("100")
+    assert client.get(LIMITS, headers=bearer(reader)).json()["monthly_limit"] == "100.000000"
+    assert client.get("/v1/billing/balance", headers=bearer(reader)).json()["monthly_limit"] == "100.000000"
+
+    assert put(client, {"monthly_limit": "0.125"}, key=manager).json()["monthly_limit"] == "0.125000"
+    assert limit_of(organization) == Decimal("0.125")
+
+    response = put(client, {"monthly_limit": None}, key=manager)
+    assert response.status_code == 200 and response.json()["monthly_limit"] is None
+    assert limit_of(organization) is None
+
+
+def test_the_limit_set_through_the_api_is_what_the_quota_check_refuses_at(client, acme):
+    organization, manager, _ = acme
+    assert put(client, {"monthly_limit": "0"}, key=manager).status_code == 200
+    with pytest.raises(QuotaExceeded) as caught:
+        services.check_quota(organization=organization)
+    # The refusal says where the limit is changed, and that place exists.
+    assert "billing page" in caught.value.message and "PUT /v1/billing/limits" in caught.value.message
+    assert put(client, {"monthly_limit": None}, key=manager).status_code == 200
+    services.check_quota(organization=organization)  # no limit: the balance alone decides
+
+
+@pytest.mark.parametrize("raw", [
+    '{"monthly_limit": 100}', '{"monthly_limit": 100.5}', '{"monthly_limit": 1e2}', '{"monthly_limit": "abc"}',
+    '{"monthly_limit": "-1"}', '{"monthly_limit": "1e3"}', '{"monthly_limit": "1.0000001"}',
+    '{"monthly_limit": "1000000000000"}', '{"monthly_limit": ""}', '{"monthly_limit": true}',
+    '{"monthly_limit": ["1"]}', '{"monthly_limit": {"amount": "1"}}', "{}", '{"monthly_limt": "5"}',
+])
+def test_bad_input_is_400_naming_monthly_limit_and_changes_nothing(client, acme, raw):
+    organization, manager, _ = acme
+    services.set_spend_limit(organization=organization, monthly_limit=Decimal("42"))
+    response = put(client, None, key=manager, raw=raw)
+    assert response.status_code == 400, response.content
+    error = response.json()["error"]
+    assert error["param"] == "monthly_limit" and error["type"] == "invalid_request_error"
+    assert set(error) == {"message", "type", "param", "code"}
+    assert limit_of(organization) == Decimal("42")
+
+
+def test_a_json_number_is_refused_asking_for_a_string(client, acme):
+    _, manager, _ = acme
+    message = put(client, None, key=manager, raw='{"monthly_limit": 100.10}').json()["error"]["message"]
+    assert "as a string" in message
+
+
+def test_a_body_that_is_not_json_is_400(client, acme):
+    _, manager, _ = acme
+    response = put(client, None, key=manager, raw="{not json")
+    assert response.status_code == 400 and set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_another_organizations_key_changes_only_its_own_limit(client, acme):
+    organization, _, _ = acme
+    globex = make_organization("Globex")
+    _, their_manager = make_key(globex, scopes=["manage", "read_usage"], name="theirs")
+    services.set_spend_limit(organization=organization, monthly_limit=Decimal("42"))
+    response = put(client, {"monthly_limit": "1.00"}, key=their_manager)
+    assert response.status_code == 200
+    assert limit_of(globex) == Decimal("1") and limit_of(organization) == Decimal("42")
+    assert client.get(LIMITS, headers=bearer(their_manager)).json()["monthly_limit"] == "1.000000"
+
+
+def test_scopes_and_authentication(client, acme):
+    organization, manager, reader = acme
+    _, inference = make_key(organization, scopes=["inference"], name="inference")
+    for key in (reader, inference):  # changing takes the manage scope
+        response = put(client, {"monthly_limit": "1.00"}, key=key)
+        assert response.status_code == 403 and response.json()["error"]["code"] == "missing_scope"
+    response = client.get(LIMITS, headers=bearer(inference))  # reading takes read_usage
+    assert response.status_code == 403 and response.json()["error"]["code"] == "missing_scope"
+    response = put(client, {"monthly_limit": "1.00"})
+    assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
+    assert client.get(LIMITS).status_code == 401
+    assert limit_of(organization) is None
+    assert client.post(LIMITS, {"monthly_limit": "1.00"}, content_type="application/json",
+                       headers=bearer(manager)).status_code == 405
+
+
+@pytest.mark.parametrize("role, allowed", [("owner", True), ("admin", True), ("member", False)])
+def test_dashboard_session_owners_and_admins_may_change_it_members_may_not(client, acme, role, allowed):
+    organization, _, _ = acme
+    user = organization.memberships.get().user if role == "owner" else member_of(organization, role)
+    client.force_login(user)
+    assert client.get(LIMITS).json()["monthly_limit"] is None  # every member may read it
+    response = put(client, {"monthly_limit": "25.00"})
+    if allowed:
+        assert response.status_code == 200 and limit_of(organization) == Decimal("25")
+    else:
+        assert response.status_code == 403
+        error = response.json()["error"]
+        assert error["type"] == "permission_error" and error["code"] == "insufficient_role"
+        assert limit_of(organization) is None
+
+
+def test_a_session_put_needs_the_csrf_token(acme):
+    organization, _, _ = acme
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(organization.memberships.get().user)
+    response = put(client, {"monthly_limit": "25.00"})
+    assert response.status_code == 403
+    assert limit_of(organization) is None
+
+
+def test_the_openapi_document_describes_the_limits_endpoint(client):
+    document = client.get("/v1/openapi.json").json()
+    operations = document["paths"]["/v1/billing/limits"]
+    assert {"get", "put"} <= set(operations)
+    request = operations["put"]["requestBody"]["content"]["application/json"]["schema"]
+    name = request["$ref"].rsplit("/", 1)[1]
+    field = document["components"]["schemas"][name]["properties"]["monthly_limit"]
+    assert field["type"] == "string" and field.get("nullable") is True
+    assert "monthly_limit" in document["components"]["schemas"][name].get("required", [])
+    answer = operations["put"]["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+    assert {"monthly_limit", "monthly_spend"} <= set(document["components"]["schemas"][answer]["properties"])
+    for code in ("400", "401", "403"):
+        assert code in operations["put"]["responses"]
+
+
+# --- the billing page's form --------------------------------------------------------------------------
+
+
+FORM = "/billing/limit/"
+
+
+@pytest.fixture
+def owner(client, acme):
+    organization, _, _ = acme
+    client.force_login(organization.memberships.get().user)
+    return client, organization
+
+
+def test_owners_see_the_form_members_do_not(client, acme):
+    organization, _, _ = acme
+    client.force_login(organization.memberships.get().user)
+    page = client.get("/billing/").content.decode()
+    assert 'id="spend-limit-form"' in page and 'action="/billing/limit/"' in page and "csrfmiddlewaretoken" in page
+    assert 'id="spend-limit-remove"' not in page  # nothing to remove yet
+    client.force_login(member_of(organization, Membership.Role.MEMBER))
+    page = client.get("/billing/").content.decode()
+    assert 'id="spend-limit-form"' not in page and "No monthly limit" in page
+
+
+def test_the_form_sets_shows_and_removes_the_limit(owner):
+    client, organization = owner
+    response = client.post(FORM, {"monthly_limit": " 50.5 ", "action": "save"})
+    assert response.status_code == 302 and response["Location"] == "/billing/"
+    assert limit_of(organization) == Decimal("50.5")
+    page = client.get("/billing/").content.decode()
+    assert 'value="50.50"' in page and 'id="spend-limit-remove"' in page
+    assert "The monthly spend limit is now $50.50." in page
+
+    response = client.post(FORM, {"monthly_limit": "50.50", "action": "remove"})
+    assert response.status_code == 302 and limit_of(organization) is None
+    assert client.post(FORM, {"monthly_limit": "7", "action": "save"}).status_code == 302
+    assert limit_of(organization) == Decimal("7")
+    assert client.post(FORM, {"monthly_limit": "", "action": "save"}).status_code == 302  # empty: no limit
+    assert limit_of(organization) is None
+
+
+@pytest.mark.parametrize("value", ["abc", "-5", "1e3", "12,50", "1.0000001", "1000000000000"])
+def test_the_form_refuses_bad_amounts_and_says_why(owner, value):
+    client, organization = owner
+    services.set_spend_limit(organization=organization, monthly_limit=Decimal("42"))
+    response = client.post(FORM, {"monthly_limit": value, "action": "save"})
+    assert response.status_code == 400
+    page = response.content.decode()
+    assert 'id="spend-limit-error"' in page and 'aria-invalid="true"' in page
+    assert f'value="{value}"' in page  # what was typed stays in the field
+    assert ("such as 100 or 100.50" in page) == (value in ("abc", "-5", "1e3", "12,50"))
+    assert limit_of(organization) == Decimal("42")
+
+
+def test_a_member_cannot_post_the_form(client, acme):
+    organization, _, _ = acme
+    client.force_login(member_of(organization, Membership.Role.MEMBER))
+    response = client.post(FORM, {"monthly_limit": "1.00", "action": "save"})
+    assert response.status_code == 403 and not SpendLimit.objects.filter(organization=organization).exists()
+
+
+def test_the_form_needs_the_csrf_token_and_a_login(acme):
+    organization, _, _ = acme
+    anonymous = Client()
+    response = anonymous.post(FORM, {"monthly_limit": "1.00"})
+    assert response.status_code == 302 and "/login/" in response["Location"]
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(organization.memberships.get().user)
+    assert client.post(FORM, {"monthly_limit": "1.00"}).status_code == 403
+    assert client.get(FORM).status_code == 405
+    assert limit_of(organization) is None
