@@ -2,6 +2,9 @@
 
 Money moves only as ledger entries, each unique by (kind, reference): a usage event delivered twice,
 a webhook replayed, two workers racing on the same request all end with one entry.
+
+A request is priced at the catalog's prices when billing records its usage event, not when it ran:
+the event carries no prices, so a price changed while the event waits in the billing queue applies.
 """
 
 from __future__ import annotations
