@@ -8,6 +8,7 @@ class AccountsConfig(AppConfig):
     def ready(self):
         from inference_platform.read_cache import invalidate_on_change
 
+        from . import schema  # noqa: F401  (registers the API-key scheme with the OpenAPI document)
         from .models import ApiKey, Organization, User
 
         invalidate_on_change(ApiKey, Organization, User)  # authenticated keys are cached (``selectors``)

@@ -173,3 +173,7 @@ def test_the_openapi_document_describes_the_inference_api(client):
     assert {"model", "messages"} <= set(chat_schema["required"])
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/models"):
         assert path in document["paths"]
+    # Every keyed endpoint says how to send the key (the REST ones too, not only the session cookie).
+    for path in ("/v1/usage", "/v1/deployments", "/v1/billing/limits"):
+        for operation in document["paths"][path].values():
+            assert {"bearer": []} in operation["security"], (path, operation["security"])
