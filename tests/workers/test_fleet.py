@@ -7,6 +7,7 @@ seconds to tens of seconds.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -55,6 +56,15 @@ def _history(db_read, name: str) -> list[str]:
     from workers.selectors import status_history
 
     return db_read(lambda: status_history(deployment=Deployment.objects.get(name=name)))
+
+
+def _unacknowledged(deployment: str) -> list[str]:
+    """Messages of the deployment's queue a worker took and has not acknowledged yet (kombu keeps
+    them in its ``unacked`` hash until then, for a redelivery)."""
+    from workers import fleet as broker
+
+    held = broker.client().hvals("unacked")
+    return [raw for raw in held if json.loads(raw)[2] == f"deployment.{deployment}"]
 
 
 def test_a_deployment_loads_serves_scales_to_zero_and_cold_starts(fleet, tenant, deploy, db_read):
@@ -160,10 +170,22 @@ def test_two_deployments_with_different_batch_windows_are_served_by_two_workers_
     assert f"deployment.{quick}" not in _consumed_queues(quick_worker)
 
     from billing.models import UsageRecord
+    from workers.models import Replica
 
-    wait_until(lambda: db_read(lambda: UsageRecord.objects.filter(deployment_name=quick, completion_tokens=60,
+    streamed, answered = text[0].id, answers[quick].id  # the requests' ids
+    wait_until(lambda: db_read(lambda: UsageRecord.objects.filter(request_id=streamed, completion_tokens=60,
                                                                   status="completed").count()) == 1,
-               timeout=30, message="the request to be billed once")
+               timeout=30, message="the request to be billed")
+    wait_until(lambda: db_read(lambda: UsageRecord.objects.filter(request_id=answered).exists()), timeout=30,
+               message="the request before the deletion to be billed")
+    # Billed once, and nothing is left that could bill it again: the replica is released and no
+    # copy of the request waits unacknowledged for a redelivery.
+    wait_until(lambda: not db_read(lambda: Replica.objects.filter(deployment_name=quick).exists())
+               and not _unacknowledged(quick), timeout=60,
+               message="the deleted deployment's replica to be released and its request acknowledged")
+    assert db_read(lambda: UsageRecord.objects.filter(request_id=streamed).count()) == 1
+    # The request before the deletion and the streamed one: one record each, no other.
+    assert db_read(lambda: UsageRecord.objects.filter(deployment_name=quick).count()) == 2
 
 
 def test_a_broken_model_fails_with_its_reason_and_a_stopped_deployment_answers_at_once(
