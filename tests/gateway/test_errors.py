@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 from datetime import timedelta
 
 import pytest
@@ -80,9 +81,97 @@ def test_another_organizations_dedicated_deployment_is_404(client, seeded, org_k
     org, key, plaintext = org_key()
     error = assert_error(post(client, CHAT, chat(model="private-one"), key=plaintext), 404, param="model")
     assert "private-one" in error["message"]
+    for stream in (False, True):
+        error = assert_error(post(client, COMPLETIONS, {"model": "private-one", "prompt": "Hi", "stream": stream},
+                                  key=plaintext), 404, type_="not_found_error", param="model", code="model_not_found")
+        assert "private-one" in error["message"]
     listed = client.get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {plaintext}").json()["data"]
     assert "private-one" not in [m["id"] for m in listed]
     assert client.get("/v1/models/private-one", HTTP_AUTHORIZATION=f"Bearer {plaintext}").status_code == 404
+    assert no_usage(org) and no_usage(owner_org)
+
+
+@pytest.fixture(scope="module")
+def asgi_application():
+    """The server's ASGI application (HTTP and the WebSocket API behind its key authentication),
+    imported without making this process a server (see tests/project/test_api_handler.py)."""
+    from gateway import admission
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(admission, "use_threads", lambda count=4: None)
+        from inference_platform.asgi import application
+    return application
+
+
+def websocket_replies(application, plaintext: str, frames: list[dict], replies: int) -> list[dict]:
+    """Open ``/v1/ws`` with ``plaintext`` as the Bearer key, send ``frames``, return the first
+    ``replies`` frames the server sends."""
+    import asyncio
+
+    from asgiref.testing import ApplicationCommunicator
+    from channels.db import database_sync_to_async
+    from django.db import connections
+
+    scope = {"type": "websocket", "path": "/v1/ws", "raw_path": b"/v1/ws", "query_string": b"", "subprotocols": [],
+             "headers": [(b"host", b"localhost"), (b"authorization", f"Bearer {plaintext}".encode())]}
+
+    async def run():
+        communicator = ApplicationCommunicator(application, scope)
+        try:
+            await communicator.send_input({"type": "websocket.connect"})
+            assert (await communicator.receive_output(10))["type"] == "websocket.accept"
+            for frame in frames:
+                await communicator.send_input({"type": "websocket.receive", "text": json.dumps(frame)})
+            out = [json.loads((await communicator.receive_output(30))["text"]) for _ in range(replies)]
+            await communicator.send_input({"type": "websocket.disconnect", "code": 1000})
+            await communicator.wait(5)
+            return out
+        finally:  # the key was checked on asgiref's worker thread: close that thread's connection
+            await database_sync_to_async(connections.close_all)()
+
+    return asyncio.run(run())
+
+
+@pytest.mark.django_db(transaction=True)  # the handshake reads the key on another thread
+def test_another_organizations_dedicated_deployment_cannot_be_called_over_the_websocket(asgi_application, settings):
+    """The other organization gets 404 model_not_found for either endpoint, as if the name did not
+    exist; the owner reaches the deployment (no worker serves it here: 503 after the short wait)."""
+    from accounts import services
+    from django.core.management import call_command
+    from models_catalog.models import CatalogModel
+    from models_catalog.services import create_deployment
+    from tests.workers.test_capacity import queued_ticks
+    from workers import fleet
+
+    ticks_before = set(queued_ticks())  # the placement-loop runs asked for below: nobody runs them here
+    settings.GATEWAY_QUEUE_TIMEOUT = settings.FLEET_COLD_START_TIMEOUT = 0.2
+    call_command("seed_catalog", verbosity=0)
+    keys = {}
+    for who in ("owner", "other"):
+        user = services.create_user(email=f"{who}-{uuid.uuid4().hex[:8]}@example.com", password=None)
+        org = services.create_organization(name=f"{who}-{uuid.uuid4().hex[:8]}", owner=user)
+        _, keys[who] = services.create_api_key(organization=org, name="t", scopes=["inference"], created_by=user)
+        keys[f"{who}_org"] = org
+    name = f"private-{uuid.uuid4().hex[:8]}"
+    create_deployment(organization=keys["owner_org"], model=CatalogModel.objects.get(slug="smollm2-135m-instruct"),
+                      name=name, kind="dedicated", min_replicas=1, max_replicas=1)
+    frames = [{"request_id": "chat", "model": name, "messages": [{"role": "user", "content": "Hi"}]},
+              {"request_id": "text", "endpoint": "completions", "model": name, "prompt": "Hi"}]
+    try:
+        refused = {f["request_id"]: f for f in websocket_replies(asgi_application, keys["other"], frames, 2)}
+        served = {f["request_id"]: f for f in websocket_replies(asgi_application, keys["owner"], frames, 2)}
+    finally:
+        fleet.client().delete(*fleet.queue_lists(f"deployment.{name}"))
+        for raw in set(queued_ticks()) - ticks_before:
+            fleet.client().lrem("default", 0, raw)
+    for request_id in ("chat", "text"):
+        frame = refused[request_id]
+        assert frame["type"] == "error" and set(frame["error"]) == {"message", "type", "param", "code"}, frame
+        assert (frame["error"]["type"], frame["error"]["code"], frame["error"]["param"]) == \
+            ("not_found_error", "model_not_found", "model")
+        assert name in frame["error"]["message"]
+        assert served[request_id]["error"]["code"] == "model_unavailable", served[request_id]
+    assert no_usage(keys["other_org"]) and no_usage(keys["owner_org"])
 
 
 @pytest.mark.parametrize("path,body,param", [
