@@ -110,6 +110,46 @@ def test_a_redis_that_is_down_gives_one_clear_line_without_the_password():
     assert "hunter2" not in result.stderr
 
 
+def run_manage(*args, env_overrides: dict) -> subprocess.CompletedProcess:
+    env = {**os.environ, **env_overrides}
+    return subprocess.run([sys.executable, "manage.py", *args], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_manage_py_with_the_database_down_gives_one_clear_line_without_the_password():
+    port = free_port()
+    result = run_manage("migrate", env_overrides={"DATABASE_URL": f"postgresql://bob:hunter2@127.0.0.1:{port}/nowhere"})
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr and "hunter2" not in result.stderr + result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "database" in lines[0] and f"postgresql://bob:***@127.0.0.1:{port}/nowhere" in lines[0]
+
+
+def test_manage_py_with_redis_down_gives_one_clear_line_without_the_password():
+    port = free_port()
+    result = run_manage("shell", "-c", "from workers import fleet; fleet.client().ping()",
+                        env_overrides={"REDIS_URL": f"redis://:hunter2@127.0.0.1:{port}/0"})
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr and "hunter2" not in result.stderr + result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Redis" in lines[0] and f"127.0.0.1:{port}" in lines[0]
+
+
+def test_manage_py_still_shows_a_database_error_that_is_not_a_connection_down(django_db_setup):
+    """The (test) database answers: an OperationalError of the command's own (a statement timeout)
+    keeps its traceback and is not blamed on the connection."""
+    from tests.conftest import test_database_url
+
+    code = ("from django.db import connection; "
+            "connection.cursor().execute('SET statement_timeout = 1; SELECT pg_sleep(5)')")
+    result = run_manage("shell", "-c", code, env_overrides={"DATABASE_URL": test_database_url()})
+    assert result.returncode != 0
+    assert "Traceback" in result.stderr and "OperationalError" in result.stderr
+    assert "statement timeout" in result.stderr and "cannot reach" not in result.stderr
+
+
 def test_the_stdlib_platform_module_is_not_shadowed():
     result = subprocess.run(
         [sys.executable, "-c", "import uuid, platform; print(platform.system())"],
