@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import psutil
 import pytest
@@ -22,11 +26,38 @@ def run_cli(*args, env_overrides: dict, timeout: float = 60) -> subprocess.Compl
     return subprocess.run([*CLI, *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("command", [[], ["up"], ["web"], ["worker"]])
+def subcommands() -> list[str]:
+    """Every subcommand the parser knows, so that a new one is covered by the tests below."""
+    from inference_platform.cli import build_parser
+
+    [action] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return list(action.choices)
+
+
+def test_the_subcommands_are_the_documented_ones():
+    assert set(subcommands()) >= {"up", "web", "worker", "beat", "createkey"}
+
+
+@pytest.mark.parametrize("command", [[], *([name] for name in subcommands())])
 def test_every_command_has_help(command):
     result = subprocess.run([*CLI, *command, "--help"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(" ".join(["usage: inference-platform", *command]))
+    if not command:  # the top-level help lists every subcommand
+        listed = re.findall(r"^    (\S+)", result.stdout, flags=re.MULTILINE)
+        assert listed == subcommands(), result.stdout
+
+
+def test_the_installed_console_script_runs():
+    """The entry point pip installed (``inference-platform`` beside this Python), not ``python -m``."""
+    script = shutil.which("inference-platform", path=str(Path(sys.executable).parent))
+    assert script, f"no inference-platform script next to {sys.executable}"
+    result = subprocess.run([script, "--help"], cwd="/", capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: inference-platform")
+    assert all(name in result.stdout for name in subcommands())
+    result = subprocess.run([script, "createkey", "--help"], cwd="/", capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "--scopes" in result.stdout, result.stderr
 
 
 def test_production_mode_refuses_the_default_secret_key():
