@@ -205,6 +205,27 @@ def wait_ready(url: str, procs: list[subprocess.Popen], *, deadline_s: float) ->
     raise Abort(f"the platform was not ready within {deadline_s:g}s: {last}")
 
 
+def wait_loaded(names: list[str], worker: str, procs: list[subprocess.Popen], *, deadline_s: float) -> None:
+    """Wait until ``worker`` has loaded every deployment in ``names`` (its engines answer Celery's
+    remote control), so that the first request does not wait for a model load."""
+    from .celery import app
+
+    give_up = time.monotonic() + deadline_s
+    while time.monotonic() < give_up:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise Abort(f"{' '.join(proc.args[:4])} exited with code {proc.returncode} while loading")
+        try:
+            replies = app.control.broadcast("engine_stats", reply=True, timeout=1.0, destination=[worker])
+        except Exception:  # the broker is briefly unreachable: ask again
+            replies = []
+        loaded = {name for reply in replies for node in reply.values() for name in node.get("engines", {})}
+        if loaded >= set(names):
+            return
+        time.sleep(0.5)
+    raise Abort(f"the worker did not load {', '.join(names)} within {deadline_s:g}s: see its log")
+
+
 def free_port(host: str, port: int) -> None:
     """Abort unless the web server will be able to listen on ``host``:``port``."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn picks it
@@ -281,6 +302,7 @@ def cmd_up(args) -> int:
         api_key = ensure_api_key(settings)
         say(f"[4/5] starting the web server on http://{args.host}:{args.port}, a worker and a billing worker")
         served = served_deployments()
+        worker_name = f"worker@{socket.gethostname()}"
         env = child_env(DATA_DIR=str(settings.DATA_DIR), INFERENCE_PRELOAD=",".join(served),
                         WORKER_SLOTS=str(max(args.slots, len(served))))
         logs = settings.DATA_DIR / "logs"
@@ -292,7 +314,7 @@ def cmd_up(args) -> int:
         procs.append(
             spawn(
                 worker_command(queues=["default"] + [deployment_queue(d) for d in served],
-                               concurrency=args.concurrency, name=f"worker@{socket.gethostname()}"),
+                               concurrency=args.concurrency, name=worker_name),
                 env=env,
                 log=logs / "worker.log",
             )
@@ -306,15 +328,19 @@ def cmd_up(args) -> int:
             )
         )
         procs.append(spawn(beat_command(settings), env=env, log=logs / "beat.log"))
-        say("[5/5] waiting for /readyz")
+        say(f"[5/5] waiting for /readyz and for the worker to load {', '.join(served) or 'nothing'}")
         base = local_url(args.host, args.port)
+        started = time.monotonic()
         wait_ready(f"{base}/readyz", procs, deadline_s=args.ready_timeout)
+        wait_loaded(served, worker_name, procs, deadline_s=max(1.0, args.ready_timeout - (time.monotonic() - started)))
     except (Abort, KeyboardInterrupt) as exc:
         stop_all(procs)
         if isinstance(exc, KeyboardInterrupt):
             return 130
         raise
-    login = f"{ADMIN_EMAIL} / {password}" if password else f"{ADMIN_EMAIL} (password in {settings.DATA_DIR / 'admin-password.txt'})"
+    password_file = settings.DATA_DIR / "admin-password.txt"
+    login = f"{ADMIN_EMAIL} / {password}  (also in {password_file})" if password else \
+        f"{ADMIN_EMAIL} (password in {password_file})"
     say("")
     say(f"  Dashboard:  {base}/")
     say(f"  Log in as:  {login}")
@@ -365,7 +391,9 @@ def cmd_worker(args) -> int:
     require_database(settings)
     name = args.name or f"worker-{os.getpid()}@{socket.gethostname()}"
     queues = args.queues + [deployment_queue(d) for d in args.deployments]
-    slots = args.slots if args.slots is not None else max(1, len(args.deployments))
+    slots = args.slots
+    if slots is None:  # WORKER_SLOTS, read (and checked) by the settings, when it is set
+        slots = settings.WORKER_SLOTS if os.environ.get("WORKER_SLOTS", "").strip() else max(1, len(args.deployments))
     env = child_env(INFERENCE_PRELOAD=",".join(args.deployments), WORKER_SLOTS=str(slots))
     procs.append(spawn(worker_command(queues=queues, concurrency=args.concurrency, name=name), env=env))
     return supervise(procs)
@@ -417,7 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--name", default="", help="Celery node name (default worker-PID@HOST)")
     worker.add_argument("--slots", type=int, default=None,
                         help="deployments this worker may host at once, placed by the fleet's placement loop "
-                             "(default 1, or the number of --deployments); 0: not an inference worker (billing only)")
+                             "(default: WORKER_SLOTS if set, else 1 or the number of --deployments); "
+                             "0: not an inference worker (billing only)")
     worker.set_defaults(func=cmd_worker)
 
     beat = sub.add_parser("beat", help="run the fleet's placement loop (Celery beat)",

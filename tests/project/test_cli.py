@@ -213,6 +213,8 @@ def test_up_starts_everything_on_embedded_defaults_and_ctrl_c_leaves_no_process(
         wait_until(lambda: "Ready." in log.read_text() or proc.poll() is not None, timeout=180, interval=0.5,
                    message="`up` to say it is ready")
         assert ready(f"http://127.0.0.1:{port}/readyz"), log.read_text()
+        # "Ready" waits for the model: the first request does not pay for its load.
+        assert "deployment smollm2-135m-instruct ready in" in (tmp_path / "logs" / "worker.log").read_text()
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(child.cmdline()) for child in children)
         assert "redis-server" in names and "celery" in names and "uvicorn" in names
