@@ -198,20 +198,30 @@ def ready(url: str) -> bool:
         return False
 
 
-def test_up_starts_everything_on_embedded_defaults_and_ctrl_c_leaves_no_process(tmp_path):
-    """No DATABASE_URL, no REDIS_URL: SQLite and a private Redis; SIGINT stops every child, the
-    web server's worker processes included."""
+def start_up(tmp_path, *extra: str) -> tuple[subprocess.Popen, int, Path]:
+    """``inference-platform up`` on the embedded defaults, in a process group of its own (as in a
+    terminal), once it says it is ready: (process, web port, its output's file)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL"}}
     env["DATA_DIR"] = str(tmp_path)
     log = tmp_path / "up.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([*CLI, "up", "--port", str(port), "--concurrency", "2", "--web-workers", "2"],
-                                cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # a process group of its own, as in a terminal
+        proc = subprocess.Popen([*CLI, "up", "--port", str(port), "--concurrency", "2", *extra],
+                                cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_until(lambda: "Ready." in log.read_text() or proc.poll() is not None, timeout=180, interval=0.5,
                    message="`up` to say it is ready")
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, port, log
+
+
+def test_up_starts_everything_on_embedded_defaults_and_ctrl_c_leaves_no_process(tmp_path):
+    """No DATABASE_URL, no REDIS_URL: SQLite and a private Redis; SIGINT stops every child, the
+    web server's worker processes included."""
+    proc, port, log = start_up(tmp_path, "--web-workers", "2")
+    try:
         assert ready(f"http://127.0.0.1:{port}/readyz"), log.read_text()
         # "Ready" waits for the model: the first request does not pay for its load.
         assert "deployment smollm2-135m-instruct ready in" in (tmp_path / "logs" / "worker.log").read_text()
@@ -231,6 +241,23 @@ def test_up_starts_everything_on_embedded_defaults_and_ctrl_c_leaves_no_process(
         assert alive == [], f"left behind: {[p.cmdline() for p in alive]}"
         for name in ("worker.log", "billing.log", "beat.log"):  # Redis outlived them: a clean shutdown
             assert "Traceback" not in (tmp_path / "logs" / name).read_text(), name
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_up_killed_outright_leaves_no_process(tmp_path):
+    """SIGKILL gives ``up`` no chance to stop anything: its children must die with it (and the
+    web server's own worker processes with theirs)."""
+    proc, port, log = start_up(tmp_path)
+    try:
+        assert ready(f"http://127.0.0.1:{port}/readyz"), log.read_text()
+        everything = psutil.Process(proc.pid).children(recursive=True)
+        assert any("redis-server" in " ".join(p.cmdline()) for p in everything)
+        proc.kill()
+        proc.wait(timeout=10)
+        gone, alive = psutil.wait_procs(everything, timeout=30)
+        assert alive == [], f"left behind: {[p.cmdline() for p in alive]}"
     finally:
         if proc.poll() is None:
             proc.kill()
