@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -106,7 +107,8 @@ class _ProgressSend:
             self._skip.discard(kind)
             return
         if kind == "inference.finished":  # the run emitted the usage event before it: see inference.run
-            self._stage(fleet.STAGE_BILLED)
+            # Kept, so that if this process dies before the client has it, recovery can send it.
+            self._stage(fleet.STAGE_BILLED, finished=json.dumps(message))
         self._send(channel, message)
         if kind == "inference.started":
             self._stage(fleet.STAGE_STARTED, prompt_tokens=message.get("prompt_tokens", 0))
@@ -404,6 +406,9 @@ class Agent:
         skip: set[str] = set()
         if previous:
             stage, owner = previous.get("stage"), previous.get("instance")
+            if stage == fleet.STAGE_BILLED and owner != INSTANCE and not fleet.instance_alive(owner):
+                fleet.tell_billed(request_id, previous, reason=f"{previous.get('worker') or 'a worker'} stopped")
+                return None
             if stage in fleet.DONE_STAGES:
                 return None
             if owner == INSTANCE and request_id in self.running:

@@ -256,23 +256,37 @@ def fail_interrupted(request_id: str, record: dict, *, reason: str) -> bool:
     return True
 
 
-def _tell_billed(request_id: str, record: dict, *, reason: str) -> None:
-    """The worker died after billing the whole answer but before its last message: the client has
-    every token, and only the end of the stream to learn of."""
-    client().hset(_progress_key(request_id), "stage", STAGE_FINISHED)
-    _send_error(record.get("reply", ""), status=503, code=WORKER_LOST_CODE,
-                message=f"The worker running this request stopped ({reason}) after the whole answer was sent "
-                        "and billed; only the end of the stream was lost.")
+def tell_billed(request_id: str, record: dict, *, reason: str) -> None:
+    """The worker died after billing the whole answer but before its last message reached the
+    client: send that message (kept in the progress record) on its behalf, so the client ends as
+    it would have. Once per request."""
+    r = client()
+    if not r.hsetnx(_progress_key(request_id), "told", "1"):
+        return
+    r.hset(_progress_key(request_id), "stage", STAGE_FINISHED)
+    try:
+        finished = json.loads(record.get("finished") or "")
+    except ValueError:
+        finished = None
+    if isinstance(finished, dict) and finished.get("type") == "inference.finished":
+        _send(record.get("reply", ""), finished)
+    else:
+        _send_error(record.get("reply", ""), status=503, code=WORKER_LOST_CODE,
+                    message=f"The worker running this request stopped ({reason}) after the whole answer was "
+                            "produced and billed; only the end of the stream was lost.")
 
 
 def _send_error(reply: str, *, status: int, message: str, code: str) -> None:
+    _send(reply, {"type": "inference.error", "status": status, "message": message, "param": None, "code": code})
+
+
+def _send(reply: str, message: dict) -> None:
     if not reply:
         return
     from .relay import sender
 
     try:
-        sender().send(reply, {"type": "inference.error", "status": status, "message": message, "param": None,
-                              "code": code})
+        sender().send(reply, message)
     except Exception as exc:  # the client is gone: nothing to tell
         log.info("could not tell %s: %s", reply, exc)
 
@@ -297,7 +311,7 @@ def recover_requests(*, instance: str, reason: str) -> dict[str, list[tuple[str,
                 continue
             if stage in (STAGE_STREAMING, STAGE_BILLED):
                 if stage == STAGE_BILLED:
-                    _tell_billed(request_id, record, reason=reason)
+                    tell_billed(request_id, record, reason=reason)
                 elif fail_interrupted(request_id, record, reason=reason):
                     done["interrupted"].append((request_id, record.get("deployment", "")))
                 # Drop the unacknowledged copy: nobody should run it again.

@@ -11,6 +11,9 @@ refused before it starts. Whatever happens after the engine accepted the request
 leaves for billing before this returns, i.e. before Celery acknowledges the task; and it leaves
 before inference.finished, so a worker that dies between the two has still billed what the
 client received (a request is never served for free, nor billed twice: billing keys it by id).
+One narrow window remains: a death between the emit and the progress record's "billed" stage
+looks like a death mid-stream, and recovery's "failed, free" event races the real one (billing
+keeps whichever it records first).
 """
 
 from __future__ import annotations
@@ -69,22 +72,24 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "") -> 
 
     stream.handle = handle
     cancels.watch(request_id, handle.abort)
-    event = None
+    event, billed = None, False
     try:
         _send_or_abort(send, reply, {"type": "inference.started", "prompt_tokens": handle.prompt_tokens,
                                      "worker": worker_name}, handle)
         stream.open()
         last = stream.wait(STALL_TIMEOUT_S)
-        event = _bill(payload, stream, handle, cancels)
-        _send_quietly(send, reply, {
-            "type": "inference.finished", "finish_reason": last.finish_reason, "error": last.error,
-            "usage": _usage(last), "timings": _timings_ms(last.timings),
-        })
+        finished = {"type": "inference.finished", "finish_reason": last.finish_reason, "error": last.error,
+                    "usage": _usage(last), "timings": _timings_ms(last.timings)}
+        try:
+            billed = True
+            event = _bill(payload, stream, handle, cancels)
+        finally:  # the client gets its end even if billing failed (that error is raised on)
+            _send_quietly(send, reply, finished)
     except TimeoutError:
         handle.abort()
         _send_quietly(send, reply, _error(504, "the engine produced nothing for too long", code="timeout"))
     finally:
-        if event is None:
+        if not billed:
             event = _bill(payload, stream, handle, cancels)
     return event
 

@@ -176,10 +176,23 @@ def test_a_workers_minute_of_figures_for_the_metrics():
     assert (aged["steps"], aged["generated_tokens"]) == (4, 8)
 
 
+FINISHED = {"type": "inference.finished", "finish_reason": "length", "error": None,
+            "usage": {"prompt_tokens": 3, "cached_prompt_tokens": 0, "completion_tokens": 2},
+            "timings": {"queue_ms": 1.0, "ttft_ms": 2.0, "tpot_ms": 1.0, "latency_ms": 4.0}}
+
+
 @pytest.mark.django_db
-def test_a_request_that_died_after_it_was_billed_is_ended_without_a_second_record(taken, monkeypatch):
-    """Billed, but its last message never left: the client learns the stream ended, and no
-    'failed, free' usage event races the one already on billing's queue."""
+@pytest.mark.parametrize("kept", [True, False], ids=["last message kept", "last message lost"])
+def test_a_request_that_died_after_it_was_billed_is_ended_without_a_second_record(taken, monkeypatch, kept):
+    """Billed, but its last message never left: the client gets that message (kept with the
+    progress record) and ends as it would have; no 'failed, free' usage event races the one
+    already on billing's queue."""
+    import json
+
+    from workers import inference
+
+    emitted = []
+    monkeypatch.setattr(inference, "emit_usage", emitted.append)
     worker = _dead_worker()
     layer = get_channel_layer()
     reply = async_to_sync(layer.new_channel)()
@@ -189,16 +202,32 @@ def test_a_request_that_died_after_it_was_billed_is_ended_without_a_second_recor
     tag = taken(payload)
     fleet.track_received(worker.instance, payload["request_id"], tag)
     fleet.claim(payload, instance=worker.instance, hostname=worker.hostname)
-    fleet.set_stage(payload["request_id"], fleet.STAGE_BILLED)
-    from workers import inference
-
-    emitted = []
-    monkeypatch.setattr(inference, "emit_usage", emitted.append)
+    fleet.set_stage(payload["request_id"], fleet.STAGE_BILLED, **({"finished": json.dumps(FINISHED)} if kept else {}))
 
     services.mark_worker_gone(worker=worker, reason="no heartbeat for 5s")
-    error = async_to_sync(layer.receive)(reply)
-    assert error["code"] == "worker_lost" and "billed" in error["message"] and "not billed" not in error["message"]
+    message = async_to_sync(layer.receive)(reply)
+    if kept:
+        assert message == FINISHED
+    else:
+        assert message["code"] == "worker_lost" and "billed" in message["message"]
+        assert "not billed" not in message["message"]
     r = fleet.client()
     assert fleet.queue_depths([name]) == {name: 0} and not r.hexists("unacked", tag)
-    assert emitted == []  # no second, 'failed and free' usage event
-    assert _serve(Agent(), payload).ran == 0  # a copy that turns up later is dropped
+    assert emitted == []  # no second usage event
+    assert _serve(Agent(), payload).ran == 0  # a copy that turns up later is dropped, and tells nobody twice
+    assert fleet.client().hget(f"inference:progress:{payload['request_id']}", "stage") == "finished"
+
+
+def test_a_redelivered_copy_of_a_billed_request_sends_the_last_message_once():
+    import json
+
+    layer = get_channel_layer()
+    reply = async_to_sync(layer.new_channel)()
+    payload = _payload(f"s-{uuid.uuid4().hex[:6]}", reply)
+    fleet.claim(payload, instance="dead-three", hostname="dead@here")
+    fleet.set_stage(payload["request_id"], fleet.STAGE_BILLED, finished=json.dumps(FINISHED))
+    assert _serve(Agent(), payload).ran == 0
+    assert async_to_sync(layer.receive)(reply) == FINISHED
+    assert _serve(Agent(), payload).ran == 0  # and a third copy sends nothing more
+    record = fleet.client().hgetall(f"inference:progress:{payload['request_id']}")
+    assert record["stage"] == "finished" and record["told"] == "1"
