@@ -57,6 +57,13 @@ def _session_user(request):
     return request.user if getattr(request.user, "pk", None) and not isinstance(request.auth, ApiKey) else None
 
 
+def _key_creator(request):
+    """The member who created the calling API key: a key acts with its creator's role, so that a
+    member cannot lift the organization's limit with a ``manage`` key of their own. None for a key
+    made by the operator's command line (no creator)."""
+    return request.auth.created_by if isinstance(request.auth, ApiKey) else None
+
+
 class BillingAPIView(APIView):
     authentication_classes = [ApiKeyAuthentication, SessionAuthentication]
     permission_classes = [require_scope("read_usage")]
@@ -245,5 +252,5 @@ class SpendLimitView(BillingAPIView):
         body.is_valid(raise_exception=True)
         organization = self.organization(request)
         limit = services.set_spend_limit(organization=organization, monthly_limit=body.validated_data["monthly_limit"],
-                                         actor=_session_user(request))
+                                         actor=_session_user(request) or _key_creator(request))
         return self._answer(organization, limit.monthly_limit)

@@ -115,6 +115,8 @@ class LedgerEntry(models.Model):
         indexes = [
             # Balance = SUM(amount) per organization: an index-only scan on PostgreSQL.
             models.Index(fields=["organization", "created_at"], name="billing_ledger_org_created", include=["amount"]),
+            # The billing page's history by kind ("Payments & credits" among many usage charges), newest first.
+            models.Index(fields=["organization", "kind", "-id"], name="billing_ledger_org_kind_id"),
         ]
         constraints = [
             models.UniqueConstraint(fields=["kind", "reference"], condition=~Q(reference=""),

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import stripe
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Exists, Subquery
+from django.db.models import Exists, OuterRef, Subquery
 
 from accounts.models import ApiKey, Membership, Organization
 from inference_platform.read_cache import ReadCache
@@ -90,13 +90,15 @@ def grant_signup_credit(*, organization: Organization) -> LedgerEntry | None:
     if owner_id is None:
         reference = f"organization:{organization.pk}"
     else:
-        # Credits granted before they were referenced by user: one in another organization the
-        # owner owns counts too.
+        # Credits granted before they were referenced by user (by organization): one in an
+        # organization this user founded (its first owner) counts too. Owning an organization
+        # someone else founded (an invitation as owner) does not use up the user's own credit.
+        founder = (Membership.objects.filter(organization=OuterRef("organization"), role=Membership.Role.OWNER)
+                   .order_by("created_at", "id").values("user_id")[:1])
         if LedgerEntry.objects.filter(
-            kind=LedgerEntry.Kind.SIGNUP_CREDIT,
-            organization__memberships__user_id=owner_id,
-            organization__memberships__role=Membership.Role.OWNER,
-        ).exists():
+            kind=LedgerEntry.Kind.SIGNUP_CREDIT, reference__startswith="organization:",
+            organization__memberships__user_id=owner_id, organization__memberships__role=Membership.Role.OWNER,
+        ).annotate(founder=Subquery(founder)).filter(founder=owner_id).exists():
             return None
         reference = f"user:{owner_id}"
     entry, _ = _post(organization_id=organization.pk, kind=LedgerEntry.Kind.SIGNUP_CREDIT,

@@ -60,6 +60,18 @@ def test_belonging_to_someone_elses_organization_does_not_use_up_the_credit():
 
 
 @pytest.mark.django_db
+def test_an_owner_of_someone_elses_organization_still_gets_a_credit_for_their_own():
+    """Invited as an owner (or promoted) of an organization whose credit was granted before
+    credits named their user: that credit was its founder's, not this user's."""
+    founder, invited = _user("founder"), _user("invited")
+    theirs = create_organization(name="Theirs", owner=founder)
+    LedgerEntry.objects.filter(organization=theirs, kind="signup_credit").update(reference=f"organization:{theirs.pk}")
+    add_member(organization=theirs, user=invited, role=Membership.Role.OWNER)
+    mine = create_organization(name="Mine", owner=invited)
+    assert selectors.balance(organization=mine) == SIGNUP
+
+
+@pytest.mark.django_db
 def test_a_credit_granted_before_credits_named_their_user_still_counts():
     """Earlier sign-up credits were referenced by organization: the owner's next one gets none."""
     from billing import services

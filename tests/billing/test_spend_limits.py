@@ -157,6 +157,19 @@ def test_dashboard_session_owners_and_admins_may_change_it_members_may_not(clien
         assert limit_of(organization) is None
 
 
+@pytest.mark.parametrize("role, allowed", [("owner", True), ("admin", True), ("member", False)])
+def test_a_key_acts_with_its_creators_role(client, acme, role, allowed):
+    """A member cannot lift the limit with a manage key of their own making."""
+    from accounts.services import create_api_key
+
+    organization, _, _ = acme
+    user = organization.memberships.get().user if role == "owner" else member_of(organization, role)
+    _, plaintext = create_api_key(organization=organization, name=f"{role}'s", scopes=["manage"], created_by=user)
+    response = put(client, {"monthly_limit": "25.00"}, key=plaintext)
+    assert response.status_code == (200 if allowed else 403), response.content
+    assert limit_of(organization) == (Decimal("25") if allowed else None)
+
+
 def test_a_session_put_needs_the_csrf_token(acme):
     organization, _, _ = acme
     client = Client(enforce_csrf_checks=True)
