@@ -11,8 +11,11 @@ def _stop_if_down(check) -> None:
     error was something else and is raised as it is."""
     from django.conf import settings
 
+    from django.db import connection
+
     from inference_platform.cli import Abort
 
+    connection.close()  # ask on a fresh connection: the failed one may be broken or carry its session's settings
     try:
         check(settings)
     except Abort as exc:

@@ -424,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=port_number, default=8000, help="web server port (default 8000)")
     up.add_argument("--concurrency", type=int, default=64, help="worker threads (default 64)")
     up.add_argument("--web-workers", type=int, default=1, help="web server processes (default 1)")
-    up.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for /readyz (default 180)")
+    up.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for /readyz and the worker's model load (default 180)")
     up.add_argument("--slots", type=int, default=4,
                     help="deployments the worker may host at once; the placement loop fills them (default 4)")
     up.set_defaults(func=cmd_up)
