@@ -213,7 +213,8 @@ def _place_deployment(deployment: Deployment, mine: list[Replica], depth: int, *
                            w.hostname),
         )
         for worker in candidates[: wanted - len(mine)]:
-            services.place_replica(worker=worker, deployment=deployment, trigger=trigger, spec_hash=current)
+            if services.place_replica(worker=worker, deployment=deployment, trigger=trigger, spec_hash=current) is None:
+                continue  # the worker's preload of it was adopted meanwhile: that replica stands
             if worker.pk in swapping:  # the slot of the engine it replaces (the worker unloads it first)
                 swapping.discard(worker.pk)
             else:  # a released engine elsewhere keeps its slot until its worker reports it gone

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from datetime import datetime, timedelta, timezone as dt_timezone
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from models_catalog.models import Deployment
@@ -237,12 +237,20 @@ def mark_silent_workers_gone(*, now: datetime | None = None) -> list[Worker]:
 # ------------------------------------------------------------------------------------ replicas
 
 
-def place_replica(*, worker: Worker, deployment: Deployment, trigger: str, spec_hash: str) -> Replica:
+def place_replica(*, worker: Worker, deployment: Deployment, trigger: str, spec_hash: str) -> Replica | None:
+    """A new replica of ``deployment`` on ``worker``; None when the worker got one meanwhile (its
+    heartbeat adopted a preload of it between the placement pass's read and this write)."""
     now = timezone.now()
-    replica = Replica.objects.create(
-        worker=worker, deployment=deployment, deployment_name=deployment.name, status=Replica.Status.LOADING,
-        trigger=trigger, spec_hash=spec_hash, assigned_at=now, last_active_at=now,
-    )
+    try:
+        with transaction.atomic():
+            replica = Replica.objects.create(
+                worker=worker, deployment=deployment, deployment_name=deployment.name, status=Replica.Status.LOADING,
+                trigger=trigger, spec_hash=spec_hash, assigned_at=now, last_active_at=now,
+            )
+    except IntegrityError:
+        if Replica.objects.filter(worker=worker, deployment_name=deployment.name).exists():
+            return None
+        raise
     record_event(kind=FleetEvent.Kind.PLACED, deployment=deployment, worker=worker.hostname,
                  cold_start=trigger == Replica.Trigger.DEMAND, message=trigger)
     settle_status(deployment=deployment)

@@ -268,6 +268,31 @@ def test_heartbeats_adopt_a_preloaded_deployment_and_drop_what_the_worker_no_lon
     assert replicas(deployment) == []
 
 
+def test_a_preload_adopted_while_the_pass_places_the_same_deployment_is_kept_without_an_error(model, monkeypatch,
+                                                                                                caplog):
+    """The race `up` meets: the pass read no replica, then the worker's heartbeat adopted its
+    preload of the deployment, then the pass placed it on that worker."""
+    from workers.dispatch import engine_spec
+
+    worker = register("alpha")
+    deployment = deploy(model, min_replicas=1)
+    report = {"state": "ready", "deployment_id": deployment.pk, "origin": "preload", "load_seconds": 3.0,
+              "spec_hash": fleet.spec_hash(engine_spec(deployment)), "in_flight": 0, "last_active": 1.7e9}
+    place = services.place_replica
+
+    def heartbeat_first(**kwargs):
+        beat(worker, {deployment.name: report})
+        return place(**kwargs)
+
+    monkeypatch.setattr(placement.services, "place_replica", heartbeat_first)
+    monkeypatch.setattr(placement.fleet, "send_load", lambda **kwargs: pytest.fail("nothing to load: it is loaded"))
+    with caplog.at_level("ERROR", logger="workers.placement"):
+        result = placement._tick_once(now=None)
+    assert result.placed == [] and not caplog.records
+    assert replicas(deployment) == [(worker.hostname, "ready", "preload")]
+    assert status(deployment)[0] == "ready"
+
+
 def test_a_restarted_worker_replaces_its_previous_process(model):
     worker = register("alpha")
     deployment = deploy(model, min_replicas=1)
