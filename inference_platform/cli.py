@@ -205,9 +205,13 @@ def wait_ready(url: str, procs: list[subprocess.Popen], *, deadline_s: float) ->
     raise Abort(f"the platform was not ready within {deadline_s:g}s: {last}")
 
 
-def wait_loaded(names: list[str], worker: str, procs: list[subprocess.Popen], *, deadline_s: float) -> None:
+def wait_loaded(names: list[str], worker: str, procs: list[subprocess.Popen], *, deadline_s: float,
+                since=None) -> None:
     """Wait until ``worker`` has loaded every deployment in ``names`` (its engines answer Celery's
-    remote control), so that the first request does not wait for a model load."""
+    remote control), so that the first request does not wait for a model load. A load that fails
+    (the fleet records it, after ``since``) stops the wait at once with its reason."""
+    from workers.models import FleetEvent
+
     from .celery import app
 
     give_up = time.monotonic() + deadline_s
@@ -215,6 +219,12 @@ def wait_loaded(names: list[str], worker: str, procs: list[subprocess.Popen], *,
         for proc in procs:
             if proc.poll() is not None:
                 raise Abort(f"{' '.join(proc.args[:4])} exited with code {proc.returncode} while loading")
+        failed = FleetEvent.objects.filter(kind=FleetEvent.Kind.FAILED, worker=worker, deployment_name__in=names)
+        if since is not None:
+            failed = failed.filter(created_at__gte=since)
+        failure = failed.order_by("created_at").first()
+        if failure is not None:
+            raise Abort(f"the worker could not load {failure.deployment_name}: {failure.message}")
         try:
             replies = app.control.broadcast("engine_stats", reply=True, timeout=1.0, destination=[worker])
         except Exception:  # the broker is briefly unreachable: ask again
@@ -307,6 +317,9 @@ def cmd_up(args) -> int:
                         WORKER_SLOTS=str(max(args.slots, len(served))))
         logs = settings.DATA_DIR / "logs"
         logs.mkdir(exist_ok=True)
+        from django.utils import timezone
+
+        spawned_at = timezone.now()
         procs.append(spawn(web_command(host=args.host, port=args.port, workers=args.web_workers), env=env,
                            log=logs / "web.log"))
         # Two workers, as in compose.yaml: the engine's process runs inference alone, and billing's
@@ -332,7 +345,8 @@ def cmd_up(args) -> int:
         base = local_url(args.host, args.port)
         started = time.monotonic()
         wait_ready(f"{base}/readyz", procs, deadline_s=args.ready_timeout)
-        wait_loaded(served, worker_name, procs, deadline_s=max(1.0, args.ready_timeout - (time.monotonic() - started)))
+        wait_loaded(served, worker_name, procs, since=spawned_at,
+                    deadline_s=max(1.0, args.ready_timeout - (time.monotonic() - started)))
     except (Abort, KeyboardInterrupt) as exc:
         stop_all(procs)
         if isinstance(exc, KeyboardInterrupt):

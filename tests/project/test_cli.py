@@ -261,3 +261,20 @@ def test_up_killed_outright_leaves_no_process(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.django_db
+def test_up_stops_waiting_for_a_model_whose_load_failed():
+    """A model that cannot load gives its reason at once, not a three-minute wait."""
+    from django.utils import timezone
+
+    from inference_platform.cli import Abort, wait_loaded
+    from workers.services import record_event
+
+    since = timezone.now()
+    worker = "worker@nowhere-test"  # answers no remote control: only the failure can end the wait
+    record_event(kind="failed", deployment=None, deployment_name="smol", worker=worker, message="weights are corrupt")
+    with pytest.raises(Abort, match="could not load smol: weights are corrupt"):
+        wait_loaded(["smol"], worker, [], deadline_s=60, since=since)
+    with pytest.raises(Abort, match="did not load smol within 1s"):  # an older failure is not this start's
+        wait_loaded(["smol"], worker, [], deadline_s=1, since=timezone.now())
