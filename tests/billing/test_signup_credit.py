@@ -107,6 +107,9 @@ def test_two_organizations_created_at_once_by_one_user_get_one_credit():
 
     def second():
         try:
+            with connection.cursor() as cursor:  # this thread's own connection
+                cursor.execute("SELECT pg_backend_pid()")
+                created["second_pid"] = cursor.fetchone()[0]
             first_written.wait(60)
             created["second"] = create_organization(name="Second", owner=user)
         except BaseException as exc:  # noqa: BLE001
@@ -120,7 +123,7 @@ def test_two_organizations_created_at_once_by_one_user_get_one_credit():
     try:
         # The first commits only once the second waits on its uncommitted ledger row. (Asked from
         # this thread: a transaction sees pg_stat_activity as it was at its first look.)
-        wait_until(_someone_waits_for_a_lock, timeout=30, interval=0.02,
+        wait_until(lambda: _blocked(created.get("second_pid")), timeout=30, interval=0.02,
                    message="the second creation to wait for the first's sign-up credit")
     finally:
         commit_first.set()
@@ -132,8 +135,10 @@ def test_two_organizations_created_at_once_by_one_user_get_one_credit():
     assert _signup_credits(user) == 1
 
 
-def _someone_waits_for_a_lock() -> bool:
+def _blocked(pid: int | None) -> bool:
+    """Whether the backend ``pid`` waits for a lock another backend holds."""
+    if pid is None:
+        return False
     with connection.cursor() as cursor:
-        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                       "AND wait_event_type = 'Lock'")
+        cursor.execute("SELECT cardinality(pg_blocking_pids(%s))", [pid])
         return cursor.fetchone()[0] > 0
