@@ -203,18 +203,16 @@ LOGGING = {
 # --- billing (billing/): sign-up credit, Stripe top-ups ----------------------------------------
 # Money settings are Decimal USD. Without STRIPE_SECRET_KEY top-ups answer 503 (usage billing and
 # the ledger work regardless). STRIPE_API_BASE unset: Stripe's own API; tests point it at localstripe.
-from decimal import Decimal, InvalidOperation  # noqa: E402
+import re  # noqa: E402
+from decimal import Decimal  # noqa: E402
 
 
 def _env_decimal(name: str, default: str) -> Decimal:
+    """An amount in USD written plainly ("5", "5.00"): no sign, no exponent (the pages show it as set)."""
     raw = env_str(name, default).strip() or default
-    try:
-        value = Decimal(raw)
-    except InvalidOperation:
-        raise ImproperlyConfigured(f"{name} must be a decimal amount in USD, like {default}, not {raw!r}") from None
-    if not value.is_finite() or value < 0:
-        raise ImproperlyConfigured(f"{name} must be a finite amount >= 0, not {raw!r}")
-    return value
+    if not re.fullmatch(r"[0-9]{1,12}(\.[0-9]{1,6})?", raw):
+        raise ImproperlyConfigured(f"{name} must be a decimal amount in USD, like {default}, not {raw!r}")
+    return Decimal(raw)
 
 
 BILLING_SIGNUP_CREDIT = _env_decimal("BILLING_SIGNUP_CREDIT", "5.00")

@@ -78,6 +78,8 @@ def test_production_mode_refuses_empty_allowed_hosts():
     ("RATE_LIMIT_KEY_RPM", "0", "at least 1"),
     ("GATEWAY_MAX_BODY_BYTES", "-10", "at least"),
     ("LOG_LEVEL", "loud", "LOG_LEVEL must be"),
+    ("TOPUP_MIN", "5E+1", "a decimal amount in USD"),  # the page would show it, and parse it, as written
+    ("BILLING_SIGNUP_CREDIT", "-5", "a decimal amount in USD"),
 ])
 def test_a_bad_setting_stops_with_a_line_naming_it(name, value, says):
     result = run_cli("web", "--port", str(free_port()), env_overrides={name: value})
