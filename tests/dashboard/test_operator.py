@@ -42,3 +42,34 @@ def test_the_workers_fragment_shows_each_workers_device_and_kv_capacity(client, 
     row = page[page.index('data-worker="gpu0@rack1"'):]
     row = row[:row.index("</tr>")]
     assert "NVIDIA H100 (80 GiB)" in row and "49,152 tokens" in row
+
+
+def test_the_workers_fragment_shows_what_each_serves_and_its_heartbeat(client, acme, catalog):
+    """A worker's replicas (loading ones marked) and how long ago it beat; a silent one, gone."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from workers.models import Replica, Worker
+
+    user, _ = acme
+    user.is_staff = True
+    user.save()
+    _, public = catalog
+    now = timezone.now()
+    serving = Worker.objects.create(hostname="cpu0@rack2", instance="i2", device_kind="cpu", device_name="cpu",
+                                    started_at=now, last_heartbeat=now - timedelta(minutes=3), slots=2)
+    Replica.objects.create(worker=serving, deployment=public, deployment_name=public.name, status="loading",
+                           trigger="initial", assigned_at=now)
+    Worker.objects.create(hostname="cpu1@rack2", instance="i3", device_kind="cpu", device_name="cpu",
+                          started_at=now, last_heartbeat=now - timedelta(hours=2), status=Worker.Status.GONE)
+    client.force_login(user)
+    page = client.get("/operator/fleet/_workers/").content.decode()
+
+    def row(name):
+        part = page[page.index(f'data-worker="{name}"'):]
+        return part[:part.index("</tr>")]
+
+    assert f"{public.name} · loading" in row("cpu0@rack2") and "3\xa0minutes ago" in row("cpu0@rack2")
+    assert "2 slots" in row("cpu0@rack2")
+    assert "Gone" in row("cpu1@rack2") and "Idle" in row("cpu1@rack2")
