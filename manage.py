@@ -10,7 +10,6 @@ def _stop_if_down(check) -> None:
     Redis) finds the service down, stop with its one line instead of a traceback; otherwise the
     error was something else and is raised as it is."""
     from django.conf import settings
-
     from django.db import connection
 
     from inference_platform.cli import Abort

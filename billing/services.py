@@ -264,8 +264,9 @@ def _limit(name: str, value) -> Decimal | None:
 
 def set_spend_limit(*, organization: Organization, monthly_limit: Decimal | None, actor=None) -> SpendLimit:
     """Set (or clear, with None) the organization's monthly spend limit in USD. ``actor``: the
-    dashboard user making the change, who must be an owner or an admin (NotAllowed otherwise);
-    None for an API key with the ``manage`` scope, the operator's admin site, or code."""
+    member making the change (the dashboard's user, or the creator of the calling API key), who
+    must be an owner or an admin (NotAllowed otherwise); None for a key the operator's command
+    line made, the admin site, or code."""
     if actor is not None and not selectors.may_change_spend_limit(user=actor, organization=organization):
         raise NotAllowed("Only owners and admins can change the organization's spend limit.")
     limit, _ = SpendLimit.objects.update_or_create(

@@ -172,7 +172,7 @@ def deployment_metrics(*, organization: Organization, deployment: Deployment, wi
         "prompt_tokens": Coalesce(Sum("prompt_tokens"), Value(0)),
         # Requests the engine reported no batch size for (failed before a token) weigh nothing.
         "batch_weighted": Sum("batch_weight", output_field=FloatField()),
-        "batch_tokens": Sum("weighed_tokens", filter=Q(mean_batch_size__isnull=False)),
+        "batch_tokens": Sum("batched_tokens", filter=Q(mean_batch_size__isnull=False)),
     }
     postgres = connection.vendor == "postgresql"
     if postgres:
@@ -182,7 +182,7 @@ def deployment_metrics(*, organization: Organization, deployment: Deployment, wi
         row["bucket"]: row
         for row in records.annotate(bucket=trunc("created_at", tzinfo=timezone.utc),
                                     batch_weight=F("mean_batch_size") * F("completion_tokens"),
-                                    weighed_tokens=F("completion_tokens")).order_by()
+                                    batched_tokens=F("completion_tokens")).order_by()
         .values("bucket").annotate(**sums)
     }
     if not postgres:

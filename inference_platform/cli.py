@@ -186,13 +186,17 @@ def served_deployments() -> list[str]:
     return list(Deployment.objects.filter(is_public=True).order_by("name").values_list("name", flat=True))
 
 
+def _abort_if_one_exited(procs: list[subprocess.Popen], when: str) -> None:
+    for proc in procs:
+        if proc.poll() is not None:
+            raise Abort(f"{' '.join(proc.args[:4])} exited with code {proc.returncode} {when}")
+
+
 def wait_ready(url: str, procs: list[subprocess.Popen], *, deadline_s: float) -> None:
     give_up = time.monotonic() + deadline_s
     last = ""
     while time.monotonic() < give_up:
-        for proc in procs:
-            if proc.poll() is not None:
-                raise Abort(f"{' '.join(proc.args[:4])} exited with code {proc.returncode} while starting")
+        _abort_if_one_exited(procs, "while starting")
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
@@ -216,9 +220,7 @@ def wait_loaded(names: list[str], worker: str, procs: list[subprocess.Popen], *,
 
     give_up = time.monotonic() + deadline_s
     while time.monotonic() < give_up:
-        for proc in procs:
-            if proc.poll() is not None:
-                raise Abort(f"{' '.join(proc.args[:4])} exited with code {proc.returncode} while loading")
+        _abort_if_one_exited(procs, "while loading")
         failed = FleetEvent.objects.filter(kind=FleetEvent.Kind.FAILED, worker=worker, deployment_name__in=names)
         if since is not None:
             failed = failed.filter(created_at__gte=since)

@@ -72,7 +72,7 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "") -> 
 
     stream.handle = handle
     cancels.watch(request_id, handle.abort)
-    event, billed = None, False
+    event, billing_tried = None, False
     try:
         _send_or_abort(send, reply, {"type": "inference.started", "prompt_tokens": handle.prompt_tokens,
                                      "worker": worker_name}, handle)
@@ -81,7 +81,7 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "") -> 
         finished = {"type": "inference.finished", "finish_reason": last.finish_reason, "error": last.error,
                     "usage": _usage(last), "timings": _timings_ms(last.timings)}
         try:
-            billed = True
+            billing_tried = True
             event = _bill(payload, stream, handle, cancels)
         finally:  # the client gets its end even if billing failed (that error is raised on)
             _send_quietly(send, reply, finished)
@@ -89,7 +89,7 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "") -> 
         handle.abort()
         _send_quietly(send, reply, _error(504, "the engine produced nothing for too long", code="timeout"))
     finally:
-        if not billed:
+        if not billing_tried:
             event = _bill(payload, stream, handle, cancels)
     return event
 
