@@ -315,7 +315,7 @@ def seed_catalog() -> SeedResult:
     if not Deployment.objects.filter(name=BUNDLED_SLUG).exists():
         Deployment.objects.create(
             organization=None, model=model, name=BUNDLED_SLUG, kind=Deployment.Kind.SERVERLESS, is_public=True,
-            batch_window_ms=20, max_batch_size=32, status=Deployment.Status.READY,
+            batch_window_ms=20, max_batch_size=32, status=Deployment.Status.PENDING,  # the fleet says when it is ready
         )
         result.messages.append(f"added the public serverless deployment {BUNDLED_SLUG}")
     return result
