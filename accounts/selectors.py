@@ -80,6 +80,11 @@ def membership_for(*, user: User, organization: Organization) -> Membership | No
     return Membership.objects.filter(user=user, organization=organization).first()
 
 
+def is_active_member(*, user_id: int, organization_id: int) -> bool:
+    """Whether an active user still belongs to the organization (a session checked again)."""
+    return Membership.objects.filter(user_id=user_id, user__is_active=True, organization_id=organization_id).exists()
+
+
 def current_organization_for_user(*, user: User, organization_id=None) -> Organization | None:
     """A session user's current organization: ``organization_id`` (from the session) when the user
     belongs to it, else the first organization they joined, else None."""

@@ -162,7 +162,7 @@ def measure(count: int) -> dict:
     body = {"model": UNSERVED, "prompt": "Tell me a story about a river and a stone. " * 4, "max_tokens": 16,
             "stream": True}
     caller = calls.authenticate_sync(header)
-    spec, _, _ = calls._deployment_spec(caller, UNSERVED)
+    spec = calls._deployment_spec(caller, UNSERVED).spec
 
     def identify():
         return calls.authenticate_sync(header), parse_completion(body)

@@ -18,7 +18,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from channels.layers import get_channel_layer
 from django.conf import settings
@@ -70,28 +70,57 @@ def authenticate_sync(header, *, scope: str | None = "inference") -> Caller:
     return Caller(api_key=api_key, organization=api_key.organization)
 
 
+def session_caller(caller: Caller) -> Caller:
+    """A dashboard user's caller, checked again: 401 once the user is deactivated or no longer
+    belongs to the organization."""
+    from accounts.selectors import is_active_member
+
+    if not is_active_member(user_id=caller.user_id, organization_id=caller.org_id):
+        raise ApiError(401, "You no longer have access to this organization; sign in again.", code="invalid_session")
+    return caller
+
+
 # What each (organization, model name) routes to: read once per process until a
 # deployment or catalog model changes (``models_catalog``'s receivers and services invalidate).
 _routes = read_cache.ReadCache()
 
 
-def _load_route(organization, model: str) -> tuple[dict, bool, int]:
+class Route(NamedTuple):
+    """Where a model name sends a caller's request."""
+
+    spec: dict  # the engine spec (shared: read only)
+    ready: bool  # a replica is ready
+    queue_limit: int  # not part of the spec: changing it must not reload the engine
+    context_length: int | None  # the catalog model's, when known
+
+
+def _load_route(organization, model: str) -> Route:
     from models_catalog.errors import DeploymentNotFound
     from models_catalog.models import Deployment
     from models_catalog.selectors import deployments_visible_to
 
     visible = deployments_visible_to(organization=organization)
-    row = visible.filter(name=model).values(*dispatch.SPEC_FIELDS, "queue_limit").first()  # no model instances
+    row = visible.filter(name=model).values(*dispatch.SPEC_FIELDS, "queue_limit", "model__context_length").first()
     if row is None:  # raised, so not cached: made-up names cannot crowd out the real ones
         raise ApiError(404, DeploymentNotFound(model).message, param="model", code="model_not_found")
-    return dispatch.spec_from_row(row), row["status"] == Deployment.Status.READY, row["queue_limit"]
+    return Route(dispatch.spec_from_row(row), row["status"] == Deployment.Status.READY, row["queue_limit"],
+                 row["model__context_length"])
 
 
-def _deployment_spec(caller: Caller, model: str) -> tuple[dict, bool, int]:
-    """The engine spec of the deployment ``model`` names for the caller (shared: read only),
-    whether it is ready, and its queue limit (not part of the spec: changing it must not reload
-    the engine); 404 when the caller has no such deployment."""
+def _deployment_spec(caller: Caller, model: str) -> Route:
+    """The route of the deployment ``model`` names for the caller; 404 when the caller has no such
+    deployment."""
     return _routes.get((caller.org_id, model), lambda: _load_route(caller.organization, model))
+
+
+def _check_max_tokens(request: InferenceRequest, context_length: int | None) -> None:
+    """No request can generate more tokens than the model's context holds: an asked-for maximum
+    beyond it is refused, as OpenAI does, rather than let one request hold a worker that long."""
+    wanted = request.sampling.get("max_tokens")
+    if wanted is not None and context_length and wanted > context_length:
+        name = request.max_tokens_param
+        raise ApiError(400, f"{name} is too large: {wanted}. This model's context holds at most {context_length} "
+                            "tokens, prompt included.", param=name, code="invalid_value")
 
 
 def _admit(caller: Caller, spec: dict, queue_limit: int, request_id: str) -> ratelimit.Decision:
@@ -271,12 +300,13 @@ def new_request_id(kind: str) -> str:
 def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], request_id: str, reply_channel: str,
           stages: Stages) -> Call:
     """Admit and dispatch, blocking (one trip to a thread). Refusals come in the order clients see
-    them: the key and the body (``identify``), the model (404), credit and spend limits (429
+    them: the key and the body (``identify``), the model (404), a max_tokens beyond its context, credit and spend limits (429
     insufficient_quota), a full deployment queue (429 queue_full), then rate limits (429), which
     count the request only once it passed the rest."""
     with read_cache.pinned():  # the key and the deployment, read at one generation
         caller, request = identify()
-        spec, ready, queue_limit = _deployment_spec(caller, request.model)
+        spec, ready, queue_limit, context_length = _deployment_spec(caller, request.model)
+    _check_max_tokens(request, context_length)
     _check_quota(caller)
     decision = _admit(caller, spec, queue_limit, request_id)
     stages.mark("admit")
@@ -315,10 +345,11 @@ async def _begin(kind: str, identify: Callable[[], tuple[Caller, InferenceReques
     return call, call.request, {**call.headers, "server-timing": stages.header()}
 
 
-async def begin(caller: Caller, request: InferenceRequest) -> tuple[Call, dict]:
-    """Admit, dispatch and start a request of a known caller (the WebSocket API); returns the call
-    and the response headers (rate limits and the ``Server-Timing`` of the stages so far)."""
-    call, _, headers = await _begin(request.kind, lambda: (caller, request), Stages())
+async def begin(request: InferenceRequest, *, caller: Callable[[], Caller]) -> tuple[Call, dict]:
+    """Admit, dispatch and start a parsed request (the WebSocket API); ``caller()`` says who calls,
+    on the admission thread (raising ApiError to refuse). Returns the call and the response
+    headers (rate limits and the ``Server-Timing`` of the stages so far)."""
+    call, _, headers = await _begin(request.kind, lambda: (caller(), request), Stages())
     return call, headers
 
 

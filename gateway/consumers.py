@@ -17,6 +17,9 @@ import logging
 import uuid
 
 from channels.generic.websocket import AsyncWebsocketConsumer
+from django.conf import settings
+
+from inference_platform import jsonbody
 
 from . import calls, formatting
 from .errors import ApiError
@@ -60,9 +63,21 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             return ApiError(403, "This API key is missing the 'inference' scope.", code="missing_scope")
         return None
 
+    def _current_caller(self) -> calls.Caller:
+        """The caller, checked again for every request (on an admission thread): a key revoked or
+        expired, or a member removed, while the socket stays open is refused from its next request."""
+        if self.caller.api_key is not None:
+            header = dict(self.scope.get("headers", [])).get(b"authorization")
+            return calls.authenticate_sync(header)
+        return calls.session_caller(self.caller)
+
     async def receive(self, text_data=None, bytes_data=None):
+        frame = text_data.encode("utf-8", "surrogatepass") if text_data is not None else bytes_data
+        if len(frame) > settings.GATEWAY_MAX_BODY_BYTES:  # as an HTTP body of that size would be
+            return await self._error(None, ApiError(
+                413, f"The frame is larger than {settings.GATEWAY_MAX_BODY_BYTES} bytes.", code="request_too_large"))
         try:
-            message = json.loads(text_data if text_data is not None else bytes_data)
+            message = jsonbody.loads(frame)
         except (TypeError, ValueError):
             return await self._error(None, ApiError(400, "Frames must be JSON objects.", code="invalid_json"))
         if not isinstance(message, dict):
@@ -70,9 +85,12 @@ class InferenceConsumer(AsyncWebsocketConsumer):
         request_id = _request_id(message)
         if isinstance(request_id, ApiError):
             return await self._error(None, request_id)
-        if message.get("type") == "cancel":
+        kind = message.pop("type", None)
+        if kind == "cancel":
             return await self._cancel(request_id)
-        message.pop("type", None)
+        if kind is not None:
+            return await self._error(request_id, ApiError(
+                400, "type must be \"cancel\", or left out for a request.", param="type", code="invalid_value"))
         message["stream"] = True  # a WebSocket always streams
         endpoint = message.pop("endpoint", "chat.completions")
         if not isinstance(endpoint, str) or endpoint not in PARSERS:
@@ -91,7 +109,7 @@ class InferenceConsumer(AsyncWebsocketConsumer):
     async def _run(self, request_id: str | int, inference, holder: list):
         call = None
         try:
-            call, _ = await calls.begin(self.caller, inference)
+            call, _ = await calls.begin(inference, caller=self._current_caller)
             holder.append(call)
             ctx = formatting.Context(kind=inference.kind, id=call.request_id, created=call.created, model=inference.model)
             async for chunk in stream_chunks(call, ctx, inference.include_usage):

@@ -44,3 +44,9 @@ class ApiError(Exception):
 
 def invalid(param: str | None, message: str, *, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code or ("invalid_value" if param else None))
+
+
+def unexpected_error() -> ApiError:
+    """What a client gets for a bug (the traceback goes to the log, not to the client)."""
+    return ApiError(500, "The server hit an unexpected error; it is logged. Retry, or tell the operator.",
+                    code="internal_error")

@@ -48,7 +48,12 @@ CHAT_REQUEST = {
         "messages": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["role", "content"],
             "properties": {"role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
-                           "content": {"type": "string"}, "name": {"type": "string"}}}},
+                           "content": {"oneOf": [
+                               {"type": "string"},
+                               {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
+                                   "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}},
+                               {"type": "null", "description": "assistant messages only"}]},
+                           "name": {"type": "string"}}}},
         "max_completion_tokens": {"type": "integer", "minimum": 1},
         "logprobs": {"type": "boolean"},
         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
@@ -60,16 +65,20 @@ CHAT_REQUEST = {
                      "description": "Accepted and ignored."},
     },
 }
+PROMPT_TEXT = {"type": "string", "minLength": 1}
+PROMPT_TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 COMPLETION_REQUEST = {
     "type": "object",
     "required": ["model", "prompt"],
     "additionalProperties": False,
     "properties": {
         **COMMON,
-        "prompt": {"oneOf": [{"type": "string", "minLength": 1},
-                             {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]},
+        "prompt": {"oneOf": [PROMPT_TEXT, PROMPT_TOKENS,  # or a batch of one of either
+                             {"type": "array", "items": {"oneOf": [PROMPT_TEXT, PROMPT_TOKENS]}, "minItems": 1, "maxItems": 1}]},
         "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
         "echo": {"type": "boolean", "enum": [False]},
+        "suffix": {"type": "null"},
+        "best_of": {"type": "integer", "enum": [1]},
     },
 }
 USAGE = {"type": "object", "properties": {

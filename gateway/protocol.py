@@ -53,6 +53,7 @@ class InferenceRequest:
     prompt: str | list[int] | None = None
     user: str | None = None
     extra: dict = field(default_factory=dict)
+    max_tokens_param: str = "max_tokens"  # the name the client gave the limit (for errors)
 
     def payload(self) -> dict:
         """The JSON-safe part the worker needs."""
@@ -82,7 +83,10 @@ def parse_chat(body: Any) -> InferenceRequest:
             raise invalid("top_logprobs", "top_logprobs requires logprobs to be true")
     sampling["logprobs"] = bool(logprobs)
     sampling["top_logprobs"] = top or 0
-    return _request("chat", body, sampling, messages=messages)
+    request = _request("chat", body, sampling, messages=messages)
+    if body.get("max_completion_tokens") is not None:
+        request.max_tokens_param = "max_completion_tokens"
+    return request
 
 
 def parse_completion(body: Any) -> InferenceRequest:

@@ -12,6 +12,8 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
+from inference_platform import jsonbody
+
 from . import admission, calls, formatting
 from .errors import ApiError
 from .protocol import MAX_MODEL_NAME, parse_chat, parse_completion
@@ -33,7 +35,7 @@ def _read_json(request) -> object:
         raise ApiError(413, f"The request body is larger than {settings.GATEWAY_MAX_BODY_BYTES} bytes.",
                        code="request_too_large")
     try:
-        return json.loads(body)
+        return jsonbody.loads(body)
     except (ValueError, UnicodeDecodeError):
         raise ApiError(400, "The request body is not valid JSON.", code="invalid_json") from None
 
@@ -153,7 +155,15 @@ def _get_model(header, name: str) -> dict:
         raise ApiError(404, exc.message, param="model", code="model_not_found") from None
 
 
+def _get_only(request) -> ApiError | None:
+    if request.method not in ("GET", "HEAD"):
+        return ApiError(405, f"Use GET for {request.path}.", code="method_not_allowed")
+    return None
+
+
 async def models(request):
+    if refusal := _get_only(request):
+        return refusal.response()
     try:
         return JsonResponse(await admission.run(_list_models, request.headers.get("Authorization")))
     except ApiError as exc:
@@ -161,7 +171,15 @@ async def models(request):
 
 
 async def model_detail(request, name: str):
+    if refusal := _get_only(request):
+        return refusal.response()
     try:
         return JsonResponse(await admission.run(_get_model, request.headers.get("Authorization"), name))
     except ApiError as exc:
         return exc.response()
+
+
+@csrf_exempt
+async def unknown_endpoint(request, rest: str = ""):
+    """Any other path under /v1/: a JSON 404 an API client can read (not the site's HTML page)."""
+    return ApiError(404, f"Invalid URL ({request.method} {request.path}).", code="unknown_url").response()

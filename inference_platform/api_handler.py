@@ -19,7 +19,7 @@ from django.core.handlers.asgi import ASGIHandler
 from django.core.handlers.exception import convert_exception_to_response
 from django.middleware.security import SecurityMiddleware
 
-from gateway.errors import ApiError
+from gateway.errors import unexpected_error
 
 # Exact paths, and prefixes, of the endpoints this handler serves (all of them Bearer-key only).
 PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
@@ -40,8 +40,7 @@ def _security(get_response):
         response = checks.process_request(request) or await get_response(request)
         if response.status_code == 500 and not response.get("Content-Type", "").startswith("application/json"):
             # A bug (Django logged it): an API client still gets an error it can parse.
-            response = ApiError(500, "The server hit an unexpected error; it is logged. Retry, or tell the operator.",
-                                code="internal_error").response()
+            response = unexpected_error().response()
         if "x-request-id" not in response:
             response["x-request-id"] = f"req_{uuid.uuid4().hex}"
         return checks.process_response(request, response)

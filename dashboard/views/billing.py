@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 from django.http import JsonResponse
 from django.views.decorators.http import require_POST
 
 from billing import services as billing_services
 from billing.errors import BillingError
+from inference_platform import jsonbody
 
 from .common import organization_required
 
@@ -22,7 +21,7 @@ def _error(status: int, message: str, *, param=None, code=None, type="invalid_re
 def topup_pay(request, payment_intent_id: str):
     """``POST /billing/topups/<pi>/pay {"token": "tok_..."}`` (session + CSRF) → ``{"status", "client_secret"}``."""
     try:
-        body = json.loads(request.body or b"{}")
+        body = jsonbody.loads(request.body or b"{}")
     except ValueError:
         return _error(400, "The body must be JSON.", code="invalid_json")
     if not isinstance(body, dict):

@@ -91,9 +91,30 @@ def test_bad_frames_get_errors_and_the_connection_stays_usable(tenant):
         ws.send(json.dumps({"request_id": "bad", "model": DEPLOYMENT, "messages": [], "max_tokens": 3}))
         frame = json.loads(ws.recv(timeout=30))
         assert frame["type"] == "error" and frame["error"]["param"] == "messages"
+        ws.send("[" * 5000 + "]" * 5000)  # too deep for the JSON parser: a bad frame, not a crash
+        assert json.loads(ws.recv(timeout=30))["error"]["code"] == "invalid_json"
+        ws.send(json.dumps({"request_id": "big", "model": DEPLOYMENT, "max_tokens": 2,
+                            "messages": [{"role": "user", "content": "hello " * 200_000}]}))
+        frame = json.loads(ws.recv(timeout=30))  # over the HTTP body limit: refused before any worker
+        assert frame["type"] == "error" and frame["error"]["code"] == "request_too_large"
         ws.send(json.dumps({"request_id": "ok", "model": DEPLOYMENT, "max_tokens": 2,
                             "messages": [{"role": "user", "content": "Hi"}]}))
         assert frames_until_done(ws, "ok")[-1]["type"] == "done"
+
+
+def test_a_key_revoked_while_its_connection_is_open_is_refused_from_the_next_request(tenant, db_read):
+    from accounts.models import ApiKey
+    from accounts.services import revoke_api_key
+
+    ask = {"model": DEPLOYMENT, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+    with open_ws(tenant) as ws:
+        ws.send(json.dumps({"request_id": "before", **ask}))
+        assert frames_until_done(ws, "before")[-1]["type"] == "done"
+        db_read(lambda: revoke_api_key(api_key=ApiKey.objects.get(pk=tenant.api_key_id)))
+        ws.send(json.dumps({"request_id": "after", **ask}))
+        [frame] = frames_until_done(ws, "after")
+    assert frame["type"] == "error" and frame["error"]["type"] == "authentication_error"
+    assert "revoked" in frame["error"]["message"]
 
 
 def test_a_bad_key_is_refused_at_the_handshake(tenant):

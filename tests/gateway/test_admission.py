@@ -276,3 +276,25 @@ def test_a_known_key_and_deployment_are_read_from_the_database_once(org_key, see
     deployment.queue_limit = first_route[2] + 1
     deployment.save(update_fields=["queue_limit"])
     assert identify()[1][2] == first_route[2] + 1
+
+
+def test_a_dashboard_user_removed_or_deactivated_is_refused_from_the_next_websocket_request(db):
+    """The playground's socket is authenticated once, by session; each request checks it again."""
+    from accounts import services
+    from gateway import calls
+    from gateway.errors import ApiError
+
+    owner = services.create_user(email=f"o-{uuid.uuid4().hex[:8]}@example.com", password=None)
+    org = services.create_organization(name=f"org-{uuid.uuid4().hex[:8]}", owner=owner)
+    member = services.create_user(email=f"m-{uuid.uuid4().hex[:8]}@example.com", password=None)
+    services.add_member(organization=org, user=member)
+    for user in (owner, member):
+        caller = calls.Caller(api_key=None, organization=org, user_id=user.pk)
+        assert calls.session_caller(caller) is caller
+    services.remove_member(organization=org, user=member)
+    owner.is_active = False
+    owner.save(update_fields=["is_active"])
+    for user in (owner, member):
+        with pytest.raises(ApiError) as refused:
+            calls.session_caller(calls.Caller(api_key=None, organization=org, user_id=user.pk))
+        assert refused.value.status == 401

@@ -234,6 +234,30 @@ def test_a_body_that_is_not_json_is_400(client, seeded, org_key):
     assert_error(post(client, CHAT, b"[1, 2]", key=plaintext), 400)
 
 
+def test_a_body_nested_too_deeply_for_the_parser_is_400_not_a_crash(client, seeded, org_key):
+    org, key, plaintext = org_key()
+    deep = b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    assert_error(post(client, CHAT, deep, key=plaintext), 400, code="invalid_json")
+    assert_error(post(client, COMPLETIONS, deep, key=plaintext), 400, code="invalid_json")
+    # The REST API's parser too (DRF's would let the RecursionError through as a 500 page).
+    response = client.put("/v1/billing/limits", data=deep, content_type="application/json",
+                          HTTP_AUTHORIZATION=f"Bearer {plaintext}")
+    assert_error(response, 400)
+    assert no_usage(org)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    (CHAT, chat(max_tokens=10**30), "max_tokens"),
+    (CHAT, chat(max_completion_tokens=8193), "max_completion_tokens"),
+    (COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "Hi", "max_tokens": 8193}, "max_tokens"),
+])
+def test_a_max_tokens_beyond_the_models_context_is_400(client, seeded, org_key, path, body, param):
+    org, key, plaintext = org_key()
+    error = assert_error(post(client, path, body, key=plaintext), 400, param=param, code="invalid_value")
+    assert "8192" in error["message"]  # the bundled model's context, from the catalog
+    assert no_usage(org)
+
+
 def test_an_oversized_body_is_413(client, seeded, org_key, settings):
     settings.GATEWAY_MAX_BODY_BYTES = 10_000
     settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 10_001
@@ -255,6 +279,23 @@ def test_get_on_an_inference_endpoint_is_405(client, seeded, org_key):
     assert_error(client.get(CHAT, HTTP_AUTHORIZATION=f"Bearer {plaintext}"), 405)
 
 
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/models/smollm2-135m-instruct"])
+def test_the_models_endpoints_answer_get_only(client, seeded, org_key, path):
+    org, key, plaintext = org_key()
+    auth = {"HTTP_AUTHORIZATION": f"Bearer {plaintext}"}
+    assert client.get(path, **auth).status_code == 200
+    for method in (client.delete, client.post, client.put):
+        assert_error(method(path, **auth), 405, code="method_not_allowed")
+
+
+@pytest.mark.parametrize("method, path", [("post", "/v1/embeddings"), ("post", "/v1/chat/completions/"),
+                                          ("get", "/v1/models/a/b"), ("get", "/v1/nothing")])
+def test_an_unknown_api_path_is_a_json_404(client, method, path):
+    response = client.post(path, data="{}", content_type="application/json") if method == "post" else client.get(path)
+    error = assert_error(response, 404, code="unknown_url")
+    assert path in error["message"]
+
+
 def test_the_openapi_document_describes_the_inference_api(client):
     document = client.get("/v1/openapi.json").json()
     assert document["openapi"].startswith("3.")
@@ -266,3 +307,17 @@ def test_the_openapi_document_describes_the_inference_api(client):
     for path in ("/v1/usage", "/v1/deployments", "/v1/billing/limits"):
         for operation in document["paths"][path].values():
             assert {"bearer": []} in operation["security"], (path, operation["security"])
+
+
+def test_a_bug_behind_a_rest_endpoint_is_a_json_500(client, seeded, org_key, monkeypatch, caplog):
+    from billing import selectors
+
+    def broken(**kwargs):
+        raise RuntimeError("a bug in the balance")
+
+    monkeypatch.setattr(selectors, "balance", broken)
+    org, key, plaintext = org_key()
+    response = client.get("/v1/billing/balance", HTTP_AUTHORIZATION=f"Bearer {plaintext}")
+    error = assert_error(response, 500, type_="server_error", code="internal_error")
+    assert "a bug in the balance" not in error["message"]  # the traceback goes to the log only
+    assert "a bug in the balance" in caplog.text

@@ -29,7 +29,8 @@ def converse(frames: list[dict], begin, replies: int) -> list[dict]:
         await communicator.send_input({"type": "websocket.connect"})
         assert (await communicator.receive_output(5))["type"] == "websocket.accept"
         for frame in frames:
-            await communicator.send_input({"type": "websocket.receive", "text": json.dumps(frame)})
+            text = frame if isinstance(frame, str) else json.dumps(frame, ensure_ascii=False)
+            await communicator.send_input({"type": "websocket.receive", "text": text})
         out = [json.loads((await communicator.receive_output(5))["text"]) for _ in range(replies)]
         await communicator.send_input({"type": "websocket.disconnect", "code": 1000})
         await communicator.wait(2)
@@ -43,11 +44,11 @@ def converse(frames: list[dict], begin, replies: int) -> list[dict]:
         calls.begin = original
 
 
-async def never_admitted(caller, request):
+async def never_admitted(request, *, caller):
     await asyncio.Event().wait()
 
 
-async def broken(caller, request):
+async def broken(request, *, caller):
     raise RuntimeError("a bug in admission")
 
 
@@ -69,3 +70,21 @@ def test_a_failure_that_is_not_the_clients_gets_an_error_frame_and_the_connectio
     by_id = {frame["request_id"]: frame for frame in frames}
     assert by_id["a"]["error"]["code"] == "internal_error"
     assert by_id["b"]["error"]["param"] == "endpoint"  # an unhashable endpoint: refused, not a crash
+
+
+def test_a_frame_of_another_type_is_refused_not_taken_for_a_request():
+    [frame] = converse([{"type": "bogus", "request_id": "t", **BODY}], never_admitted, 1)
+    assert frame["type"] == "error" and frame["request_id"] == "t" and frame["error"]["param"] == "type"
+
+
+def test_a_frame_nested_too_deeply_for_the_parser_is_bad_json_and_the_connection_stays():
+    frames = converse(["[" * 5000 + "]" * 5000, {"request_id": 1, **BODY}], broken, 2)
+    assert frames[0]["error"]["code"] == "invalid_json"
+    assert frames[1]["request_id"] == 1 and frames[1]["error"]["code"] == "internal_error"  # still served
+
+
+def test_a_frame_over_the_body_limit_is_refused_before_it_is_parsed(settings):
+    settings.GATEWAY_MAX_BODY_BYTES = 2048
+    [frame] = converse([{"request_id": "big", **BODY, "messages": [{"role": "user", "content": "é" * 1100}]}],
+                       never_admitted, 1)  # 1,100 characters, 2,200 bytes
+    assert frame["error"]["code"] == "request_too_large" and frame["request_id"] is None
