@@ -164,7 +164,9 @@ def test_stop_string_across_tokens_stops_and_is_left_out(engine, model):
     assert stopped.stop_reason == stop
     assert stop not in stopped.text
     assert stopped.text == free.text[:free.text.index(stop)]
-    assert stopped.token_ids == free.token_ids[:boundary + 1]
+    # Only tokens with a character in the text are returned; the stop string's are billed.
+    assert stopped.token_ids == [t for i, t in enumerate(free.token_ids[:boundary + 1])
+                                 if len(pieces[i]) < len(stopped.text)]
     # The stop string shows only once its token is handed out, while the next step already
     # runs: that step's token for this request is dropped, neither delivered nor counted.
     assert stopped.completion_tokens == boundary + 1
@@ -188,7 +190,8 @@ def test_a_stop_string_in_a_batch_leaves_the_others_running(model, launches_asyn
             [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop]),
              SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)], timeout=60)
         assert stopped.finish_reason == "stop" and stop not in stopped.text
-        assert stopped.completion_tokens == len(stopped.token_ids) <= 7
+        # The stop string's tokens are billed, not returned.
+        assert len(stopped.token_ids) < stopped.completion_tokens <= 7
         assert stopped.token_ids == free.token_ids[:len(stopped.token_ids)]
         assert others.finish_reason == "length" and others.completion_tokens == 16
         wait_until(lambda: engine.stats()["kv_blocks_used"] == 0, what="blocks to be freed")
@@ -305,8 +308,10 @@ def test_multibyte_character_split_over_tokens_arrives_whole(engine, model):
     texts = [o.text for o in outputs]
     assert all("\ufffd" not in t for t in texts)
     assert emoji in "".join(texts)
-    # Tokens that end mid-character deliver no text; the character comes whole later.
-    assert any(o.token_ids and o.text == "" for o in outputs)
+    # Tokens that end mid-character have no text of their own: they come with the token that
+    # completes the character, and the character comes whole.
+    assert any(len(o.token_ids) > 1 and o.text for o in outputs)
+    assert not any(o.token_ids and o.text == "" for o in outputs if not o.finished)
 
 
 def test_streamed_pieces_add_up_to_the_result(engine):

@@ -41,6 +41,7 @@ from .scheduler import Scheduler
 from .sequence import (
     FinishReason,
     InvalidRequestError,
+    Release,
     RequestOutput,
     SamplingParams,
     Sequence,
@@ -687,15 +688,23 @@ class Engine:
     def _absorb(self, live: _Live, item: "_Unhanded") -> str | None:
         """Add a taken token to its request's pending output; the stop string its text
         completes, if any."""
-        live.pending_ids.append(item.token)
+        gate = item.seq.output_gate
         if item.by_token:
-            return None  # a stop token or EOS adds no text, nor a logprob entry (as OpenAI)
-        if item.logprob is not None:
-            live.pending_logprobs.append(item.logprob)
-        seq = item.seq
-        text, stop = seq.stop_checker.feed(seq.detokenizer.push(item.token))
-        live.pending_text += text
-        return stop
+            # It ends the request, so the text held back is plain text after all, and goes
+            # before this token, which adds no text nor a logprob entry (as OpenAI).
+            self._add_pending(live, gate.flush())
+            live.pending_ids.append(item.token)
+            return None
+        gate.add(item.token, item.logprob)
+        released = gate.feed(item.seq.detokenizer.push(item.token))
+        self._add_pending(live, released)
+        return released.stop
+
+    @staticmethod
+    def _add_pending(live: _Live, released: Release) -> None:
+        live.pending_ids += released.token_ids
+        live.pending_text += released.text
+        live.pending_logprobs += released.logprobs
 
     def _finish_live(self, seq: Sequence, *, locked: bool = False) -> None:
         live = self._live.get(seq.request_id)
@@ -707,8 +716,8 @@ class Engine:
         else:
             self._counters["requests_finished"] += 1
         # Text held back as a possible start of a stop string is plain text after all, however
-        # the sequence ended (a matched stop string leaves nothing held).
-        live.pending_text += seq.stop_checker.flush()
+        # the sequence ended (a matched stop string leaves nothing held); its tokens go with it.
+        self._add_pending(live, seq.output_gate.flush())
         self._deliver(live, finished=True, locked=locked)
 
     def _deliver(self, live: _Live, *, finished: bool, locked: bool = False) -> None:

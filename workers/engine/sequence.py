@@ -185,9 +185,12 @@ class RequestOutput:
     """One delivery for a request: what is new since the previous one, and the running totals."""
 
     request_id: str
+    # The tokens of ``text`` (see ``OutputGate``), and in the end the stop token or EOS that
+    # ended the request; ``completion_tokens`` counts every token generated, those of a stop
+    # string included.
     token_ids: list[int]
     text: str
-    logprobs: list[TokenLogprob] | None
+    logprobs: list[TokenLogprob] | None  # one entry per token of ``text``
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
     prompt_tokens: int
@@ -219,7 +222,7 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.error: str | None = None
         self.detokenizer = detokenizer  # IncrementalDetokenizer; None where text is not needed
-        self.stop_checker = StopStringMatcher(params.stop)
+        self.output_gate = OutputGate(params.stop)
         self.timings = RequestTimings(arrival_time=arrival_time)
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
@@ -289,3 +292,77 @@ class StopStringMatcher:
         """The held text, once the sequence ends for another reason."""
         held, self.held = self.held, ""
         return held
+
+
+@dataclass
+class Release:
+    """What a request may deliver now: text, and the tokens (ids, logprob entries) it comes from."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    stop: str | None = None  # the stop string that ended the request, if this piece completed one
+
+
+@dataclass
+class _HeldToken:
+    token_id: int
+    logprob: TokenLogprob | None
+    start: int | None = None  # where its text starts in the generated text; None while it has none
+
+
+class OutputGate:
+    """Lets each token out with its text, through the stop-string matcher.
+
+    The rule: a token's id and logprob entry are returned iff at least one character of its text
+    is returned, and they go out with the first such character. So text held back as a possible
+    stop string holds its tokens back too, and tokens wholly inside (or after) the stop string that
+    ended the request are dropped; one that starts before it is kept. A token ending mid-character
+    has no text of its own: it goes with the token that completes the character.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.matcher = StopStringMatcher(stops)
+        self.held: list[_HeldToken] = []  # in order; the ones with text start first
+        self.fed = 0  # characters of generated text given to the matcher
+        self.released = 0  # of those, the ones let out
+
+    def add(self, token_id: int, logprob: TokenLogprob | None) -> None:
+        """A new token, before its text is known (so that one failing to decode still counts)."""
+        self.held.append(_HeldToken(token_id, logprob))
+
+    def feed(self, piece: str) -> Release:
+        """The text the tokens added so far complete (possibly ""): what may go out now."""
+        if piece:
+            for token in reversed(self.held):
+                if token.start is not None:
+                    break
+                token.start = self.fed
+        self.fed += len(piece)
+        text, stop = self.matcher.feed(piece)
+        self.released += len(text)
+        out = self._release(text, self._released_tokens())
+        if stop is not None:
+            self.held = []  # nothing of theirs is returned: they lie in the stop string or after
+            out.stop = stop
+        return out
+
+    def flush(self) -> Release:
+        """Everything held, once the request ends other than by a stop string."""
+        text = self.matcher.flush()
+        self.released += len(text)
+        return self._release(text, len(self.held))
+
+    def _released_tokens(self) -> int:
+        """How many of the held tokens have a character let out (a prefix: starts only grow)."""
+        count = 0
+        for token in self.held:
+            if token.start is None or token.start >= self.released:
+                break
+            count += 1
+        return count
+
+    def _release(self, text: str, count: int) -> Release:
+        tokens, self.held = self.held[:count], self.held[count:]
+        return Release(text, [t.token_id for t in tokens],
+                       [t.logprob for t in tokens if t.logprob is not None])
