@@ -64,9 +64,17 @@ def completion_logprobs(entries: list[dict], *, text_offset: int) -> dict:
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{token: logprob for token, logprob, _ in e["top"]} for e in entries],
+        "top_logprobs": [_completion_top(e) for e in entries],
         "text_offset": offsets,
     }
+
+
+def _completion_top(entry: dict) -> dict:
+    # The legacy endpoint always lists the sampled token beside the top alternatives (OpenAI:
+    # "up to logprobs+1 elements"), where chat lists the alternatives alone.
+    top = {token: logprob for token, logprob, _ in entry["top"]}
+    top.setdefault(entry["token"], entry["logprob"])
+    return top
 
 
 def _logprobs(ctx: Context, entries: list[dict] | None, text_offset: int) -> dict | None:
