@@ -11,9 +11,9 @@ from django.core.asgi import get_asgi_application  # noqa: E402
 django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from channels.security.websocket import OriginValidator  # noqa: E402
+from channels.security.websocket import WebsocketDenier  # noqa: E402
 from django.conf import settings  # noqa: E402
-from django.http.request import validate_host  # noqa: E402
+from django.http.request import split_domain_port, validate_host  # noqa: E402
 
 from accounts.middleware import ApiKeyAuthMiddlewareStack  # noqa: E402
 from inference_platform import api_handler  # noqa: E402
@@ -25,14 +25,33 @@ from gateway.routing import websocket_urlpatterns  # noqa: E402
 admission.use_threads()
 
 
-class BrowserOriginValidator(OriginValidator):
-    """Browsers always send Origin on a WebSocket handshake, so a cross-site page riding on the
-    dashboard's session cookie is refused; API clients (no Origin, a Bearer key) pass."""
+class SameOriginWebSockets:
+    """Browsers always send Origin on a WebSocket handshake, and carry the dashboard's session
+    cookie along, to any port of the host (cookies ignore ports). So a page may open the socket
+    only from the origin it is served on: the Origin must name the host and port the handshake
+    was sent to (its Host header; an allowed host), or be listed in CSRF_TRUSTED_ORIGINS (the
+    dashboard behind a proxy under another name). API clients send no Origin and pass with their key."""
 
-    def valid_origin(self, parsed_origin):
-        if parsed_origin is None:
-            return True
-        return bool(parsed_origin.hostname) and validate_host(parsed_origin.hostname, settings.ALLOWED_HOSTS)
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "websocket" and not _same_origin(dict(scope.get("headers", []))):
+            return await WebsocketDenier()(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def _same_origin(headers: dict[bytes, bytes]) -> bool:
+    origin = headers.get(b"origin")
+    if origin is None:
+        return True
+    origin = origin.decode("latin-1").rstrip("/")
+    if origin in settings.CSRF_TRUSTED_ORIGINS:
+        return True
+    scheme, _, netloc = origin.partition("://")
+    host = headers.get(b"host", b"").decode("latin-1")
+    return (scheme in ("http", "https") and bool(host) and netloc.lower() == host.lower()
+            and validate_host(split_domain_port(host)[0], settings.ALLOWED_HOSTS))
 
 
 api_app = api_handler.ApiHandler()
@@ -47,6 +66,6 @@ async def http_app(scope, receive, send):
 application = ProtocolTypeRouter(
     {
         "http": http_app,
-        "websocket": BrowserOriginValidator(ApiKeyAuthMiddlewareStack(URLRouter(websocket_urlpatterns)), []),
+        "websocket": SameOriginWebSockets(ApiKeyAuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }
 )

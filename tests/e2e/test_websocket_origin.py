@@ -20,10 +20,12 @@ def _connect(tenant, **headers):
                    open_timeout=30, close_timeout=5)
 
 
-@pytest.mark.parametrize("origin", ["http://evil.example", "https://127.0.0.1.evil.example", "null"])
-def test_a_handshake_from_another_site_is_refused(tenant, origin):
+@pytest.mark.parametrize("origin", ["http://evil.example", "https://127.0.0.1.evil.example", "null",
+                                    "http://127.0.0.1:1", "http://localhost:{port}"])
+def test_a_handshake_from_another_origin_is_refused(tenant, origin):
+    """Another site, or another port or name of this host (the session cookie goes to every port)."""
     with pytest.raises(InvalidStatus) as refused:
-        _connect(tenant, Origin=origin)
+        _connect(tenant, Origin=origin.format(port=tenant.base_url.rsplit(":", 1)[1]))
     assert refused.value.response.status_code == 403
 
 
