@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 
 from celery import shared_task
+from celery.signals import worker_init
 from django.db import InterfaceError, OperationalError
 
-from . import services
+from . import recovery, services
+from .dispatch import BILLING_QUEUE
 from .errors import InvalidUsageEvent, UnknownModel
 
 logger = logging.getLogger(__name__)
@@ -33,3 +35,10 @@ def record_usage_event(event: dict) -> int | None:
         # Permanent: a redelivery carries the same event. Logged loudly for the operator.
         logger.error("usage event refused, not recorded: %s; event=%r", exc.message, event)
         return None
+
+
+@worker_init.connect
+def requeue_events_of_stopped_billing_workers(sender=None, **kwargs) -> None:
+    """A worker that consumes the billing queue, as it starts (before it consumes anything)."""
+    if sender is not None and BILLING_QUEUE in sender.app.amqp.queues.consume_from:
+        recovery.restore_unacked_events(sender.app)

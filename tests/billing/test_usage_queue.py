@@ -66,14 +66,14 @@ def produce(event: dict, *, die: bool) -> None:
             proc.wait()
 
 
-def start_billing_worker() -> subprocess.Popen:
+def start_billing_worker(**env) -> subprocess.Popen:
     # One thread: tasks run in the order they were published.
     return subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "inference_platform", "worker", "--pool", "threads",
          "--concurrency", "1", "--prefetch-multiplier", "1", "--queues", "billing",
          "--hostname", f"billing-test-{os.getpid()}@localhost", "--loglevel", "WARNING",
          "--without-gossip", "--without-mingle", "--without-heartbeat"],
-        cwd=REPO_ROOT, env=child_env(REDIS_URL=broker_url()),
+        cwd=REPO_ROOT, env=child_env(REDIS_URL=broker_url(), **env),
     )
 
 
@@ -109,6 +109,42 @@ def test_an_event_left_in_redis_by_a_dead_producer_is_recorded_exactly_once(brok
     assert selectors.balance(organization=organization) == \
         settings.BILLING_SIGNUP_CREDIT - record.cost - sentinel_record.cost
     assert broker.llen("billing") == 0
+
+
+TAKER = (  # a billing worker's part up to its death: the event taken, not acknowledged
+    "import sys, time\n"
+    "from kombu import Connection\n"
+    "with Connection(sys.argv[1]) as connection:\n"
+    "    taken = connection.default_channel.basic_get('billing', no_ack=False)\n"
+    "    print('taken' if taken else 'empty', flush=True)\n"
+    "    time.sleep(3600)\n"
+)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_event_a_billing_worker_died_holding_is_recorded_when_the_next_one_starts(broker):
+    """Not after the broker's visibility timeout (an hour here): at the next billing worker's start."""
+    organization = make_organization("Orphaned")
+    make_catalog_model()
+    event = usage_event(organization, request_id="req-held-by-a-dead-worker")
+    produce(event, die=False)
+    taker = subprocess.Popen([sys.executable, "-c", TAKER, broker_url()], cwd=REPO_ROOT, env=child_env(),
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert taker.stdout.readline().strip() == "taken"
+    finally:
+        taker.kill()
+        taker.wait()
+    assert broker.llen("billing") == 0 and broker.hlen("unacked") == 1
+
+    worker = start_billing_worker(CELERY_VISIBILITY_TIMEOUT="3600")
+    try:
+        wait_until(lambda: UsageRecord.objects.filter(request_id=event["request_id"]).exists(), timeout=60,
+                   message="the new billing worker to record the event the dead one held")
+        wait_until(lambda: broker.hlen("unacked") == 0, timeout=30, message="the redelivered copy's acknowledgement")
+    finally:
+        _stop(worker)
+    assert UsageRecord.objects.filter(request_id=event["request_id"]).count() == 1
 
 
 def test_a_malformed_event_is_refused_before_publishing():
