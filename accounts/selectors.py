@@ -104,3 +104,19 @@ def api_keys_for_organization(*, organization: Organization, include_revoked: bo
     if not include_revoked:
         keys = keys.filter(revoked_at__isnull=True)
     return keys.order_by("-created_at", "-id")
+
+
+# Who may revoke any key of their organization; a member revokes only the keys they created. Staff
+# (operators) get nothing more here: their powers are the operator pages and the admin site.
+KEY_ADMIN_ROLES = (Membership.Role.OWNER, Membership.Role.ADMIN)
+
+
+def can_revoke_api_key(*, membership: Membership | None, api_key: ApiKey) -> bool:
+    """Whether the holder of ``membership`` (None: not a member) may revoke ``api_key``.
+
+    Takes the membership rather than the user so that a page of keys asks the database once."""
+    if membership is None or membership.organization_id != api_key.organization_id:
+        return False
+    if membership.role in KEY_ADMIN_ROLES:
+        return True
+    return api_key.created_by_id is not None and api_key.created_by_id == membership.user_id

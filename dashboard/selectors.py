@@ -246,12 +246,16 @@ def recent_requests(*, organization: Organization, deployment: Deployment | None
 
 def api_keys_with_spend(*, organization: Organization, include_revoked: bool = True) -> list[ApiKey]:
     """The organization's keys, newest first, each with ``spend`` (USD), ``tokens`` and ``requests``
-    over its lifetime, from billing's running totals (however many requests the keys made)."""
-    keys = list(api_keys_for_organization(organization=organization, include_revoked=include_revoked))
+    over its lifetime, from billing's running totals (however many requests the keys made), and
+    ``amount_limit``, the USD it may spend (None: no limit)."""
+    keys = list(api_keys_for_organization(organization=organization, include_revoked=include_revoked)
+                .select_related("spend_limit"))
     figures = billing_selectors.api_key_totals(api_keys=keys)
     now = dj_timezone.now()
     for key in keys:
         key.spend, key.tokens, key.requests = figures.get(key.pk, (billing_selectors.ZERO, 0, 0))
+        limit = getattr(key, "spend_limit", None)  # no row: never limited
+        key.amount_limit = limit.amount_limit if limit is not None else None
         key.state = "revoked" if key.revoked_at else ("expired" if key.is_expired(now) else "active")
     return keys
 

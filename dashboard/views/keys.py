@@ -8,6 +8,7 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_http_methods, require_POST
 
 from accounts.errors import InvalidInput
+from accounts.selectors import can_revoke_api_key, membership_for
 from accounts.services import create_api_key, revoke_api_key
 from billing.services import set_api_key_spend_limit
 
@@ -52,6 +53,9 @@ def api_keys(request):
             return response
     new_key = _new_key(request) if request.method == "GET" else None
     keys = selectors.api_keys_with_spend(organization=request.organization)
+    membership = membership_for(user=request.user, organization=request.organization)
+    for key in keys:  # the Revoke button only where the revoke would be allowed
+        key.can_revoke = can_revoke_api_key(membership=membership, api_key=key)
     response = render(request, "dashboard/api_keys.html", {
         "form": form, "keys": keys, "new_key": new_key, "open_form": request.method == "POST",
         "active_count": sum(1 for k in keys if k.state == "active"),
@@ -70,6 +74,11 @@ def api_key_revoke(request, key_id: int):
     api_key = selectors.api_key_of(organization=request.organization, key_id=key_id)
     if api_key is None:
         raise Http404("No such API key.")
+    membership = membership_for(user=request.user, organization=request.organization)
+    if not can_revoke_api_key(membership=membership, api_key=api_key):
+        messages.error(request, f"{api_key.name} was not revoked: members may revoke only the keys they created. "
+                                "Ask an owner or an admin.")
+        return redirect("api-keys")
     revoke_api_key(api_key=api_key)
     messages.success(request, f"{api_key.name} ({api_key.display_prefix}) is revoked: calls with it now fail.")
     return redirect("api-keys")
