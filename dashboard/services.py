@@ -212,7 +212,11 @@ def accept_invitation(*, raw_token: str, user: User) -> Membership:
 
 
 def revoke_invitation(*, organization: Organization, actor: User, invitation_id: int) -> None:
+    """Revokes an open invitation of ``organization``; InvalidInvitation when there is none by that
+    id (unknown, another organization's, already accepted or revoked)."""
     if not can_manage_members(_role_of(organization, actor)):
         raise NotAllowed("Only owners and admins can manage invitations.")
-    Invitation.objects.filter(pk=invitation_id, organization=organization, accepted_at__isnull=True,
-                              revoked_at__isnull=True).update(revoked_at=timezone.now())
+    revoked = Invitation.objects.filter(pk=invitation_id, organization=organization, accepted_at__isnull=True,
+                                        revoked_at__isnull=True).update(revoked_at=timezone.now())
+    if not revoked:
+        raise InvalidInvitation("There is no such pending invitation: it may have been accepted or revoked already.")

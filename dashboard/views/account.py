@@ -117,7 +117,11 @@ def organization_switch(request):
 def members(request):
     organization = request.organization
     invite_form = InviteForm(request.POST or None, actor_role=request.role)
-    if request.method == "POST":
+    can_manage = services.can_manage_members(request.role)
+    refused = request.method == "POST" and not can_manage
+    if refused:  # a member has no invite form on the page, where its errors would show
+        messages.error(request, "Only owners and admins can invite people: ask one of them.")
+    elif request.method == "POST":
         if invite_form.is_valid():
             try:
                 invitation = services.invite_member(
@@ -131,10 +135,12 @@ def members(request):
                 messages.success(request, f"Invitation sent to {invitation.email}.")
                 return redirect("members")
     data = selectors.members_page(organization=organization)
+    # Not ``memberships``: that name is the organization switcher's (the context processor's).
     return render(request, "dashboard/members.html", {
-        **data, "invite_form": invite_form, "role_form": RoleForm(),
-        "can_manage": services.can_manage_members(request.role), "is_owner": request.role == "owner",
-    })
+        "members": data["memberships"], "invitations": data["invitations"],
+        "invite_form": invite_form, "role_form": RoleForm(),
+        "can_manage": can_manage, "is_owner": request.role == "owner",
+    }, status=403 if refused else 200)
 
 
 def _member(request, user_id: int) -> User:

@@ -1,0 +1,73 @@
+"""The members page: its organization switcher, revoking invitations, and a member's direct post
+of the invite form."""
+
+from __future__ import annotations
+
+from django.test import Client
+
+from accounts.services import add_member, create_organization
+from dashboard.models import Invitation
+from tests.dashboard.conftest import sign_up
+
+
+def _switcher_entries(page: str, organization) -> int:
+    return page.count(f'name="organization" value="{organization.pk}"')
+
+
+def test_the_switcher_lists_the_users_organizations_not_the_members(ada, acme):
+    owner, acme_org = acme
+    second = create_organization(name="Second", owner=owner)
+    for name in ("Mel", "Al"):
+        add_member(organization=acme_org, user=sign_up(name, f"{name}'s own")[0], role="member")
+    ada.post("/organizations/switch/", {"organization": acme_org.pk})
+
+    response = ada.get("/settings/members/")
+    page = response.content.decode()
+    assert _switcher_entries(page, acme_org) == 1 and _switcher_entries(page, second) == 1
+    assert len(response.context["members"]) == 3
+    assert page.count("<tr data-member=") == 3
+
+
+def _invite(client, email: str):
+    return client.post("/settings/members/", {"email": email, "role": "member"})
+
+
+def test_revoking_an_unknown_invitation_says_so(ada, acme):
+    response = ada.post("/settings/invitations/99999/revoke/", follow=True)
+    page = response.content.decode()
+    assert "no such pending invitation" in page and "Invitation revoked." not in page
+
+
+def test_another_organizations_invitation_is_untouched(ada, globex):
+    grace, _ = globex
+    grace_client = Client()
+    grace_client.force_login(grace)
+    _invite(grace_client, "globex.hire@example.com")
+    theirs = Invitation.objects.get()
+
+    page = ada.post(f"/settings/invitations/{theirs.pk}/revoke/", follow=True).content.decode()
+    assert "Invitation revoked." not in page
+    theirs.refresh_from_db()
+    assert theirs.status == "pending"
+
+
+def test_revoking_twice_reports_success_once(ada, acme):
+    _invite(ada, "later@example.com")
+    invitation = Invitation.objects.get()
+    assert "Invitation revoked." in ada.post(f"/settings/invitations/{invitation.pk}/revoke/", follow=True).content.decode()
+    again = ada.post(f"/settings/invitations/{invitation.pk}/revoke/", follow=True).content.decode()
+    assert "Invitation revoked." not in again and "no such pending invitation" in again
+
+
+def test_a_member_posting_the_invite_form_is_refused_with_a_message(acme):
+    _, org = acme
+    member, _ = sign_up("Mel", "Mel's own")
+    add_member(organization=org, user=member, role="member")
+    client = Client()
+    client.force_login(member)
+    client.post("/organizations/switch/", {"organization": org.pk})
+
+    response = _invite(client, "x@example.com")
+    assert response.status_code == 403
+    assert "Only owners and admins can invite people" in response.content.decode()
+    assert not Invitation.objects.exists()
