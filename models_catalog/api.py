@@ -2,10 +2,13 @@
 
 Callers: an API key with the ``manage`` scope, or the dashboard's logged-in user (the session's
 current organization). An organization sees the public deployments and its own; it changes only
-its own. Another organization's deployment does not exist for it (404 for every verb). Operators
-(staff users) also see and change the platform's own deployments, and may publish one to every
-organization. Errors follow OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``;
-invalid settings are a 400 naming the field in ``param``.
+its own. Another organization's deployment does not exist for it (404 for every verb). Within
+the organization, owners and admins change every deployment, a member only those they created
+(403 ``insufficient_role``); a key acts with the role of the member who created it, a key made by
+the operator's command line (no creator) as the organization. Operators (staff users) also see
+and change the platform's own deployments, and may publish one to every organization. Errors
+follow OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; invalid settings are a
+400 naming the field in ``param``.
 
     GET    /v1/catalog                      the models one can deploy
     GET    /v1/catalog/{id}
@@ -40,7 +43,7 @@ from accounts.selectors import current_organization_for_user
 from . import serializers, services
 from .errors import CatalogError, InvalidCatalogModel, InvalidDeployment
 from .models import CatalogModel, Deployment
-from .selectors import catalog_models
+from .selectors import can_manage_deployment, catalog_models
 
 _ERROR = OpenApiResponse(description='{"error": {"message", "type", "param", "code"}}')
 _ERRORS = {400: _ERROR, 401: _ERROR, 403: _ERROR, 404: _ERROR}
@@ -72,6 +75,9 @@ class Caller:
     organization: Organization | None
     operator: bool
     user: object
+    # Whose role decides what the caller may change: the session's user or the key's creator;
+    # None for a key made by the operator's command line (as billing's spend limit treats it).
+    actor: object = None
 
 
 def caller_of(request) -> Caller:
@@ -80,11 +86,12 @@ def caller_of(request) -> Caller:
     user = request.user
     operator = bool(getattr(user, "is_staff", False) and getattr(user, "is_active", False))
     if isinstance(request.auth, ApiKey):
-        return Caller(organization=request.auth.organization, operator=operator, user=user)
+        return Caller(organization=request.auth.organization, operator=operator, user=user,
+                      actor=request.auth.created_by)
     organization = current_organization_for_user(user=user, organization_id=request.session.get(SESSION_ORGANIZATION_KEY))
     if organization is None and not operator:
         raise ApiProblem(403, "Your account does not belong to an organization yet.", code="no_organization")
-    return Caller(organization=organization, operator=operator, user=user)
+    return Caller(organization=organization, operator=operator, user=user, actor=user)
 
 
 def _not_found(name: str) -> ApiProblem:
@@ -106,7 +113,8 @@ def readable_deployment(caller: Caller, name: str) -> Deployment:
 
 
 def writable_deployment(caller: Caller, name: str) -> Deployment:
-    """A deployment the caller may change: its organization's, or (operators) the platform's."""
+    """A deployment the caller may change: its organization's, or (operators) the platform's, as
+    its role allows (``can_manage_deployment``)."""
     deployment = readable_deployment(caller, name)
     if deployment.organization_id is None and not caller.operator:
         raise ApiProblem(403, f"'{name}' is shared by the platform; only an operator can change it.",
@@ -114,6 +122,9 @@ def writable_deployment(caller: Caller, name: str) -> Deployment:
     if deployment.organization_id is not None and (
             caller.organization is None or deployment.organization_id != caller.organization.pk):
         raise _not_found(name)
+    if caller.actor is not None and not can_manage_deployment(user=caller.actor, deployment=deployment):
+        raise ApiProblem(403, f"Only the organization's owners and admins, and the member who created it, "
+                              f"can change '{name}'.", param="name", code="insufficient_role")
     return deployment
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.db.models import Q, QuerySet
 
-from accounts.models import Organization
+from accounts.models import Membership, Organization
 
 from .errors import DeploymentNotFound
 from .models import CatalogModel, Deployment
@@ -35,6 +35,29 @@ def resolve_deployment(*, organization: Organization | None, name: str) -> Deplo
 def deployments_of(*, organization: Organization) -> QuerySet[Deployment]:
     """The deployments ``organization`` owns (not the public ones)."""
     return Deployment.objects.filter(organization=organization).select_related("model").order_by("name")
+
+
+# Roles that may manage every deployment of their organization; a member manages the ones they created.
+MANAGER_ROLES = (Membership.Role.OWNER, Membership.Role.ADMIN)
+
+
+def can_manage_deployment(*, user, deployment: Deployment) -> bool:
+    """Whether ``user`` may change the settings of, scale, stop, start or delete ``deployment``.
+
+    The platform's own deployments: operators (active staff) only. An organization's: its owners
+    and admins, and the member who created it. Operators have no say over an organization's
+    deployments beyond their role in it. An API key acts as the member who created it: pass its
+    creator (the caller decides what a key without a creator, made by the operator's command
+    line, may do)."""
+    if user is None or not getattr(user, "is_authenticated", False) or not getattr(user, "is_active", False):
+        return False
+    if deployment.organization_id is None:
+        return bool(user.is_staff)
+    role = Membership.objects.filter(user=user, organization_id=deployment.organization_id) \
+        .values_list("role", flat=True).first()
+    if role in MANAGER_ROLES:
+        return True
+    return role == Membership.Role.MEMBER and deployment.created_by_id == user.pk
 
 
 def catalog_models(*, include_inactive: bool = False, search: str = "", architecture: str = "") -> QuerySet[CatalogModel]:

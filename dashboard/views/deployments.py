@@ -5,16 +5,22 @@ from __future__ import annotations
 from django.contrib import messages
 from django.http import Http404, JsonResponse
 from django.shortcuts import redirect, render
+from django.template.loader import render_to_string
+from django.utils import timezone
 from django.utils.text import slugify
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
+from billing.serializers import money
 from models_catalog.errors import InvalidDeployment
 from models_catalog.models import Deployment
+from models_catalog.selectors import can_manage_deployment
 from models_catalog.services import create_deployment, delete_deployment, update_deployment
 
 from .. import selectors, snippets
 from ..forms import DeploymentForm, DeploymentSettingsForm
 from .common import is_htmx, organization_required
+
+RECENT_REQUESTS = 10  # rows of the page's "Latest requests"
 
 
 def _field_error(form, exc: InvalidDeployment) -> None:
@@ -84,32 +90,73 @@ def _owned(request, deployment: Deployment) -> bool:
     return deployment.organization_id == request.organization.pk
 
 
-@organization_required
-def deployment_detail(request, name: str):
+def _manageable(request, deployment: Deployment) -> bool:
+    """Whether the user may change the deployment here: the dashboard changes its organization's
+    own deployments (not the shared ones), as the user's role allows."""
+    return _owned(request, deployment) and can_manage_deployment(user=request.user, deployment=deployment)
+
+
+def _changeable(request, name: str) -> Deployment:
+    """The deployment the user asks to change: a shared or another organization's one is not
+    found; one their role does not allow is left to ``_refused``."""
     deployment = _deployment(request, name)
-    window = request.GET.get("window", "1h")
-    metrics = selectors.deployment_metrics(organization=request.organization, deployment=deployment, window=window)
+    if not _owned(request, deployment):
+        raise Http404("No such deployment.")
+    return deployment
+
+
+def _refused(request, deployment: Deployment):
+    return render(request, "deployments/not_allowed.html", {"deployment": deployment}, status=403)
+
+
+def _figures(request, deployment: Deployment, *, window: str) -> dict:
+    """The metrics and the latest requests, read at one moment (``as_of``)."""
+    now = timezone.now()
+    return {
+        "metrics": selectors.deployment_metrics(organization=request.organization, deployment=deployment,
+                                                window=window, now=now),
+        "recent": selectors.recent_requests(organization=request.organization, deployment=deployment,
+                                            limit=RECENT_REQUESTS),
+        "as_of": now,
+    }
+
+
+def _detail_page(request, deployment: Deployment, *, settings_form=None, status: int = 200):
     urls = snippets.endpoints(request)
     return render(request, "deployments/detail.html", {
-        "deployment": deployment, "owned": _owned(request, deployment), "metrics": metrics,
-        "windows": list(selectors.WINDOWS), "recent": selectors.recent_requests(
-            organization=request.organization, deployment=deployment, limit=10),
-        "settings_form": DeploymentSettingsForm(initial=DeploymentSettingsForm.initial_for(deployment)),
+        "deployment": deployment, "owned": _owned(request, deployment),
+        "can_manage": _manageable(request, deployment),
+        **_figures(request, deployment, window=request.GET.get("window", "1h")),
+        "windows": list(selectors.WINDOWS),
+        "settings_form": settings_form or DeploymentSettingsForm(
+            initial=DeploymentSettingsForm.initial_for(deployment)),
         "examples": snippets.examples(model=deployment.name, **urls), **urls,
         "key_variable": snippets.KEY_VARIABLE,
-    })
+    }, status=status)
+
+
+@organization_required
+def deployment_detail(request, name: str):
+    return _detail_page(request, _deployment(request, name))
 
 
 @organization_required
 @require_GET
 def deployment_metrics(request, name: str):
+    """The charts' series and the figure cards, for the page's periodic refresh."""
     deployment = _deployment(request, name)
-    metrics = selectors.deployment_metrics(organization=request.organization, deployment=deployment,
-                                           window=request.GET.get("window", "1h"))
-    totals = metrics["totals"]
+    figures = _figures(request, deployment, window=request.GET.get("window", "1h"))
+    metrics, totals = figures["metrics"], figures["metrics"]["totals"]
+    fragment = {"deployment": deployment, "owned": _owned(request, deployment), **figures}
     return JsonResponse({
         "window": metrics["window"], "bucket_s": metrics["bucket_s"], "series": metrics["series"],
-        "totals": {**totals, "cost": str(totals["cost"])},
+        "totals": {**totals, "cost": money(totals["cost"])},
+        "as_of": figures["as_of"].isoformat(),
+        # The cards and the table as the page first rendered them: one formatting, the templates'.
+        "html": {
+            "figures": render_to_string("deployments/_figures.html", fragment),
+            "recent": render_to_string("deployments/_recent.html", fragment),
+        },
     })
 
 
@@ -123,9 +170,9 @@ def deployment_status(request, name: str):
 @organization_required
 @require_POST
 def deployment_settings(request, name: str):
-    deployment = _deployment(request, name)
-    if not _owned(request, deployment):
-        raise Http404("No such deployment.")
+    deployment = _changeable(request, name)
+    if not can_manage_deployment(user=request.user, deployment=deployment):
+        return _refused(request, deployment)
     form = DeploymentSettingsForm(request.POST)
     if form.is_valid():
         try:
@@ -135,22 +182,17 @@ def deployment_settings(request, name: str):
         else:
             messages.success(request, "Settings saved. Workers apply them the next time they load the model.")
             return redirect("deployment-detail", name=deployment.name)
-    metrics = selectors.deployment_metrics(organization=request.organization, deployment=deployment)
-    urls = snippets.endpoints(request)
-    return render(request, "deployments/detail.html", {
-        "deployment": deployment, "owned": True, "metrics": metrics, "windows": list(selectors.WINDOWS),
-        "recent": selectors.recent_requests(organization=request.organization, deployment=deployment, limit=10),
-        "settings_form": form, "settings_open": True,
-        "examples": snippets.examples(model=deployment.name, **urls), **urls, "key_variable": snippets.KEY_VARIABLE,
-    }, status=400)
+    # The page again with the form's errors; the template points the address back at the
+    # deployment's page, so that reloading or choosing a window does not post again.
+    return _detail_page(request, deployment, settings_form=form, status=400)
 
 
 @organization_required
 @require_POST
 def deployment_delete(request, name: str):
-    deployment = _deployment(request, name)
-    if not _owned(request, deployment):
-        raise Http404("No such deployment.")
+    deployment = _changeable(request, name)
+    if not can_manage_deployment(user=request.user, deployment=deployment):
+        return _refused(request, deployment)
     if request.POST.get("confirm") != deployment.name:
         messages.error(request, f"Type the deployment's name ({deployment.name}) to confirm the deletion.")
         return redirect("deployment-detail", name=deployment.name)

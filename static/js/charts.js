@@ -23,11 +23,19 @@
     }, extra || {});
   }
 
+  // Times are shown in UTC, as the tables and reports beside the charts (the pages say so).
+  // hourCycle "h23": hour12 false lets some browsers write midnight as 24:00.
+  const UTC = { timeZone: "UTC", hourCycle: "h23" };
+
   function timeLabel(iso, bucket) {
     const d = new Date(iso);
     if (bucket >= 86400) return d.toLocaleDateString([], { month: "short", day: "numeric", timeZone: "UTC" });
-    if (bucket >= 3600) return d.toLocaleString([], { month: "short", day: "numeric", hour: "2-digit", minute: "2-digit", hour12: false });
-    return d.toLocaleTimeString([], { hour: "2-digit", minute: "2-digit", hour12: false });
+    if (bucket >= 3600) return d.toLocaleString([], { ...UTC, month: "short", day: "numeric", hour: "2-digit", minute: "2-digit" });
+    return d.toLocaleTimeString([], { ...UTC, hour: "2-digit", minute: "2-digit" });
+  }
+
+  function clock(iso) {
+    return new Date(iso).toLocaleTimeString([], { ...UTC, hour: "2-digit", minute: "2-digit", second: "2-digit" });
   }
 
   function dayLabel(iso) {
@@ -63,7 +71,7 @@
   }
 
   window.DashboardCharts = {
-    palette, timeLabel, dayLabel, money,
+    palette, timeLabel, clock, dayLabel, money,
     line(canvas, labels, sets, opts) {
       opts = opts || {};
       return draw(canvas, {

@@ -1,0 +1,149 @@
+"""A deployment's page: a refused settings save is visible and leaves no broken address, the deploy
+form opens its Advanced section on an error there, the figure cards refresh with the charts, times
+are UTC and labelled, and money in metrics.json has the platform's precision."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
+
+import pytest
+
+from billing.pricing import COST_QUANTUM
+from models_catalog.models import Deployment
+from models_catalog.services import create_deployment
+from tests.dashboard.conftest import record
+from tests.dashboard.test_deployments import FORM
+from tests.support import REPO_ROOT
+
+
+@pytest.fixture
+def tune_me(acme, catalog):
+    model, _ = catalog
+    return create_deployment(organization=acme[1], model=model, name="tune-me", created_by=acme[0])
+
+
+# --- a refused settings save -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("changes, label", [
+    ({"max_batch_size": "0"}, "Max batch size"),
+    ({"min_replicas": "3", "max_replicas": "2"}, "Max replicas"),
+])
+def test_a_refused_save_says_so_at_the_top_and_in_the_settings(ada, tune_me, changes, label):
+    response = ada.post("/deployments/tune-me/settings/", {**FORM, **changes})
+    assert response.status_code == 400
+    page = response.content.decode()
+    # A banner before the page's head, pointing at the settings...
+    banner = page.index('id="settings-not-saved"')
+    assert banner < page.index('class="page-head"') and 'href="#settings"' in page[banner:page.index('class="page-head"')]
+    # ...and the field's error summed up at the top of the settings card, where the form lands.
+    summary = page[page.index('id="settings"'):]
+    assert 'id="settings-errors"' in summary and label in summary.split("</ul>")[0]
+    assert 'action="/deployments/tune-me/settings/#settings"' in page
+    assert Deployment.objects.get(name="tune-me").max_batch_size == 32
+
+
+def test_after_a_refused_save_the_window_links_and_the_address_lead_to_the_page(ada, tune_me):
+    page = ada.post("/deployments/tune-me/settings/", {**FORM, "max_batch_size": "0"}).content.decode()
+    assert 'href="?window=' not in page
+    for window in ("1h", "24h", "7d"):
+        assert f'href="/deployments/tune-me/?window={window}"' in page
+        assert ada.get(f"/deployments/tune-me/?window={window}").status_code == 200
+    # The address bar goes back to the page, so a reload is a GET, not the POST again.
+    assert 'history.replaceState(null, "", "/deployments/tune-me/#settings")' in page
+
+
+def test_a_saved_or_plain_page_does_not_rewrite_the_address(ada, tune_me):
+    page = ada.get("/deployments/tune-me/").content.decode()
+    assert "replaceState" not in page and 'id="settings-not-saved"' not in page and 'id="settings-errors"' not in page
+
+
+# --- the deploy form's Advanced section --------------------------------------------------------------
+
+
+def test_an_error_in_advanced_opens_it_and_is_summed_up_at_the_top(ada, catalog):
+    response = ada.post("/deploy/", {**FORM, "queue_limit": "0"})
+    assert response.status_code == 200 and not Deployment.objects.filter(name=FORM["name"]).exists()
+    page = response.content.decode()
+    assert '<details class="card" id="advanced" open>' in page
+    summary = page[page.index('id="error-summary"'):page.index('id="advanced"')]
+    assert 'href="#id_queue_limit">Queue limit</a>' in summary
+
+
+def test_advanced_stays_closed_when_its_fields_are_fine(ada, catalog):
+    page = ada.post("/deploy/", {**FORM, "name": "Not Valid!"}).content.decode()
+    assert '<details class="card" id="advanced">' in page
+    assert 'href="#id_name">Deployment name</a>' in page
+
+
+# --- the figure cards refresh with the charts --------------------------------------------------------
+
+
+def test_metrics_json_carries_the_cards_and_the_latest_requests_as_rendered(ada, acme, tune_me):
+    _, org = acme
+    first = record(org, tune_me, request_id="chatcmpl-first")
+    data = ada.get("/deployments/tune-me/metrics.json?window=1h").json()
+    assert data["totals"]["requests"] == 1 and datetime.fromisoformat(data["as_of"])
+    assert 'id="m-requests">1<' in data["html"]["figures"]
+    assert f'data-request="{first.request_id}"' in data["html"]["recent"]
+    # The page renders the same cards on its first load.
+    page = ada.get("/deployments/tune-me/").content.decode()
+    assert 'id="m-requests">1<' in page and 'id="metrics-as-of"' in page
+
+    record(org, tune_me, request_id="chatcmpl-second")
+    later = ada.get("/deployments/tune-me/metrics.json?window=1h").json()
+    assert 'id="m-requests">2<' in later["html"]["figures"]
+    assert 'data-request="chatcmpl-second"' in later["html"]["recent"]
+
+
+def test_the_refreshed_cards_are_the_windows(ada, acme, tune_me):
+    _, org = acme
+    record(org, tune_me, finished_at=datetime.now(timezone.utc) - timedelta(hours=3))
+    assert 'id="m-requests">0<' in ada.get("/deployments/tune-me/metrics.json?window=1h").json()["html"]["figures"]
+    day = ada.get("/deployments/tune-me/metrics.json?window=24h").json()["html"]["figures"]
+    assert 'id="m-requests">1<' in day and "in the last 24h" in day
+
+
+# --- times and money ---------------------------------------------------------------------------------
+
+
+def test_the_page_labels_its_times_utc(ada, acme, tune_me):
+    record(acme[1], tune_me, finished_at=datetime.now(timezone.utc).replace(hour=23, minute=45, second=6)
+           - timedelta(days=1))
+    page = ada.get("/deployments/tune-me/").content.decode()
+    assert "Times are UTC" in page and "<th>When (UTC)</th>" in page
+    assert ", 23:45:06</td>" in page
+
+
+def test_metrics_json_money_has_the_platforms_precision(ada, acme, tune_me):
+    assert ada.get("/deployments/tune-me/metrics.json").json()["totals"]["cost"] == "0.000000"
+    records = [record(acme[1], tune_me, prompt_tokens=123, completion_tokens=7) for _ in range(3)]
+    cost = ada.get("/deployments/tune-me/metrics.json").json()["totals"]["cost"]
+    assert cost == str(sum((r.cost for r in records), Decimal(0)).quantize(COST_QUANTUM))
+    assert len(cost.split(".")[1]) == 6
+
+
+# --- charts.js: chart labels in UTC ------------------------------------------------------------------
+
+_LABELS = """
+global.window = {};
+require(%s);
+const C = window.DashboardCharts;
+console.log(JSON.stringify([C.timeLabel("2024-03-10T23:30:00+00:00", 60),
+  C.timeLabel("2024-03-10T00:00:00+00:00", 3600), C.clock("2024-03-10T23:30:05+00:00")]));
+"""
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs Node.js to run the dashboard's script")
+@pytest.mark.parametrize("zone", ["America/Los_Angeles", "Asia/Kolkata"])
+def test_chart_labels_are_utc_whatever_the_browsers_zone(zone):
+    script = _LABELS % json.dumps(str(REPO_ROOT / "static" / "js" / "charts.js"))
+    out = subprocess.run(["node", "-e", script], capture_output=True, text=True, check=True,
+                         env={"TZ": zone, "LANG": "en_US.UTF-8", "PATH": "/usr/bin:/bin:/usr/local/bin"})
+    minute, hour, clock = json.loads(out.stdout)
+    assert minute == "23:30" and clock == "23:30:05"
+    assert hour.startswith("Mar 10") and hour.endswith("00:00")
