@@ -90,6 +90,14 @@ def _render_page(request: HttpRequest, organization, *, status: int = 200, **ext
     return render(request, "billing/overview.html", context, status=status)
 
 
+def _form_message(exc: BillingError) -> str:
+    """The service's message as the form shows it: the service words it for the API, naming the
+    parameter ("monthly_limit must ..."), where the page has a label."""
+    if isinstance(exc, InvalidParameter) and exc.param == "monthly_limit" and exc.message.startswith("monthly_limit "):
+        return "Monthly limit " + exc.message.removeprefix("monthly_limit ")
+    return exc.message
+
+
 def _plain(limit) -> str:
     """A limit as the form shows it: 100.000000 → "100.00", 0.125000 → "0.125"."""
     if limit is None:
@@ -125,7 +133,8 @@ def spend_limit_update(request: HttpRequest):
     try:
         services.set_spend_limit(organization=organization, monthly_limit=value, actor=request.user)
     except BillingError as exc:
-        return _render_page(request, organization, status=exc.status, limit_value=raw[:40], limit_error=exc.message)
+        return _render_page(request, organization, status=exc.status, limit_value=raw[:40],
+                            limit_error=_form_message(exc))
     if value is None:
         messages.success(request, "The monthly spend limit is removed.")
     else:

@@ -175,8 +175,11 @@ class ApiKeyForm(forms.Form):
 
 
 class UsageRangeForm(forms.Form):
-    start = forms.DateField(required=False, widget=forms.DateInput(attrs={"type": "date"}))
-    end = forms.DateField(required=False, widget=forms.DateInput(attrs={"type": "date"}))
+    # The page shows the errors together, above both dates: each message names its date.
+    start = forms.DateField(required=False, widget=forms.DateInput(attrs={"type": "date"}),
+                            error_messages={"invalid": "Enter the start date as YYYY-MM-DD."})
+    end = forms.DateField(required=False, widget=forms.DateInput(attrs={"type": "date"}),
+                          error_messages={"invalid": "Enter the end date as YYYY-MM-DD."})
 
     def period(self, today: date) -> tuple[date, date]:
         """The chosen period (inclusive); defaults to the last 30 days. Call after is_valid()."""
@@ -193,11 +196,14 @@ class UsageRangeForm(forms.Form):
         data = super().clean()
         for name in ("start", "end"):  # the period's day after must exist, and 30 days before
             if data.get(name) and not REPORT_DATES[0] <= data[name] <= REPORT_DATES[1]:
-                self.add_error(name, f"Choose a date between {REPORT_DATES[0]} and {REPORT_DATES[1]}.")
+                self.add_error(name, f"Choose a {name} date between {REPORT_DATES[0]} and {REPORT_DATES[1]}.")
         if self.errors:
             return data
-        start, end = self._period(data.get("start"), data.get("end"), timezone.now().date())  # as the view
-        if end < start:
+        today = timezone.now().date()
+        start, end = self._period(data.get("start"), data.get("end"), today)  # as the view
+        if start > today:  # no usage yet; and with no end given, the period would end before it starts
+            self.add_error("start", f"The start date ({start}) is after today ({today}, UTC): choose today or earlier.")
+        elif end < start:
             self.add_error("end", "The end date is before the start date.")
         elif (end - start).days + 1 > MAX_USAGE_DAYS:  # also a start alone, which runs to today
             self.add_error("end" if data.get("end") else "start", f"Choose a period of {MAX_USAGE_DAYS} days at most.")

@@ -8,7 +8,7 @@ from django.contrib.staticfiles.views import serve as serve_static
 from django.urls import path, re_path
 
 from .forms import EmailLoginForm
-from .views import account, billing, catalog, deployments, keys, operator, playground, usage
+from .views import account, billing, catalog, deployments, keys, logout, operator, playground, usage
 
 urlpatterns = [
     # The dashboard's own assets (CSS, JS, the vendored htmx and Chart.js) from the app's static
@@ -19,7 +19,7 @@ urlpatterns = [
     # Accounts
     path("login/", auth_views.LoginView.as_view(authentication_form=EmailLoginForm, redirect_authenticated_user=True),
          name="login"),
-    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("logout/", logout.logout, name="logout"),
     path("signup/", account.signup, name="signup"),
     path("password-reset/", auth_views.PasswordResetView.as_view(), name="password_reset"),
     path("password-reset/sent/", auth_views.PasswordResetDoneView.as_view(), name="password_reset_done"),
