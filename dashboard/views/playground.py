@@ -6,6 +6,8 @@ from django.http import JsonResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
+from accounts.selectors import organizations_for_user
+
 from .. import selectors, snippets
 from .common import organization_required
 
@@ -26,21 +28,41 @@ def _count(request, name: str) -> int | None:
     return int(raw) if raw.isascii() and raw.isdigit() and len(raw) < 10 else None  # not "²": a digit, not a number
 
 
+def _billed_organization(request):
+    """The organization the playground page's socket bills (its ``organization`` parameter), which
+    stays the page's after the user switches organization in another tab; the current one when the
+    parameter is absent. None unless the user belongs to it."""
+    raw = request.GET.get("organization", "")
+    if not raw:
+        return request.organization
+    if not (raw.isascii() and raw.isdigit() and len(raw) < 19):
+        return None
+    return organizations_for_user(user=request.user).filter(pk=int(raw)).first()
+
+
+def _not_found() -> JsonResponse:
+    return JsonResponse({"error": {"message": "Unknown reply.", "type": "not_found_error", "param": None,
+                                   "code": "not_found"}}, status=404)
+
+
 @organization_required
 @require_GET
 def reply_cost(request):
-    """``GET /playground/cost/?request_id&deployment&prompt_tokens&cached_prompt_tokens&completion_tokens&status``:
-    one reply's tokens and cost, billed (the usage record) or estimated with the same prices."""
+    """``GET /playground/cost/?request_id&organization&deployment&prompt_tokens&cached_prompt_tokens
+    &completion_tokens&status``: one reply's tokens and cost, billed (the usage record of the
+    organization it was billed to) or estimated with the same prices."""
     counts = {name: _count(request, name) for name in ("prompt_tokens", "cached_prompt_tokens", "completion_tokens")}
     if any(value is None for value in counts.values()) or counts["cached_prompt_tokens"] > counts["prompt_tokens"]:
         return JsonResponse({"error": {"message": "Token counts must be whole numbers.", "type": "invalid_request_error",
                                        "param": None, "code": "invalid_value"}}, status=400)
-    deployment = selectors.deployment_for(organization=request.organization, name=request.GET.get("deployment", ""))
-    cost = selectors.reply_cost(organization=request.organization, request_id=request.GET.get("request_id", ""),
+    organization = _billed_organization(request)
+    if organization is None:  # not the user's: answered as an unknown reply, saying nothing of it
+        return _not_found()
+    deployment = selectors.deployment_for(organization=organization, name=request.GET.get("deployment", ""))
+    cost = selectors.reply_cost(organization=organization, request_id=request.GET.get("request_id", ""),
                                 deployment=deployment, status=request.GET.get("status", "completed"), **counts)
     if cost is None:
-        return JsonResponse({"error": {"message": "Unknown reply.", "type": "not_found_error", "param": None,
-                                       "code": "not_found"}}, status=404)
+        return _not_found()
     return JsonResponse({"source": cost.source, "prompt_tokens": cost.prompt_tokens,
                          "cached_prompt_tokens": cost.cached_prompt_tokens,
                          "completion_tokens": cost.completion_tokens, "cost": str(cost.cost), "status": cost.status})

@@ -32,6 +32,19 @@
     return ok;
   }
 
+  // The mobile menu (an off-canvas sidebar): its button says whether it is open; Escape closes it.
+  function setNav(open, { returnFocus = false } = {}) {
+    const toggle = document.querySelector("[data-nav-toggle]");
+    document.body.classList.toggle("nav-open", open);
+    if (toggle) toggle.setAttribute("aria-expanded", String(open));
+    if (open) document.querySelector(".sidebar a, .sidebar button, .sidebar summary")?.focus();
+    else if (returnFocus && toggle) toggle.focus();
+  }
+
+  document.addEventListener("keydown", (event) => {
+    if (event.key === "Escape" && document.body.classList.contains("nav-open")) setNav(false, { returnFocus: true });
+  });
+
   document.addEventListener("click", (event) => {
     const copy = event.target.closest("[data-copy]");
     if (copy) {
@@ -51,11 +64,11 @@
       return;
     }
     if (event.target.closest("[data-nav-toggle]")) {
-      document.body.classList.toggle("nav-open");
+      setNav(!document.body.classList.contains("nav-open"));
       return;
     }
     if (document.body.classList.contains("nav-open") && !event.target.closest(".sidebar")) {
-      document.body.classList.remove("nav-open");
+      setNav(false);
     }
     document.querySelectorAll("details[data-dropdown][open]").forEach((d) => {
       if (!d.contains(event.target)) d.removeAttribute("open");

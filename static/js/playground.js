@@ -12,10 +12,15 @@
   const pane = $("messages"), input = $("chat-input"), sendButton = $("send-button"), stopButton = $("stop-button");
   const select = $("deployment-select"), conn = $("conn-state");
   const wsUrl = root.dataset.wsUrl, costUrl = root.dataset.costUrl;
+  // The organization the socket bills, as the page was rendered: a reply's cost is looked up there
+  // even after the user switches organization in another tab.
+  const organizationId = root.dataset.organization;
+  const emptyState = $("chat-empty");
 
   let socket = null;
   let history = [];        // [{role, content}] of finished turns
-  let current = null;      // the reply being streamed
+  let current = null;      // the reply being streamed into the chat on screen
+  const live = new Map();  // request id -> every reply not ended yet, including ones "New chat" left
   let sessionTokens = 0;
   let sessionMicros = 0n;
   const queue = [];        // frames waiting for the socket to open
@@ -52,7 +57,7 @@
     socket.addEventListener("message", (event) => onFrame(JSON.parse(event.data)));
     socket.addEventListener("close", (event) => {
       setConn("closed", event.code >= 4000 ? "Not authorized: reload the page" : "Disconnected");
-      if (current) fail(current, "The connection closed before the reply finished.");
+      live.forEach((reply) => fail(reply, "The connection closed before the reply finished."));
     });
   }
 
@@ -84,16 +89,51 @@
     return span;
   }
 
+  // ---- parameters: sent as entered, or not at all -------------------------------------------------------
+  const MAX_STOP = 4;  // the API's limit (OpenAI's)
+
+  // A whole number as typed in an <input type=number>: the number, `fallback` when empty, NaN otherwise.
+  // At most `digits` digits: up to 15, a JS number holds it exactly.
+  function wholeNumber(field, fallback, digits) {
+    if (field.validity.badInput) return NaN;
+    const text = field.value.trim();
+    if (text === "") return fallback;
+    return new RegExp(`^-?\\d{1,${digits}}$`).test(text) ? Number(text) : NaN;
+  }
+
+  function stopSequences() {
+    // One per line, kept as typed (commas and spaces included); blank lines are ignored.
+    return $("p-stop").value.split("\n").map((line) => line.replace(/\r$/, "")).filter((line) => line !== "");
+  }
+
+  function showParamError(id, message) {
+    const field = $(id), note = $(id + "-error");
+    note.textContent = message || "";
+    note.hidden = !message;
+    if (message) field.setAttribute("aria-invalid", "true");
+    else field.removeAttribute("aria-invalid");
+  }
+
+  // The frame's sampling parameters, or null after showing what is wrong next to each field.
   function params() {
-    const frame = {
-      temperature: Number($("p-temperature").value),
-      top_p: Number($("p-top-p").value),
-      max_tokens: Math.max(1, parseInt($("p-max-tokens").value || "256", 10)),
-    };
-    const stops = $("p-stop").value.split(",").map((s) => s.trim()).filter(Boolean).slice(0, 4);
-    if (stops.length) frame.stop = stops;
-    const seed = $("p-seed").value.trim();
-    if (seed !== "" && /^-?\d+$/.test(seed)) frame.seed = parseInt(seed, 10);
+    const frame = { temperature: Number($("p-temperature").value), top_p: Number($("p-top-p").value) };
+    const errors = {};
+    const maxField = $("p-max-tokens"), ceiling = Number(maxField.max);
+    const maxTokens = wholeNumber(maxField, 256, 9);
+    if (maxTokens >= 1 && maxTokens <= ceiling) frame.max_tokens = maxTokens;
+    else errors["p-max-tokens"] = `Enter a whole number from 1 to ${ceiling.toLocaleString("en-US")}.`;
+    const stops = stopSequences();
+    if (stops.length > MAX_STOP) errors["p-stop"] = `At most ${MAX_STOP} stop sequences, one per line.`;
+    else if (stops.length) frame.stop = stops;
+    const seed = wholeNumber($("p-seed"), null, 15);
+    if (Number.isNaN(seed)) errors["p-seed"] = "Enter a whole number of up to 15 digits, or nothing for a random seed.";
+    else if (seed !== null) frame.seed = seed;
+    ["p-max-tokens", "p-stop", "p-seed"].forEach((id) => showParamError(id, errors[id]));
+    const invalid = Object.keys(errors);
+    if (invalid.length) {
+      $(invalid[0]).focus();
+      return null;
+    }
     return frame;
   }
 
@@ -105,9 +145,12 @@
     root.dataset.busy = busy ? "1" : "";
   }
 
+  // Sends `text` as the next turn; false when nothing was sent (empty, busy, or invalid parameters).
   function ask(text) {
     text = text.trim();
-    if (!text || current) return;
+    if (!text || current) return false;
+    const sampling = params();
+    if (!sampling) return false;
     const system = $("system-prompt").value.trim();
     const messages = (system ? [{ role: "system", content: system }] : []).concat(history, [{ role: "user", content: text }]);
     addMessage("user", text);
@@ -116,7 +159,8 @@
     node.classList.add("streaming");
     const requestId = "pg-" + Math.random().toString(36).slice(2, 12);
     current = { id: requestId, node, text: "", apiId: null, usage: null, stopped: false, deployment: select.value,
-                started: performance.now(), firstToken: null };
+                started: performance.now(), firstToken: null, left: false };
+    live.set(requestId, current);
     node.dataset.requestId = requestId;
     node.dataset.state = "streaming";
     // A deployment scaled to zero loads its model first: say so when the first token is slow.
@@ -127,15 +171,16 @@
     }, 2500);
     setBusy(true);
     send(Object.assign({ request_id: requestId, endpoint: "chat.completions", model: select.value, messages,
-                         stream: true, stream_options: { include_usage: true } }, params()));
+                         stream: true, stream_options: { include_usage: true } }, sampling));
+    return true;
   }
 
   function onFrame(frame) {
-    if (!current || frame.request_id !== current.id) {
+    const reply = live.get(frame.request_id);
+    if (!reply) {
       if (frame.type === "error" && frame.request_id === null) setConn("closed", frame.error?.message || "Error");
       return;
     }
-    const reply = current;
     if (frame.type === "error") return fail(reply, frame.error?.message || "The request failed.");
     if (frame.type === "done") return finish(reply);
     if (frame.id && !reply.apiId) {
@@ -161,9 +206,11 @@
   }
 
   function done(reply) {
-    if (current === reply) current = null;
+    live.delete(reply.id);
     reply.node.classList.remove("streaming");
     clearTimeout(reply.cancelTimer);
+    if (current !== reply) return;  // a reply "New chat" left: the chat on screen is not its
+    current = null;
     setBusy(false);
     input.focus();
   }
@@ -175,13 +222,13 @@
     reply.node.classList.add("error");
     reply.node.dataset.state = "error";
     reply.node.querySelector(".text").textContent = (reply.text ? reply.text + "\n\n" : "") + message;
-    history.pop();  // the question stays on screen but not in the context of the next turn
+    if (!reply.left) history.pop();  // the question stays on screen but not in the context of the next turn
   }
 
   function finish(reply) {
     done(reply);
     reply.node.dataset.state = reply.stopped ? "stopped" : "done";
-    history.push({ role: "assistant", content: reply.text });
+    if (!reply.left) history.push({ role: "assistant", content: reply.text });
     const seconds = ((performance.now() - reply.started) / 1000).toFixed(1);
     clearTimeout(reply.waitTimer);
     reply.node.querySelector(".meta").textContent = "";
@@ -202,7 +249,7 @@
 
   function fetchCost(reply, usage, cached, costTag, attempt, counted) {
     const query = new URLSearchParams({
-      request_id: reply.apiId || "", deployment: reply.deployment, prompt_tokens: usage.prompt_tokens,
+      request_id: reply.apiId || "", organization: organizationId, deployment: reply.deployment, prompt_tokens: usage.prompt_tokens,
       cached_prompt_tokens: cached, completion_tokens: usage.completion_tokens,
       status: reply.stopped ? "cancelled" : "completed",
     });
@@ -230,16 +277,31 @@
     stopButton.disabled = true;
     send({ type: "cancel", request_id: reply.id });
     // A request cancelled before any worker took it ends without a frame: end it here.
-    reply.cancelTimer = setTimeout(() => { if (current === reply) finish(reply); }, 8000);
+    reply.cancelTimer = setTimeout(() => { if (live.has(reply.id)) finish(reply); }, 8000);
+  }
+
+  // "New chat": a reply still streaming is cancelled and left to end off screen (its tokens and cost
+  // still count in the session's totals), outside the new chat's history.
+  function newChat() {
+    if (current) {
+      const reply = current;
+      stop();
+      reply.left = true;
+      current = null;
+      setBusy(false);
+    }
+    history = [];
+    pane.querySelectorAll(".msg").forEach((n) => n.remove());
+    if (emptyState) pane.appendChild(emptyState);
+    input.focus();
   }
 
   // ---- wiring -------------------------------------------------------------------------------------------
   $("composer").addEventListener("submit", (event) => {
     event.preventDefault();
-    const text = input.value;
+    if (!ask(input.value)) return;  // what was typed stays, to send once the parameters are fixed
     input.value = "";
     input.style.height = "";
-    ask(text);
   });
   input.addEventListener("keydown", (event) => {
     if (event.key === "Enter" && !event.shiftKey) {
@@ -252,11 +314,7 @@
     input.style.height = Math.min(input.scrollHeight, 180) + "px";
   });
   stopButton.addEventListener("click", stop);
-  $("clear-button").addEventListener("click", () => {
-    if (current) stop();
-    history = [];
-    pane.querySelectorAll(".msg").forEach((n) => n.remove());
-  });
+  $("clear-button").addEventListener("click", newChat);
   pane.addEventListener("click", (event) => {
     const suggestion = event.target.closest("[data-suggest]");
     if (suggestion) ask(suggestion.dataset.suggest);

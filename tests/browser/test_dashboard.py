@@ -146,6 +146,16 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     page.wait_for_selector(".msg.assistant[data-state=stopped] [data-cost][data-source=billed]", timeout=30_000)
     shot(page, "09-playground")
 
+    # A parameter the API would refuse, or the page would have to change, is shown next to its field
+    # and nothing is sent; the message stays in the composer.
+    page.click("#clear-button")
+    assert page.locator("#chat-empty").is_visible()
+    page.fill("#p-seed", "1.5")
+    page.fill("#chat-input", "Invent a name for a cat.")
+    page.keyboard.press("Enter")
+    assert page.is_visible("#p-seed-error") and page.get_attribute("#p-seed", "aria-invalid") == "true"
+    assert page.locator(".msg").count() == 0 and page.input_value("#chat-input") == "Invent a name for a cat."
+
     # The parameters panel reaches the engine: the same seed samples the same reply.
     _set_range(page, "#p-temperature", "1")
     _set_range(page, "#p-top-p", "0.9")
@@ -238,6 +248,16 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     phone.click("button[type=submit]")
     phone.wait_for_url(HOME)
     shot(phone, "15-overview-phone")
+    # The closed menu is out of the tab order; its button says whether it is open; Escape closes it.
+    toggle = phone.locator("[data-nav-toggle]")
+    phone.keyboard.press("Tab")
+    assert phone.evaluate("() => document.activeElement.closest('.sidebar') === null")
+    assert toggle.get_attribute("aria-expanded") == "false"
+    toggle.click()
+    assert toggle.get_attribute("aria-expanded") == "true"
+    phone.keyboard.press("Escape")
+    assert toggle.get_attribute("aria-expanded") == "false"
+    assert phone.evaluate("() => document.activeElement.hasAttribute('data-nav-toggle')")
     for path in ("/", "/models/", f"/deployments/{name}/", "/playground/", "/api-keys/", "/usage/", "/billing/"):
         phone.goto(path)
         width = phone.evaluate("document.documentElement.scrollWidth")
