@@ -32,6 +32,16 @@ def restore_unacked_events(app) -> int:
     return restored
 
 
+def pending_events(app) -> int:
+    """Usage events not recorded yet: waiting on the billing queue, or held by a billing worker."""
+    with app.connection_for_write() as connection:
+        channel = connection.default_channel
+        client = channel.client
+        waiting = sum(client.llen(channel._q_for_pri(BILLING_QUEUE, step)) for step in channel.priority_steps)
+        held = sum(1 for raw in client.hvals(channel.unacked_key) if _routing_key(raw) == BILLING_QUEUE)
+    return waiting + held
+
+
 def _routing_key(raw: bytes | str) -> str | None:
     """The routing key of an unacknowledged entry (kombu stores [message, exchange, routing key])."""
     try:

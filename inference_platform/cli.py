@@ -22,7 +22,8 @@ import urllib.error
 import urllib.request
 
 from .celery import deployment_queue
-from .processes import StartError, child_env, spawn, start_embedded_redis, stop_all, web_command, worker_command
+from .processes import (STAGE_BILLING, StartError, child_env, spawn, start_embedded_redis, stop_all, web_command,
+                        worker_command)
 
 DEFAULT_QUEUES = ["default", "billing"]
 BILLING_CONCURRENCY = 4  # threads of the billing worker `up` starts
@@ -271,6 +272,24 @@ def say(message: str) -> None:
     print(message, flush=True)
 
 
+def wait_billing_drained(deadline_s: float = 30.0) -> None:
+    """Before the billing worker stops: until the usage the other workers emitted as they stopped
+    is recorded (the embedded Redis keeps nothing once it stops), within ``deadline_s``."""
+    from billing.recovery import pending_events
+    from inference_platform.celery import app
+
+    give_up = time.monotonic() + deadline_s
+    try:
+        while (left := pending_events(app)) and time.monotonic() < give_up:
+            time.sleep(0.2)
+    except Exception as exc:  # Redis already gone: nothing left to wait for
+        say(f"warning: could not check the billing queue: {exc}")
+        return
+    if left:
+        say(f"warning: {left} usage events were not recorded yet; they stay in Redis "
+            "(an embedded Redis loses them when it stops)")
+
+
 def supervise(procs: list[subprocess.Popen]) -> int:
     """Wait until Ctrl-C or SIGTERM, or until a child dies; then stop every child."""
     stopping = {"signal": None}
@@ -334,14 +353,14 @@ def cmd_up(args) -> int:
                 log=logs / "worker.log",
             )
         )
-        procs.append(
-            spawn(
-                worker_command(queues=DEFAULT_QUEUES, concurrency=BILLING_CONCURRENCY,
-                               name=f"billing@{socket.gethostname()}"),
-                env=child_env(DATA_DIR=str(settings.DATA_DIR), WORKER_SLOTS="0"),
-                log=logs / "billing.log",
-            )
+        billing = spawn(
+            worker_command(queues=DEFAULT_QUEUES, concurrency=BILLING_CONCURRENCY,
+                           name=f"billing@{socket.gethostname()}"),
+            env=child_env(DATA_DIR=str(settings.DATA_DIR), WORKER_SLOTS="0"),
+            log=logs / "billing.log",
         )
+        billing.stop_stage, billing.before_stop = STAGE_BILLING, wait_billing_drained
+        procs.append(billing)
         procs.append(spawn(beat_command(settings), env=env, log=logs / "beat.log"))
         say(f"[5/5] waiting for /readyz and for the worker to load {', '.join(served) or 'nothing'}")
         base = local_url(args.host, args.port)

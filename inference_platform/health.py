@@ -9,17 +9,17 @@ from __future__ import annotations
 from django.conf import settings
 from django.db import connection
 from django.http import JsonResponse
-from django.views.decorators.http import require_GET
+from django.views.decorators.http import require_safe
 
 from .readiness import check_database, check_redis, check_workers
 
 
-@require_GET
+@require_safe  # GET and HEAD: load balancers probe with either
 def healthz(request):
     return JsonResponse({"status": "ok"})
 
 
-@require_GET
+@require_safe  # GET and HEAD: load balancers probe with either
 def readyz(request):
     checks = {
         "database": check_database(connection),

@@ -97,7 +97,7 @@ def start_embedded_redis(socket_path: Path, *, data_dir: Path, deadline_s: float
         if proc.poll() is not None:
             raise StartError(f"the embedded Redis exited at once (code {proc.returncode}); see {data_dir / 'redis.log'}")
         if redis_answers(url):
-            proc.stop_last = True  # see stop_all
+            proc.stop_stage = STAGE_REDIS
             return proc
         time.sleep(0.05)
     proc.kill()
@@ -124,12 +124,22 @@ def worker_command(*, queues: list[str], concurrency: int, name: str, loglevel: 
     ]
 
 
+# When each child stops (``proc.stop_stage``): the web server, the inference worker and beat
+# first; then the billing worker, once it has recorded the usage the inference worker emitted as
+# it finished its requests; the embedded Redis last (a worker shutting down still talks to it).
+STAGE_FIRST, STAGE_BILLING, STAGE_REDIS = 0, 1, 2
+
+
 def stop_all(procs: list[subprocess.Popen], *, grace_s: float = 10.0) -> None:
-    """SIGTERM every child, wait up to the grace period, then SIGKILL what is left. Children
-    marked ``stop_last`` (the embedded Redis) are stopped once the others have exited: a worker
-    shutting down still reports to Redis."""
-    _stop([p for p in procs if not getattr(p, "stop_last", False)], grace_s)
-    _stop([p for p in procs if getattr(p, "stop_last", False)], grace_s)
+    """SIGTERM every child, stage by stage (``stop_stage``), waiting up to the grace period for
+    each stage before a SIGKILL. A child's ``before_stop`` (if any) runs first: the billing worker's
+    waits for its queue to empty."""
+    for stage in sorted({getattr(p, "stop_stage", STAGE_FIRST) for p in procs}):
+        group = [p for p in procs if getattr(p, "stop_stage", STAGE_FIRST) == stage]
+        for proc in group:
+            if proc.poll() is None and getattr(proc, "before_stop", None):
+                proc.before_stop()
+        _stop(group, grace_s)
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:

@@ -19,7 +19,8 @@ DATA_DIR = Path(env_str("DATA_DIR", str(BASE_DIR / ".data"))).resolve()
 DEFAULT_SECRET_KEY = "dev-insecure-secret-key-change-me"
 DEBUG = env_bool("DEBUG", True)
 SECRET_KEY = env_str("SECRET_KEY", DEFAULT_SECRET_KEY)
-ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1]" if DEBUG else "")
+LOOPBACK_HOSTS = ["localhost", "127.0.0.1", "[::1]"]
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ",".join(LOOPBACK_HOSTS) if DEBUG else "")
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS")
 # HTTPS=true: the site is served over HTTPS (usually by a proxy in front that sets
 # X-Forwarded-Proto): cookies go out with the Secure flag, browsers are told to stay on HTTPS, and
@@ -43,6 +44,9 @@ if not DEBUG:
             "ALLOWED_HOSTS is empty: production mode (DEBUG=false) needs the host names it serves, "
             "comma-separated"
         )
+# The loopback names too, always: `up` and compose's health check call /readyz on 127.0.0.1, and a
+# request naming this machine by loopback comes from this machine.
+ALLOWED_HOSTS += [host for host in LOOPBACK_HOSTS if host not in ALLOWED_HOSTS]
 
 INSTALLED_APPS = [
     "django.contrib.admin",

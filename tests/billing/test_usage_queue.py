@@ -17,7 +17,10 @@ import pytest
 import redis
 from django.conf import settings
 
+from celery import Celery
+
 from billing import selectors
+from billing.recovery import pending_events
 from billing.dispatch import emit_usage_event, usage_task_id
 from billing.errors import InvalidUsageEvent
 from billing.models import LedgerEntry, UsageRecord
@@ -85,6 +88,7 @@ def test_an_event_left_in_redis_by_a_dead_producer_is_recorded_exactly_once(brok
 
     produce(event, die=True)
     assert broker.llen("billing") == 1  # the event waits in Redis; nobody consumes it yet
+    assert pending_events(Celery(broker=broker_url())) == 1
     message = json.loads(broker.lindex("billing", 0))
     assert message["headers"]["id"] == usage_task_id(event["request_id"])
     assert not UsageRecord.objects.exists()
@@ -137,11 +141,14 @@ def test_an_event_a_billing_worker_died_holding_is_recorded_when_the_next_one_st
         taker.wait()
     assert broker.llen("billing") == 0 and broker.hlen("unacked") == 1
 
+    app = Celery(broker=broker_url())
+    assert pending_events(app) == 1  # held, not waiting: `up` still waits for it before stopping billing
+
     worker = start_billing_worker(CELERY_VISIBILITY_TIMEOUT="3600")
     try:
         wait_until(lambda: UsageRecord.objects.filter(request_id=event["request_id"]).exists(), timeout=60,
                    message="the new billing worker to record the event the dead one held")
-        wait_until(lambda: broker.hlen("unacked") == 0, timeout=30, message="the redelivered copy's acknowledgement")
+        wait_until(lambda: pending_events(app) == 0, timeout=30, message="the redelivered copy's acknowledgement")
     finally:
         _stop(worker)
     assert UsageRecord.objects.filter(request_id=event["request_id"]).count() == 1

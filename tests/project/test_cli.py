@@ -280,3 +280,14 @@ def test_up_stops_waiting_for_a_model_whose_load_failed():
         wait_loaded(["smol"], worker, [], deadline_s=60, since=since)
     with pytest.raises(Abort, match="did not load smol within 1s"):  # an older failure is not this start's
         wait_loaded(["smol"], worker, [], deadline_s=1, since=timezone.now())
+
+
+def test_production_hosts_keep_the_loopback_names_for_the_local_health_checks():
+    """`up` and compose's health check call /readyz on 127.0.0.1, whatever ALLOWED_HOSTS names."""
+    code = ("import django, os; os.environ['DJANGO_SETTINGS_MODULE'] = 'inference_platform.settings'; "
+            "django.setup(); from django.conf import settings; print(','.join(settings.ALLOWED_HOSTS))")
+    env = {**os.environ, "DEBUG": "false", "SECRET_KEY": "x" * 50, "ALLOWED_HOSTS": "platform.example.com"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.stdout.strip().split(",") == ["platform.example.com", "localhost", "127.0.0.1", "[::1]"], \
+        result.stderr

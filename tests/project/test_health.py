@@ -14,6 +14,8 @@ def test_healthz_answers_without_dependencies(client):
     response = client.get("/healthz")
     assert response.status_code == 200
     assert response.json() == {"status": "ok"}
+    assert client.head("/healthz").status_code == 200  # load balancers probe with HEAD too
+    assert client.post("/healthz").status_code == 405
 
 
 def test_readyz_is_ok_with_database_redis_and_a_worker(client, celery_worker, monkeypatch):
