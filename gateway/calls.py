@@ -22,6 +22,8 @@ from typing import Callable, NamedTuple
 
 from channels.layers import get_channel_layer
 from django.conf import settings
+from django.db import InterfaceError as DatabaseInterfaceError
+from django.db import OperationalError as DatabaseOperationalError
 from kombu.exceptions import OperationalError as BrokerError
 from redis.exceptions import RedisError
 
@@ -158,6 +160,13 @@ REDIS_FAILURES = (RedisError, BrokerError, ConnectionError)
 def unavailable(exc: BaseException) -> ApiError:
     log.warning("the gateway cannot reach Redis: %s: %s", type(exc).__name__, exc)
     return ApiError(503, "The platform cannot reach its message broker right now; retry shortly.",
+                    code="service_unavailable", headers={"Retry-After": "2"})
+
+
+def database_unavailable(exc: BaseException) -> ApiError:
+    """The database down or restarting (a connection error, not a bug): the client may retry."""
+    log.warning("the gateway cannot reach the database: %s: %s", type(exc).__name__, exc)
+    return ApiError(503, "The platform cannot reach its database right now; retry shortly.",
                     code="service_unavailable", headers={"Retry-After": "2"})
 
 
@@ -328,6 +337,8 @@ async def _begin(kind: str, identify: Callable[[], tuple[Caller, InferenceReques
             call = await admission.run(_open, identify, request_id, reply_channel, stages)
         except REDIS_FAILURES as exc:
             raise unavailable(exc) from None
+        except (DatabaseOperationalError, DatabaseInterfaceError) as exc:
+            raise database_unavailable(exc) from None
     except ApiError as exc:  # refused: the id still names the request (in logs, in a support ticket)
         exc.headers = {**exc.headers, "x-request-id": request_id}
         raise

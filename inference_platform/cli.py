@@ -20,10 +20,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 from .celery import deployment_queue
-from .processes import (STAGE_BILLING, StartError, child_env, spawn, start_embedded_redis, stop_all, web_command,
-                        worker_command)
+from .processes import (STAGE_BILLING, StartError, child_env, describe, spawn, start_embedded_redis, stop_all,
+                        web_command, worker_command)
 
 DEFAULT_QUEUES = ["default", "billing"]
 BILLING_CONCURRENCY = 4  # threads of the billing worker `up` starts
@@ -49,8 +50,34 @@ def setup_django():
         raise Abort(str(exc)) from None
     from django.conf import settings
 
-    settings.DATA_DIR.mkdir(parents=True, exist_ok=True)
+    try:
+        settings.DATA_DIR.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise Abort(f"cannot create the data folder {settings.DATA_DIR}: {exc.strerror} (set DATA_DIR to a "
+                    "writable folder)") from None
     return settings
+
+
+def lock_data_dir(data_dir: Path):
+    """One `up` per data folder (a second would share its Redis and fight over the same worker
+    names). Returns the open lock file: the lock lasts while it stays open, i.e. while this process
+    lives, however it ends."""
+    import fcntl
+
+    handle = open(data_dir / "up.lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        handle.close()
+        raise Abort(f"another `inference-platform up` (pid {holder}) is running on {data_dir}: stop it first, "
+                    "or set DATA_DIR to another folder") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
 
 
 def require_database(settings) -> None:
@@ -190,7 +217,7 @@ def served_deployments() -> list[str]:
 def _abort_if_one_exited(procs: list[subprocess.Popen], when: str) -> None:
     for proc in procs:
         if proc.poll() is not None:
-            raise Abort(f"{' '.join(proc.args[:4])} exited with code {proc.returncode} {when}")
+            raise Abort(f"{describe(proc)} exited with code {proc.returncode} {when}")
 
 
 def wait_ready(url: str, procs: list[subprocess.Popen], *, deadline_s: float) -> None:
@@ -304,7 +331,7 @@ def supervise(procs: list[subprocess.Popen]) -> int:
         while stopping["signal"] is None:
             dead = [p for p in procs if p.poll() is not None]
             if dead:
-                say(f"error: {' '.join(dead[0].args[:4])} exited with code {dead[0].returncode}; stopping")
+                say(f"error: {describe(dead[0])} exited with code {dead[0].returncode}; stopping")
                 code = 1
                 break
             time.sleep(0.2)
@@ -317,6 +344,7 @@ def supervise(procs: list[subprocess.Popen]) -> int:
 
 def cmd_up(args) -> int:
     settings = setup_django()
+    lock = lock_data_dir(settings.DATA_DIR)  # noqa: F841 (held until this process ends)
     procs: list[subprocess.Popen] = []
     try:
         free_port(args.host, args.port)
@@ -342,7 +370,7 @@ def cmd_up(args) -> int:
 
         spawned_at = timezone.now()
         procs.append(spawn(web_command(host=args.host, port=args.port, workers=args.web_workers), env=env,
-                           log=logs / "web.log"))
+                           log=logs / "web.log", role="the web server"))
         # Two workers, as in compose.yaml: the engine's process runs inference alone, and billing's
         # writes run in a process of their own instead of taking turns with the engine's loop.
         procs.append(
@@ -351,6 +379,7 @@ def cmd_up(args) -> int:
                                concurrency=args.concurrency, name=worker_name),
                 env=env,
                 log=logs / "worker.log",
+                role="the inference worker",
             )
         )
         billing = spawn(
@@ -358,10 +387,11 @@ def cmd_up(args) -> int:
                            name=f"billing@{socket.gethostname()}"),
             env=child_env(DATA_DIR=str(settings.DATA_DIR), WORKER_SLOTS="0"),
             log=logs / "billing.log",
+            role="the billing worker",
         )
         billing.stop_stage, billing.before_stop = STAGE_BILLING, wait_billing_drained
         procs.append(billing)
-        procs.append(spawn(beat_command(settings), env=env, log=logs / "beat.log"))
+        procs.append(spawn(beat_command(settings), env=env, log=logs / "beat.log", role="the placement loop (beat)"))
         say(f"[5/5] waiting for /readyz and for the worker to load {', '.join(served) or 'nothing'}")
         base = local_url(args.host, args.port)
         started = time.monotonic()

@@ -32,18 +32,26 @@ def _die_with_parent() -> None:
 
 
 def spawn(args: list[str], *, env: dict | None = None, log: Path | None = None,
-          own_session: bool = False) -> subprocess.Popen:
+          own_session: bool = False, role: str = "") -> subprocess.Popen:
     """Start a child that dies with this process. ``own_session``: out of the terminal's process
-    group, so that Ctrl-C reaches it only through us (when we choose to stop it)."""
+    group, so that Ctrl-C reaches it only through us (when we choose to stop it). ``role``: what
+    messages call it (see :func:`describe`)."""
     out = open(log, "ab") if log else None
     try:
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             args, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, preexec_fn=_die_with_parent,
             start_new_session=own_session,
         )
     finally:
         if out:
             out.close()
+    proc.role = role
+    return proc
+
+
+def describe(proc: subprocess.Popen) -> str:
+    """A child as messages name it: its role, else the start of its command line."""
+    return getattr(proc, "role", "") or " ".join(map(str, proc.args[:4]))
 
 
 def redis_server_binary() -> str:
@@ -91,6 +99,7 @@ def start_embedded_redis(socket_path: Path, *, data_dir: Path, deadline_s: float
             "--logfile", str(data_dir / "redis.log"),
         ],
         own_session=True,  # Ctrl-C must not stop it before the processes that use it (see stop_all)
+        role="the embedded Redis",
     )
     give_up = time.monotonic() + deadline_s
     while time.monotonic() < give_up:

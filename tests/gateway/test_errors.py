@@ -321,3 +321,19 @@ def test_a_bug_behind_a_rest_endpoint_is_a_json_500(client, seeded, org_key, mon
     error = assert_error(response, 500, type_="server_error", code="internal_error")
     assert "a bug in the balance" not in error["message"]  # the traceback goes to the log only
     assert "a bug in the balance" in caplog.text
+
+
+def test_the_database_down_is_a_503_to_retry_not_a_500(client, seeded, org_key, monkeypatch):
+    from django.db import OperationalError
+
+    from gateway import calls
+
+    org, key, plaintext = org_key()
+
+    def database_gone(caller, model):
+        raise OperationalError("connection to server at 127.0.0.1, port 5432 failed: Connection refused")
+
+    monkeypatch.setattr(calls, "_deployment_spec", database_gone)
+    response = post(client, CHAT, chat(), key=plaintext)
+    assert_error(response, 503, code="service_unavailable")
+    assert response["Retry-After"] == "2"

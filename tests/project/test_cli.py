@@ -291,3 +291,35 @@ def test_production_hosts_keep_the_loopback_names_for_the_local_health_checks():
                             timeout=60)
     assert result.stdout.strip().split(",") == ["platform.example.com", "localhost", "127.0.0.1", "[::1]"], \
         result.stderr
+
+
+def test_a_second_up_on_the_same_data_folder_is_refused_in_one_line(tmp_path):
+    """The lock is held while the first `up` lives (here: this process holds it)."""
+    from inference_platform.cli import lock_data_dir
+
+    held = lock_data_dir(tmp_path)
+    try:
+        result = run_cli("up", "--port", str(free_port()), env_overrides={"DATA_DIR": str(tmp_path)})
+        assert result.returncode != 0 and "Traceback" not in result.stderr
+        assert f"another `inference-platform up` (pid {os.getpid()}) is running on {tmp_path}" in result.stderr
+    finally:
+        held.close()
+    lock_data_dir(tmp_path).close()  # free again once the holder is gone
+
+
+def test_a_data_folder_that_cannot_be_created_is_one_line(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    result = run_cli("createkey", env_overrides={"DATA_DIR": str(tmp_path / "a-file" / "data")})
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "cannot create the data folder" in result.stderr and "DATA_DIR" in result.stderr
+
+
+def test_up_names_the_part_that_stopped():
+    from inference_platform.processes import describe, spawn
+
+    named = spawn([sys.executable, "-c", "pass"], role="the billing worker")
+    unnamed = spawn([sys.executable, "-c", "pass"])
+    for proc in (named, unnamed):
+        proc.wait()
+    assert describe(named) == "the billing worker"
+    assert describe(unnamed) == f"{sys.executable} -c pass"
