@@ -72,7 +72,8 @@ class FleetCollector:
                 status.add_metric([*values, choice], 1.0 if deployment.status == choice else 0.0)
             replicas.add_metric([*values, "ready"], f.replicas_ready)
             replicas.add_metric([*values, "loading"], f.replicas_loading)
-            queue.add_metric(values, f.queue_depth)
+            if f.queue_depth is not None:  # unknown while Redis is unreachable: no sample, not a false 0
+                queue.add_metric(values, f.queue_depth)
             in_flight.add_metric(values, f.in_flight)
             rpm.add_metric(values, f.requests_per_minute)
             tps.add_metric(values, f.tokens_per_second)

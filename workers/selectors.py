@@ -8,16 +8,20 @@ and need nothing but this app; billing's usage records remain the exact, long-te
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.db.models import Count, F, QuerySet
+from redis.exceptions import RedisError
 from django.utils import timezone
 
 from models_catalog.models import Deployment
 
 from .models import FleetEvent, Replica, Worker
+
+log = logging.getLogger(__name__)
 
 
 def workers(*, include_gone: bool = True) -> QuerySet[Worker]:
@@ -50,7 +54,7 @@ class DeploymentFigures:
     replicas_ready: int
     replicas_loading: int
     workers: list[str]
-    queue_depth: int
+    queue_depth: int | None  # None while Redis can't be reached
     in_flight: int
     requests_per_minute: float
     tokens_per_second: float
@@ -75,13 +79,11 @@ def _round(value: float | None, digits: int = 2) -> float | None:
 def deployment_figures(*, deployment: Deployment, now: datetime | None = None,
                        alive: list[Worker] | None = None, depths: dict[str, int] | None = None) -> DeploymentFigures:
     """The deployment's figures over the last minute, summed over the alive workers hosting it."""
-    from . import fleet
-
     now = now or timezone.now()
     if alive is None:
         alive = list(Worker.objects.filter(status=Worker.Status.ALIVE))
     if depths is None:
-        depths = fleet.queue_depths([deployment.name])
+        depths = _queue_depths([deployment.name])
     replicas = Replica.objects.filter(deployment=deployment, worker__status=Worker.Status.ALIVE)
     ready = replicas.filter(status=Replica.Status.READY).count()
     loading = replicas.filter(status=Replica.Status.LOADING).count()
@@ -112,7 +114,7 @@ def deployment_figures(*, deployment: Deployment, now: datetime | None = None,
         replicas_ready=ready,
         replicas_loading=loading,
         workers=sorted(hosts),
-        queue_depth=int(depths.get(deployment.name, 0)) + waiting,
+        queue_depth=None if depths is UNKNOWN_DEPTHS else int(depths.get(deployment.name, 0)) + waiting,
         in_flight=in_flight,
         requests_per_minute=_round(requests * 60.0 / window),
         tokens_per_second=_round(completion / window),
@@ -130,12 +132,25 @@ def deployment_figures(*, deployment: Deployment, now: datetime | None = None,
 
 def all_deployment_figures(*, now: datetime | None = None) -> list[tuple[Deployment, DeploymentFigures]]:
     """Every deployment with its figures (for Prometheus), with one read of the workers and queues."""
-    from . import fleet
-
     deployments = list(Deployment.objects.select_related("organization", "model").order_by("name"))
     alive = list(Worker.objects.filter(status=Worker.Status.ALIVE))
-    depths = fleet.queue_depths([d.name for d in deployments])
+    depths = _queue_depths([d.name for d in deployments])
     return [(d, deployment_figures(deployment=d, now=now, alive=alive, depths=depths)) for d in deployments]
+
+
+UNKNOWN_DEPTHS: dict[str, int] = {}  # Redis unreachable: the queue depths are not known
+
+
+def _queue_depths(names: list[str]) -> dict[str, int]:
+    """The deployments' queue depths, or ``UNKNOWN_DEPTHS`` while Redis can't be reached: the
+    figures from the database still count (a scrape during an incident is when they matter)."""
+    from . import fleet
+
+    try:
+        return fleet.queue_depths(names)
+    except (RedisError, OSError) as exc:
+        log.warning("queue depths unknown, Redis unreachable: %s", exc)
+        return UNKNOWN_DEPTHS
 
 
 def events(*, deployment: Deployment | None = None, kinds: list[str] | None = None, limit: int = 50) -> list[FleetEvent]:

@@ -125,3 +125,28 @@ def test_prometheus_metrics_for_an_operator_without_a_token(client, world, setti
     world["owner"].save(update_fields=["is_staff"])
     assert client.get("/metrics").status_code == 200
     assert Deployment.objects.count() >= 2
+
+
+def test_prometheus_metrics_while_redis_is_unreachable_keep_the_databases_figures(client, world, settings,
+                                                                                 monkeypatch):
+    """A scrape during an incident is when the figures matter: the queue depth is left out, not a 500."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from workers import fleet
+
+    def unreachable(names):
+        raise RedisConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+    monkeypatch.setattr(fleet, "queue_depths", unreachable)
+    settings.METRICS_TOKEN = "scrape-me"
+    response = client.get("/metrics", headers=bearer("scrape-me"))
+    assert response.status_code == 200
+    families = _families(response.content.decode())
+    name = world["mine"].name
+    assert any(s.labels.get("deployment") == name and s.value == 4.0
+               for s in families["inference_deployment_requests_per_minute"].samples)
+    assert not families.get("inference_deployment_queue_depth") or \
+        not families["inference_deployment_queue_depth"].samples
+    detail = client.get(f"/v1/deployments/{name}/metrics", headers=bearer(world["key"]))
+    assert detail.status_code == 200 and detail.json()["queue_depth"] is None
+    assert detail.json()["requests_per_minute"] == 4.0
