@@ -295,6 +295,27 @@ def port_number(value: str) -> int:
     return int(value)
 
 
+def counting(minimum: int):
+    """argparse type: a whole number of at least ``minimum``."""
+    def parse(value: str) -> int:
+        if not value.isdecimal() or int(value) < minimum:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of at least {minimum}")
+        return int(value)
+
+    return parse
+
+
+def seconds(value: str) -> float:
+    """argparse type: a positive number of seconds."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = float("nan")
+    if not 0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive number of seconds")
+    return number
+
+
 def say(message: str) -> None:
     print(message, flush=True)
 
@@ -487,17 +508,17 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Start the whole platform on its embedded defaults; Ctrl-C stops it all.")
     up.add_argument("--host", default="127.0.0.1", help="address the web server listens on (default 127.0.0.1)")
     up.add_argument("--port", type=port_number, default=8000, help="web server port (default 8000)")
-    up.add_argument("--concurrency", type=int, default=64, help="worker threads (default 64)")
-    up.add_argument("--web-workers", type=int, default=1, help="web server processes (default 1)")
-    up.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for /readyz and the worker's model load (default 180)")
-    up.add_argument("--slots", type=int, default=4,
+    up.add_argument("--concurrency", type=counting(1), default=64, help="worker threads (default 64)")
+    up.add_argument("--web-workers", type=counting(1), default=1, help="web server processes (default 1)")
+    up.add_argument("--ready-timeout", type=seconds, default=180.0, help="seconds to wait for /readyz and the worker's model load (default 180)")
+    up.add_argument("--slots", type=counting(0), default=4,
                     help="deployments the worker may host at once; the placement loop fills them (default 4)")
     up.set_defaults(func=cmd_up)
 
     web = sub.add_parser("web", help="start the ASGI web server only", description="Start the ASGI web server (HTTP + WebSocket).")
     web.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     web.add_argument("--port", type=port_number, default=8000, help="port (default 8000)")
-    web.add_argument("--workers", type=int, default=1, help="web server processes (default 1)")
+    web.add_argument("--workers", type=counting(1), default=1, help="web server processes (default 1)")
     web.set_defaults(func=cmd_web)
 
     worker = sub.add_parser("worker", help="start one Celery worker", description="Start one Celery worker process (thread pool, prefetch 1, late acks).")
@@ -505,10 +526,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated queues to consume (default: default,billing)")
     worker.add_argument("--deployments", type=lambda s: [d for d in s.split(",") if d], default=[],
                         help="comma-separated deployments to serve: their queues are consumed and their models loaded at start")
-    worker.add_argument("--concurrency", type=int, default=64,
+    worker.add_argument("--concurrency", type=counting(1), default=64,
                         help="worker threads; at least the engine's max batch size (default 64)")
     worker.add_argument("--name", default="", help="Celery node name (default worker-PID@HOST)")
-    worker.add_argument("--slots", type=int, default=None,
+    worker.add_argument("--slots", type=counting(0), default=None,
                         help="deployments this worker may host at once, placed by the fleet's placement loop "
                              "(default: WORKER_SLOTS if set, else 1 or the number of --deployments); "
                              "0: not an inference worker (billing only)")

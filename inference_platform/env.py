@@ -47,8 +47,8 @@ def env_seconds(name: str, default: str, *, minimum: float) -> float:
         value = float(raw)
     except ValueError:
         raise ImproperlyConfigured(f"{name} must be a number of seconds, not {raw!r}") from None
-    if not value >= minimum:
-        raise ImproperlyConfigured(f"{name} must be at least {minimum:g} seconds, not {raw!r}")
+    if not minimum <= value < float("inf"):  # nan and inf included
+        raise ImproperlyConfigured(f"{name} must be a finite number of at least {minimum:g} seconds, not {raw!r}")
     return value
 
 

@@ -241,11 +241,11 @@ if TOPUP_MIN > TOPUP_MAX:
 # What one organization's own deployments may hold (the operator's are not counted).
 ORG_MAX_DEPLOYMENTS = env_int("ORG_MAX_DEPLOYMENTS", 50, minimum=0)
 ORG_MAX_RESERVED_REPLICAS = env_int("ORG_MAX_RESERVED_REPLICAS", 16, minimum=0)  # see reserved_replicas
-WORKER_SLOTS = env_int("WORKER_SLOTS", 0)  # deployments this worker process may host; 0: not a fleet worker
+WORKER_SLOTS = env_int("WORKER_SLOTS", 0, minimum=0)  # deployments this worker process may host; 0: not a fleet worker
 FLEET_HEARTBEAT_SECONDS = env_seconds("FLEET_HEARTBEAT_SECONDS", "5", minimum=0.2)
-FLEET_MISSED_HEARTBEATS = max(2, env_int("FLEET_MISSED_HEARTBEATS", 3))
+FLEET_MISSED_HEARTBEATS = env_int("FLEET_MISSED_HEARTBEATS", 3, minimum=2)
 FLEET_TICK_SECONDS = env_seconds("FLEET_TICK_SECONDS", "2", minimum=0.2)
-FLEET_SCALE_UP_QUEUE_DEPTH = max(1, env_int("FLEET_SCALE_UP_QUEUE_DEPTH", 8))  # waiting per ready replica
+FLEET_SCALE_UP_QUEUE_DEPTH = env_int("FLEET_SCALE_UP_QUEUE_DEPTH", 8, minimum=1)  # waiting per ready replica
 FLEET_LOAD_TIMEOUT = env_seconds("FLEET_LOAD_TIMEOUT", "600", minimum=1)  # a load taking longer fails
 FLEET_DRAIN_TIMEOUT = env_seconds("FLEET_DRAIN_TIMEOUT", "600", minimum=0)  # unload waits for requests
 # A request to a deployment with no replica waits this long for one to load (a cold start).
@@ -278,8 +278,8 @@ CELERY_BEAT_SCHEDULE = {
 }
 # kombu returns unacknowledged messages older than the visibility timeout to their queue on
 # periodic sweeps: every interval * throttle seconds (lower both with a low visibility timeout).
-CELERY_BROKER_TRANSPORT_OPTIONS["unacked_restore_interval"] = env_int("CELERY_UNACKED_RESTORE_INTERVAL", 10)
-CELERY_BROKER_TRANSPORT_OPTIONS["unacked_restore_throttle"] = env_int("CELERY_UNACKED_RESTORE_THROTTLE", 10)
+CELERY_BROKER_TRANSPORT_OPTIONS["unacked_restore_interval"] = env_int("CELERY_UNACKED_RESTORE_INTERVAL", 10, minimum=1)
+CELERY_BROKER_TRANSPORT_OPTIONS["unacked_restore_throttle"] = env_int("CELERY_UNACKED_RESTORE_THROTTLE", 10, minimum=1)
 # The deployments API's "kind" enum, named apart from billing's ledger "kind" in the OpenAPI document.
 SPECTACULAR_SETTINGS.setdefault("ENUM_NAME_OVERRIDES", {})["DeploymentKindEnum"] = "models_catalog.models.Deployment.Kind"
 # --- end worker fleet -----------------------------------------------------------------------------

@@ -323,3 +323,21 @@ def test_up_names_the_part_that_stopped():
         proc.wait()
     assert describe(named) == "the billing worker"
     assert describe(unnamed) == f"{sys.executable} -c pass"
+
+
+@pytest.mark.parametrize("args", [["up", "--slots", "-1"], ["up", "--web-workers", "0"], ["up", "--ready-timeout", "-1"],
+                                  ["up", "--ready-timeout", "inf"], ["web", "--workers", "-1"],
+                                  ["worker", "--concurrency", "-3"], ["worker", "--slots", "x"]])
+def test_out_of_range_options_are_refused_by_the_parser(args):
+    result = run_cli(*args, env_overrides={})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"argument {args[1]}" in result.stderr
+
+
+@pytest.mark.parametrize("name, value", [("WORKER_SLOTS", "-3"), ("FLEET_MISSED_HEARTBEATS", "-1"),
+                                         ("FLEET_SCALE_UP_QUEUE_DEPTH", "-4"), ("CELERY_UNACKED_RESTORE_INTERVAL", "-5"),
+                                         ("GATEWAY_QUEUE_TIMEOUT", "inf")])
+def test_out_of_range_fleet_settings_are_named_at_start(name, value):
+    result = run_cli("createkey", env_overrides={name: value})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert name in result.stderr
