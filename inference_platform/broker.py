@@ -9,11 +9,31 @@ a disconnect).
 
 from __future__ import annotations
 
+import logging
+
 from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import redis as kombu_redis
 
+log = logging.getLogger(__name__)
+
+
+class QoS(kombu_redis.QoS):
+    def restore_unacked(self, client=None):
+        """Kombu restores a channel's unacknowledged messages as it closes it. When Redis went away
+        mid-task the connection is already closed, and kombu failed with an AttributeError that
+        stopped the worker for good (an "unrecoverable error") instead of reconnecting. The
+        messages are still in Redis's unacknowledged set, as long as Redis kept them, where the
+        fleet's recovery or the visibility timeout redelivers them: leave them there."""
+        if client is None and self.channel.connection.client is None and self.channel._pool is None:
+            log.warning("not restoring %d unacknowledged messages: the broker connection is closed",
+                        len(self._delivered))
+            self._delivered.clear()
+            return None
+        return super().restore_unacked(client)
+
 
 class Channel(kombu_redis.Channel):
+    QoS = QoS
     _kept_client = None
 
     def _create_client(self, asynchronous=False):

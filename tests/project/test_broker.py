@@ -35,3 +35,30 @@ def test_messages_published_through_it_arrive_in_order():
         finally:
             queue.clear()
             queue.close()
+
+
+def test_a_channel_closed_under_a_task_leaves_its_messages_unacknowledged_instead_of_failing():
+    """Redis going away mid-task: the connection is closed (its transport has no client, the pool
+    was dropped) when kombu restores the channel's unacknowledged messages. That failed with an
+    AttributeError which stopped the worker for good; the message stays in Redis's unacknowledged
+    set instead, for the fleet's recovery or the visibility timeout."""
+    name = f"test-broker-{uuid.uuid4().hex}"
+    conn = app.connection_for_write()
+    channel = conn.channel()
+    try:
+        queue = conn.SimpleQueue(name, channel=channel)
+        queue.put({"n": 1})
+        taken = channel.basic_get(name, no_ack=False)
+        assert taken is not None
+        tag = taken.delivery_tag
+        client = channel.client
+        assert client.hexists(channel.unacked_key, tag)
+        conn.transport.client, channel._pool = None, None  # as a lost connection leaves them
+        channel.qos.restore_unacked_once()  # raised AttributeError: 'NoneType' object has no attribute 'hostname'
+        with app.connection_for_write() as fresh:
+            other = fresh.default_channel
+            assert other.client.hexists(other.unacked_key, tag)  # still there, to be redelivered
+            other.qos.restore_by_tag(tag)  # (tidy up: back on its queue, then gone with it)
+            other.client.delete(name)
+    finally:
+        conn.release()
