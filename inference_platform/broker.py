@@ -13,18 +13,24 @@ import logging
 
 from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import redis as kombu_redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 log = logging.getLogger(__name__)
 
 
+def _closed(channel) -> bool:
+    """Whether the channel's connection was closed under it (Redis went away): kombu leaves it no
+    transport, or a transport without its client, and then fails with an AttributeError."""
+    return channel.connection is None or channel.connection.client is None
+
+
 class QoS(kombu_redis.QoS):
     def restore_unacked(self, client=None):
-        """Kombu restores a channel's unacknowledged messages as it closes it. When Redis went away
-        mid-task the connection is already closed, and kombu failed with an AttributeError that
-        stopped the worker for good (an "unrecoverable error") instead of reconnecting. The
-        messages are still in Redis's unacknowledged set, as long as Redis kept them, where the
-        fleet's recovery or the visibility timeout redelivers them: leave them there."""
-        if client is None and self.channel.connection.client is None and self.channel._pool is None:
+        """Kombu restores a channel's unacknowledged messages as it closes it; on a connection
+        already closed that failed and stopped the worker for good. The messages are still in
+        Redis's unacknowledged set, as long as Redis kept them, where the fleet's recovery or the
+        visibility timeout redelivers them: leave them there."""
+        if client is None and _closed(self.channel):
             log.warning("not restoring %d unacknowledged messages: the broker connection is closed",
                         len(self._delivered))
             self._delivered.clear()
@@ -37,6 +43,8 @@ class Channel(kombu_redis.Channel):
     _kept_client = None
 
     def _create_client(self, asynchronous=False):
+        if _closed(self):  # a connection error, which Celery and kombu's retries handle: not a crash
+            raise RedisConnectionError("the broker connection is closed")
         if asynchronous:  # the worker's consuming side: one client per channel already
             return super()._create_client(asynchronous=True)
         client = self._kept_client

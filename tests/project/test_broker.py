@@ -62,3 +62,21 @@ def test_a_channel_closed_under_a_task_leaves_its_messages_unacknowledged_instea
             other.client.delete(name)
     finally:
         conn.release()
+
+
+def test_a_command_on_a_closed_channel_is_a_connection_error_that_retries_handle():
+    """Not an AttributeError: a worker's publish (its usage event) then goes through kombu's
+    connection-error retries instead of stopping the worker."""
+    import pytest
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    conn = app.connection_for_write()
+    channel = conn.channel()
+    try:
+        channel.connection = None  # as closing the connection under it leaves the channel
+        with pytest.raises(RedisConnectionError):
+            channel._create_client()
+        assert RedisConnectionError in tuple(conn.connection_errors) or \
+            any(issubclass(RedisConnectionError, error) for error in conn.connection_errors)
+    finally:
+        conn.release()
