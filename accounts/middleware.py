@@ -25,7 +25,8 @@ from .services import touch_api_key
 SESSION_ORGANIZATION_KEY = "organization_id"
 
 
-def _header(scope, name: bytes) -> bytes | None:
+def scope_header(scope, name: bytes) -> bytes | None:
+    """A request header from an ASGI scope (None when absent)."""
     for key, value in scope.get("headers", []):
         if key.lower() == name:
             return value
@@ -59,7 +60,7 @@ class ApiKeyAuthMiddleware:
         scope["api_key"] = None
         scope["organization"] = None
         scope["auth_error"] = None
-        header = _header(scope, b"authorization")
+        header = scope_header(scope, b"authorization")
         user = scope.get("user")
         if header:
             try:

@@ -123,6 +123,11 @@ class Membership(models.Model):
         return f"{self.user} in {self.organization} ({self.role})"
 
 
+# The roles that manage an organization: its members, every API key and deployment, its spend
+# limit (a member manages only the keys and deployments they created).
+MANAGER_ROLES = (Membership.Role.OWNER, Membership.Role.ADMIN)
+
+
 class ApiKey(models.Model):
     """An organization's API key. The secret itself is never stored, only its SHA-256 hex digest."""
 

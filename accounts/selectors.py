@@ -11,7 +11,7 @@ from django.utils import timezone
 from inference_platform.read_cache import ReadCache
 
 from .errors import ExpiredApiKey, InvalidApiKey, MissingApiKey, RevokedApiKey
-from .models import KEY_PREFIX, KEY_PREFIX_LENGTH, ApiKey, Membership, Organization, User, hash_api_key
+from .models import KEY_PREFIX, KEY_PREFIX_LENGTH, MANAGER_ROLES, ApiKey, Membership, Organization, User, hash_api_key
 
 _KEY_SHAPE = re.compile(rf"^{re.escape(KEY_PREFIX)}([A-Za-z0-9]{{{KEY_PREFIX_LENGTH}}})_[A-Za-z0-9_-]{{20,200}}$")
 
@@ -106,17 +106,13 @@ def api_keys_for_organization(*, organization: Organization, include_revoked: bo
     return keys.order_by("-created_at", "-id")
 
 
-# Who may revoke any key of their organization; a member revokes only the keys they created. Staff
-# (operators) get nothing more here: their powers are the operator pages and the admin site.
-KEY_ADMIN_ROLES = (Membership.Role.OWNER, Membership.Role.ADMIN)
-
-
 def can_revoke_api_key(*, membership: Membership | None, api_key: ApiKey) -> bool:
     """Whether the holder of ``membership`` (None: not a member) may revoke ``api_key``.
 
-    Takes the membership rather than the user so that a page of keys asks the database once."""
+    Takes the membership rather than the user so that a page of keys asks the database once. Staff
+    (operators) get nothing more here: their powers are the operator pages and the admin site."""
     if membership is None or membership.organization_id != api_key.organization_id:
         return False
-    if membership.role in KEY_ADMIN_ROLES:
+    if membership.role in MANAGER_ROLES:
         return True
     return api_key.created_by_id is not None and api_key.created_by_id == membership.user_id

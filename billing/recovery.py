@@ -20,26 +20,28 @@ log = logging.getLogger(__name__)
 
 def restore_unacked_events(app) -> int:
     """Requeue the unacknowledged messages of the billing queue; returns how many."""
-    restored = 0
     with app.connection_for_write() as connection:
         channel = connection.default_channel
-        for tag, raw in channel.client.hgetall(channel.unacked_key).items():
-            if _routing_key(raw) == BILLING_QUEUE:
-                channel.qos.restore_by_tag(tag, leftmost=True)
-                restored += 1
-    if restored:
-        log.warning("requeued %d usage events left unacknowledged by a billing worker that stopped", restored)
-    return restored
+        held = _held_tags(channel)
+        for tag in held:
+            channel.qos.restore_by_tag(tag, leftmost=True)
+    if held:
+        log.warning("requeued %d usage events left unacknowledged by a billing worker that stopped", len(held))
+    return len(held)
 
 
 def pending_events(app) -> int:
     """Usage events not recorded yet: waiting on the billing queue, or held by a billing worker."""
     with app.connection_for_write() as connection:
         channel = connection.default_channel
-        client = channel.client
-        waiting = sum(client.llen(channel._q_for_pri(BILLING_QUEUE, step)) for step in channel.priority_steps)
-        held = sum(1 for raw in client.hvals(channel.unacked_key) if _routing_key(raw) == BILLING_QUEUE)
-    return waiting + held
+        waiting = sum(channel.client.llen(channel._q_for_pri(BILLING_QUEUE, step)) for step in channel.priority_steps)
+        return waiting + len(_held_tags(channel))
+
+
+def _held_tags(channel) -> list:
+    """The delivery tags of the billing events taken by a worker and not acknowledged yet."""
+    return [tag for tag, raw in channel.client.hgetall(channel.unacked_key).items()
+            if _routing_key(raw) == BILLING_QUEUE]
 
 
 def _routing_key(raw: bytes | str) -> str | None:

@@ -18,7 +18,7 @@ from django.db.models import Aggregate, Count, F, IntegerField, QuerySet, Sum, V
 from django.db.models.functions import Coalesce, TruncDay, TruncHour
 from django.utils import timezone as dj_timezone
 
-from accounts.models import ApiKey, Membership, Organization
+from accounts.models import MANAGER_ROLES, ApiKey, Membership, Organization
 
 from . import totals
 from .models import (
@@ -84,15 +84,11 @@ def organization_monthly_limit(*, organization: Organization) -> Decimal | None:
     return SpendLimit.objects.filter(organization=organization).values_list("monthly_limit", flat=True).first()
 
 
-# Who, among an organization's members, may change what it may spend (like managing its members).
-SPEND_LIMIT_ROLES = (Membership.Role.OWNER, Membership.Role.ADMIN)
-
-
 def may_change_spend_limit(*, user, organization: Organization) -> bool:
     """Whether ``user`` (a dashboard session's) is an owner or an admin of ``organization``."""
     if organization is None or not getattr(user, "is_authenticated", False):
         return False
-    return Membership.objects.filter(user=user, organization=organization, role__in=SPEND_LIMIT_ROLES).exists()
+    return Membership.objects.filter(user=user, organization=organization, role__in=MANAGER_ROLES).exists()
 
 
 def api_key_limits(*, api_key: ApiKey) -> ApiKeySpendLimit | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from accounts.models import MANAGER_ROLES
+
 from .organizations import current_organization
 from .selectors import memberships_of
 
@@ -18,7 +20,7 @@ def dashboard(request) -> dict:
         "current_organization": organization,
         "memberships": memberships,
         "current_role": role,
-        "can_manage_members": role in ("owner", "admin"),
+        "can_manage_members": role in MANAGER_ROLES,
         "nav_section": _section(match.url_name if match else ""),
     }
 

@@ -19,7 +19,7 @@ from django.utils import timezone
 
 from accounts import services as account_services
 from accounts.errors import InvalidInput
-from accounts.models import Membership, Organization, User
+from accounts.models import MANAGER_ROLES, Membership, Organization, User
 
 from .errors import DashboardError, InvalidInvitation, NotAllowed
 from .models import Invitation, hash_token
@@ -70,7 +70,7 @@ def create_organization(*, name: str, owner: User) -> Organization:
 
 
 def can_manage_members(role: str | None) -> bool:
-    return role in (OWNER, ADMIN)
+    return role in MANAGER_ROLES
 
 
 def _assignable(actor_role: str, role: str) -> None:

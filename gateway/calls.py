@@ -157,16 +157,10 @@ def _check_quota(caller: Caller) -> None:
 REDIS_FAILURES = (RedisError, BrokerError, ConnectionError)
 
 
-def unavailable(exc: BaseException) -> ApiError:
-    log.warning("the gateway cannot reach Redis: %s: %s", type(exc).__name__, exc)
-    return ApiError(503, "The platform cannot reach its message broker right now; retry shortly.",
-                    code="service_unavailable", headers={"Retry-After": "2"})
-
-
-def database_unavailable(exc: BaseException) -> ApiError:
-    """The database down or restarting (a connection error, not a bug): the client may retry."""
-    log.warning("the gateway cannot reach the database: %s: %s", type(exc).__name__, exc)
-    return ApiError(503, "The platform cannot reach its database right now; retry shortly.",
+def unavailable(exc: BaseException, *, part: str = "message broker") -> ApiError:
+    """Redis, or the database, down or restarting (a connection error, not a bug): the client may retry."""
+    log.warning("the gateway cannot reach its %s: %s: %s", part, type(exc).__name__, exc)
+    return ApiError(503, f"The platform cannot reach its {part} right now; retry shortly.",
                     code="service_unavailable", headers={"Retry-After": "2"})
 
 
@@ -338,7 +332,7 @@ async def _begin(kind: str, identify: Callable[[], tuple[Caller, InferenceReques
         except REDIS_FAILURES as exc:
             raise unavailable(exc) from None
         except (DatabaseOperationalError, DatabaseInterfaceError) as exc:
-            raise database_unavailable(exc) from None
+            raise unavailable(exc, part="database") from None
     except ApiError as exc:  # refused: the id still names the request (in logs, in a support ticket)
         exc.headers = {**exc.headers, "x-request-id": request_id}
         raise

@@ -19,6 +19,7 @@ import uuid
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
+from accounts.middleware import scope_header
 from inference_platform import jsonbody
 
 from . import calls, formatting
@@ -67,8 +68,7 @@ class InferenceConsumer(AsyncWebsocketConsumer):
         """The caller, checked again for every request (on an admission thread): a key revoked or
         expired, or a member removed, while the socket stays open is refused from its next request."""
         if self.caller.api_key is not None:
-            header = dict(self.scope.get("headers", [])).get(b"authorization")
-            return calls.authenticate_sync(header)
+            return calls.authenticate_sync(scope_header(self.scope, b"authorization"))
         return calls.session_caller(self.caller)
 
     async def receive(self, text_data=None, bytes_data=None):

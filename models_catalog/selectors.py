@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.db.models import Q, QuerySet
 
-from accounts.models import Membership, Organization
+from accounts.models import MANAGER_ROLES, Membership, Organization
 
 from .errors import DeploymentNotFound
 from .models import CatalogModel, Deployment
@@ -35,10 +35,6 @@ def resolve_deployment(*, organization: Organization | None, name: str) -> Deplo
 def deployments_of(*, organization: Organization) -> QuerySet[Deployment]:
     """The deployments ``organization`` owns (not the public ones)."""
     return Deployment.objects.filter(organization=organization).select_related("model").order_by("name")
-
-
-# Roles that may manage every deployment of their organization; a member manages the ones they created.
-MANAGER_ROLES = (Membership.Role.OWNER, Membership.Role.ADMIN)
 
 
 def can_manage_deployment(*, user, deployment: Deployment) -> bool:
