@@ -12,6 +12,27 @@ TRUE = {"1", "true", "yes", "on"}
 FALSE = {"0", "false", "no", "off", ""}
 
 
+SECRET_KEY_MIN_LENGTH = 32
+SECRET_KEY_HOW = "make one with: python -c 'import secrets; print(secrets.token_urlsafe(50))'"
+
+
+def secret_key_problem(value: str, placeholder: str) -> str | None:
+    """What is wrong with ``value`` as a production SECRET_KEY, as a whole sentence; None if fine.
+
+    Each refusal says which rule it broke and how to make a good key.
+    """
+    mode = "production mode (DEBUG=false) needs a long random SECRET_KEY"
+    if not value.strip():
+        problem = "SECRET_KEY is not set"
+    elif value == placeholder or "change-me" in value:
+        problem = "SECRET_KEY is the example's placeholder (it contains \"change-me\")"
+    elif len(value) < SECRET_KEY_MIN_LENGTH:
+        problem = f"SECRET_KEY is too short: {len(value)} characters, needs {SECRET_KEY_MIN_LENGTH} or more"
+    else:
+        return None
+    return f"{problem}: {mode}; {SECRET_KEY_HOW}"
+
+
 def env_str(name: str, default: str = "") -> str:
     return os.environ.get(name, default)
 

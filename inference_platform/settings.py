@@ -11,7 +11,7 @@ from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 
-from .env import celery_broker_url, database_from_url, env_bool, env_int, env_list, env_seconds, env_str
+from .env import celery_broker_url, database_from_url, env_bool, env_int, env_list, env_seconds, env_str, secret_key_problem
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(env_str("DATA_DIR", str(BASE_DIR / ".data"))).resolve()
@@ -33,12 +33,8 @@ if HTTPS:
     SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 3600, minimum=0)
 
 if not DEBUG:
-    if not SECRET_KEY or SECRET_KEY == DEFAULT_SECRET_KEY or "change-me" in SECRET_KEY or len(SECRET_KEY) < 32:
-        raise ImproperlyConfigured(
-            "SECRET_KEY is not set: production mode (DEBUG=false) needs a long random SECRET_KEY "
-            "(32 characters or more, not the example's placeholder), e.g. "
-            "python -c 'import secrets; print(secrets.token_urlsafe(50))'"
-        )
+    if (problem := secret_key_problem(SECRET_KEY, DEFAULT_SECRET_KEY)) is not None:
+        raise ImproperlyConfigured(problem)
     if not ALLOWED_HOSTS:
         raise ImproperlyConfigured(
             "ALLOWED_HOSTS is empty: production mode (DEBUG=false) needs the host names it serves, "

@@ -60,10 +60,41 @@ def test_the_installed_console_script_runs():
     assert result.returncode == 0 and "--scopes" in result.stdout, result.stderr
 
 
-def test_production_mode_refuses_the_default_secret_key():
-    result = run_cli("web", env_overrides={"DEBUG": "false", "ALLOWED_HOSTS": "example.com"})
+HOW_TO_MAKE_A_KEY = "python -c 'import secrets; print(secrets.token_urlsafe(50))'"
+
+
+@pytest.mark.parametrize("secret_key,says", [
+    (None, "placeholder"),  # unset: the development default
+    ("", "SECRET_KEY is not set"),
+    ("   ", "SECRET_KEY is not set"),
+    ("s3cr3t-but-short", "too short: 16 characters, needs 32 or more"),
+    ("x" * 31, "too short: 31 characters"),
+    ("my-own-change-me-key-that-is-long-enough-0123456789", "placeholder"),
+])
+def test_production_mode_refuses_a_bad_secret_key_saying_why(secret_key, says):
+    overrides = {"DEBUG": "false", "ALLOWED_HOSTS": "example.com"}
+    if secret_key is not None:
+        overrides["SECRET_KEY"] = secret_key
+    result = run_cli("web", env_overrides=overrides)
     assert result.returncode == 2
-    assert "SECRET_KEY" in result.stderr and "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr
+    assert says in result.stderr, result.stderr
+    assert HOW_TO_MAKE_A_KEY in result.stderr, result.stderr
+    if secret_key and secret_key.strip():  # a key that is there is never reported missing
+        assert "not set" not in result.stderr, result.stderr
+
+
+def test_the_secret_key_check_names_one_problem_and_accepts_a_good_key():
+    from inference_platform.env import secret_key_problem
+
+    placeholder = "dev-insecure-secret-key-change-me"
+    assert secret_key_problem("x" * 32, placeholder) is None
+    assert secret_key_problem("k" * 67, placeholder) is None
+    assert secret_key_problem("", placeholder).startswith("SECRET_KEY is not set:")
+    assert secret_key_problem(placeholder, placeholder).startswith("SECRET_KEY is the example's placeholder")
+    short = secret_key_problem("abc", placeholder)
+    assert short.startswith("SECRET_KEY is too short: 3 characters, needs 32 or more")
+    assert "not set" not in short and HOW_TO_MAKE_A_KEY in short
 
 
 def test_production_mode_refuses_empty_allowed_hosts():
