@@ -63,7 +63,7 @@ def staff_required(view):
     @wraps(view)
     def wrapped(request, *args, **kwargs):
         if not request.user.is_staff:
-            raise PermissionDenied("Operators only.")
+            raise PermissionDenied("This page is for the platform's operators.")
         return view(request, *args, **kwargs)
 
     return wrapped
