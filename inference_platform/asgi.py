@@ -17,12 +17,14 @@ from django.http.request import split_domain_port, validate_host  # noqa: E402
 
 from accounts.middleware import ApiKeyAuthMiddlewareStack  # noqa: E402
 from inference_platform import api_handler  # noqa: E402
+from inference_platform.processes import die_with_server_parent  # noqa: E402
 from gateway import admission  # noqa: E402
 from gateway.routing import websocket_urlpatterns  # noqa: E402
 
 # A server process: the gateway's per-request database work runs on threads that keep their
 # connections, instead of opening one per request (see gateway.admission).
 admission.use_threads()
+die_with_server_parent()
 
 
 class SameOriginWebSockets:

@@ -13,7 +13,6 @@ import argparse
 import errno
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 from .celery import deployment_queue
 from .processes import (STAGE_BILLING, StartError, child_env, describe, spawn, start_embedded_redis, stop_all,
                         web_command, worker_command)
+from .supervision import supervise
 
 DEFAULT_QUEUES = ["default", "billing"]
 BILLING_CONCURRENCY = 4  # threads of the billing worker `up` starts
@@ -338,31 +338,6 @@ def wait_billing_drained(deadline_s: float = 30.0) -> None:
             "(an embedded Redis loses them when it stops)")
 
 
-def supervise(procs: list[subprocess.Popen]) -> int:
-    """Wait until Ctrl-C or SIGTERM, or until a child dies; then stop every child."""
-    stopping = {"signal": None}
-
-    def on_signal(signum, frame):
-        stopping["signal"] = signum
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    code = 0
-    try:
-        while stopping["signal"] is None:
-            dead = [p for p in procs if p.poll() is not None]
-            if dead:
-                say(f"error: {describe(dead[0])} exited with code {dead[0].returncode}; stopping")
-                code = 1
-                break
-            time.sleep(0.2)
-    finally:
-        say("stopping...")
-        stop_all(list(reversed(procs)))
-        say("stopped")
-    return code
-
-
 def cmd_up(args) -> int:
     settings = setup_django()
     lock = lock_data_dir(settings.DATA_DIR)  # noqa: F841 (held until this process ends)
@@ -438,7 +413,7 @@ def cmd_up(args) -> int:
     say(f"  Logs:       {logs}")
     say("  Ready. Press Ctrl-C to stop everything.")
     say("")
-    return supervise(procs)
+    return supervise(procs, say=say)
 
 
 def cmd_web(args) -> int:
@@ -449,7 +424,7 @@ def cmd_web(args) -> int:
     free_port(args.host, args.port)
     procs.append(spawn(web_command(host=args.host, port=args.port, workers=args.workers), env=child_env()))
     say(f"web server on http://{args.host}:{args.port}")
-    return supervise(procs)
+    return supervise(procs, say=say)
 
 
 def beat_command(settings) -> list[str]:
@@ -467,7 +442,7 @@ def cmd_beat(args) -> int:
     require_database(settings)
     procs.append(spawn(beat_command(settings), env=child_env()))
     say(f"placement loop every {settings.FLEET_TICK_SECONDS:g}s")
-    return supervise(procs)
+    return supervise(procs, say=say)
 
 
 def cmd_worker(args) -> int:
@@ -482,7 +457,7 @@ def cmd_worker(args) -> int:
         slots = settings.WORKER_SLOTS if os.environ.get("WORKER_SLOTS", "").strip() else max(1, len(args.deployments))
     env = child_env(INFERENCE_PRELOAD=",".join(args.deployments), WORKER_SLOTS=str(slots))
     procs.append(spawn(worker_command(queues=queues, concurrency=args.concurrency, name=name), env=env))
-    return supervise(procs)
+    return supervise(procs, say=say)
 
 
 def cmd_createkey(args) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import multiprocessing
 import os
 import shutil
 import signal
@@ -31,6 +32,18 @@ def _die_with_parent() -> None:
         pass
 
 
+def die_with_server_parent() -> None:
+    """In a server's worker process started by ``multiprocessing`` (uvicorn's ``--workers N``):
+    die with the server's master too. Its master dies with us, but a master killed outright would
+    leave its workers holding the port, and a restarted web server could not listen."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    _die_with_parent()
+    if os.getppid() != parent.pid:  # it died before the line above
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def spawn(args: list[str], *, env: dict | None = None, log: Path | None = None,
           own_session: bool = False, role: str = "") -> subprocess.Popen:
     """Start a child that dies with this process. ``own_session``: out of the terminal's process
@@ -46,7 +59,22 @@ def spawn(args: list[str], *, env: dict | None = None, log: Path | None = None,
         if out:
             out.close()
     proc.role = role
+    proc.started_at = time.monotonic()
+    proc.recipe = {"args": args, "env": env, "log": log, "own_session": own_session, "role": role}
     return proc
+
+
+# What a restarted child keeps of the one it replaces, besides its command: when it stops.
+_KEPT_ON_RESTART = ("stop_stage", "before_stop")
+
+
+def respawn(proc: subprocess.Popen) -> subprocess.Popen:
+    """Start a dead child again, as it was started."""
+    fresh = spawn(**proc.recipe)
+    for name in _KEPT_ON_RESTART:
+        if hasattr(proc, name):
+            setattr(fresh, name, getattr(proc, name))
+    return fresh
 
 
 def describe(proc: subprocess.Popen) -> str:
