@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from accounts.models import MANAGER_ROLES
 
 from .organizations import current_organization
@@ -15,14 +17,25 @@ def dashboard(request) -> dict:
     organization = current_organization(request)
     memberships = list(memberships_of(user=user))
     role = next((m.role for m in memberships if organization and m.organization_id == organization.pk), None)
+    # Two of the user's organizations may share a name (each made its own, or an invitation to
+    # another "Acme"): the switcher shows those with their slug, unique across the platform.
+    names = Counter(_name_key(m.organization.name) for m in memberships)
+    for membership in memberships:
+        membership.name_is_shared = names[_name_key(membership.organization.name)] > 1
     match = getattr(request, "resolver_match", None)
     return {
         "current_organization": organization,
         "memberships": memberships,
         "current_role": role,
+        "current_name_is_shared": organization is not None and names[_name_key(organization.name)] > 1,
         "can_manage_members": role in MANAGER_ROLES,
         "nav_section": _section(match.url_name if match else ""),
     }
+
+
+def _name_key(name: str) -> str:
+    """Names that read the same in the switcher: "Acme" and "acme " too."""
+    return " ".join(name.split()).casefold()
 
 
 _SECTIONS = {
