@@ -100,8 +100,10 @@ def require_redis(settings) -> None:
         raise Abort(f"cannot reach Redis at {result['url']}: {result['error']} (is it running? check REDIS_URL)")
 
 
-def ensure_redis(settings, procs: list) -> None:
-    """Start the embedded Redis when REDIS_URL is unset, else check the configured one answers."""
+def ensure_redis(settings, procs: list, *, alone: bool = False) -> None:
+    """Start the embedded Redis when REDIS_URL is unset, else check the configured one answers.
+    ``alone``: a command that runs one part of the platform (``web``, ``worker``, ``beat``), whose
+    embedded Redis the other parts, started apart, come to share."""
     if settings.REDIS_IS_EMBEDDED:
         try:
             proc = start_embedded_redis(settings.EMBEDDED_REDIS_SOCKET, data_dir=settings.DATA_DIR)
@@ -110,6 +112,10 @@ def ensure_redis(settings, procs: list) -> None:
         if proc:
             procs.append(proc)
             say(f"started the embedded Redis on {settings.REDIS_URL}")
+            if alone:
+                say("note: it stops when this command stops, and with it the broker of any other part started "
+                    "on this data folder; to run the parts apart, set REDIS_URL to a Redis of your own "
+                    "(or use `inference-platform up`)")
     require_redis(settings)
 
 
@@ -419,7 +425,7 @@ def cmd_up(args) -> int:
 def cmd_web(args) -> int:
     settings = setup_django()
     procs: list[subprocess.Popen] = []
-    ensure_redis(settings, procs)
+    ensure_redis(settings, procs, alone=True)
     require_database(settings)
     free_port(args.host, args.port)
     procs.append(spawn(web_command(host=args.host, port=args.port, workers=args.workers), env=child_env()))
@@ -438,7 +444,7 @@ def beat_command(settings) -> list[str]:
 def cmd_beat(args) -> int:
     settings = setup_django()
     procs: list[subprocess.Popen] = []
-    ensure_redis(settings, procs)
+    ensure_redis(settings, procs, alone=True)
     require_database(settings)
     procs.append(spawn(beat_command(settings), env=child_env()))
     say(f"placement loop every {settings.FLEET_TICK_SECONDS:g}s")
@@ -448,7 +454,7 @@ def cmd_beat(args) -> int:
 def cmd_worker(args) -> int:
     settings = setup_django()
     procs: list[subprocess.Popen] = []
-    ensure_redis(settings, procs)
+    ensure_redis(settings, procs, alone=True)
     require_database(settings)
     name = args.name or f"worker-{os.getpid()}@{socket.gethostname()}"
     queues = args.queues + [deployment_queue(d) for d in args.deployments]

@@ -34,3 +34,25 @@ def test_with_neither_the_error_says_what_to_do(no_system_redis, monkeypatch):
     monkeypatch.setattr(processes.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(processes.StartError, match="install Redis, or set REDIS_URL"):
         processes.redis_server_binary()
+
+
+@pytest.mark.parametrize("alone", [True, False])
+def test_a_part_started_alone_says_its_embedded_redis_stops_with_it(alone, capsys):
+    """`web`, `worker` and `beat` started apart share the first one's Redis, which dies with it."""
+    from types import SimpleNamespace
+
+    from inference_platform.cli import ensure_redis
+
+    with tempfile.TemporaryDirectory(prefix="ip-") as short:
+        socket_path = Path(short) / "redis.sock"
+        settings = SimpleNamespace(REDIS_IS_EMBEDDED=True, EMBEDDED_REDIS_SOCKET=socket_path, DATA_DIR=Path(short),
+                                   REDIS_URL=f"unix://{socket_path}")
+        procs = []
+        try:
+            ensure_redis(settings, procs, alone=alone)
+            ensure_redis(settings, procs, alone=alone)  # the second part finds it running
+        finally:
+            processes.stop_all(procs)
+    said = capsys.readouterr().out
+    assert len(procs) == 1 and said.count("started the embedded Redis") == 1
+    assert ("it stops when this command stops" in said) is alone
