@@ -16,6 +16,7 @@ MAX_REPORT_DAYS = 366
 DEFAULT_REPORT_DAYS = 30
 LEDGER_DEFAULT_LIMIT = 20
 LEDGER_MAX_LIMIT = 100
+ISO_DAY = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 
 
 def money(value: Decimal) -> str:
@@ -26,8 +27,10 @@ def _date(params, name: str, default: date) -> date:
     raw = params.get(name)
     if raw is None or raw == "":
         return default
+    if not ISO_DAY.fullmatch(raw):  # date.fromisoformat alone also takes week dates (2026-W47-1)
+        return _bad_date(name, raw)
     try:
-        value = date.fromisoformat(raw) if len(raw) == 10 else _bad_date(name, raw)
+        value = date.fromisoformat(raw)
     except ValueError:
         return _bad_date(name, raw)
     if not REPORT_DATES[0] <= value <= REPORT_DATES[1]:  # the day after, and 30 days before, must exist

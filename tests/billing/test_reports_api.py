@@ -129,6 +129,8 @@ def test_report_by_api_key_names_the_keys(client, world):
     ({"start": "2025-02-30", "end": "2025-03-01"}, "start"),
     ({"start": "10/03/2025"}, "start"),
     ({"start": "2025-03-10", "end": "soon"}, "end"),
+    ({"start": "2025-W11-1", "end": "2025-03-13"}, "start"),  # an ISO week date, also 10 characters
+    ({"start": "2025-03-10", "end": "２０２５-03-13"}, "end"),  # digits, but not ASCII ones
     ({"group_by": "week"}, "group_by"),
     ({"start": "9999-12-31", "end": "9999-12-31"}, "end"),  # its day after overflowed: a 500
     ({"end": "0001-01-05"}, "end"),  # and 30 days before it
