@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from decimal import Decimal, InvalidOperation
+from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
 
 from django import template
 from django.utils.html import format_html
@@ -85,7 +85,7 @@ def usd(value) -> str:
     if amount == 0:
         return "$0.00"
     if amount >= Decimal("0.01"):
-        return f"{sign}${amount.quantize(Decimal('0.01')):,}"
+        return f"{sign}${amount.quantize(Decimal('0.01'), rounding=ROUND_HALF_UP):,}"  # as billing rounds
     text = format(amount.normalize(), "f")
     return f"{sign}${text}"
 

@@ -69,3 +69,18 @@ def test_the_credit_history_pages_and_keeps_payments_within_reach(ada, acme, cat
     assert _ledger_kinds(payments) == ["adjustment", "signup_credit"] and 'id="ledger-older"' not in payments
     assert _ledger_kinds(ada.get("/billing/?show=usage&before=x").content.decode()) == ["usage"] * 20
     assert _ledger_kinds(ada.get("/billing/?show=nonsense").content.decode())[:1] == ["usage"]
+
+
+def test_the_monthly_limit_shows_exactly_as_it_is_enforced(ada, acme, settings):
+    """The limit refuses requests at $0.125: the page must not say $0.12."""
+    from billing.services import set_spend_limit
+
+    settings.STRIPE_SECRET_KEY = settings.STRIPE_PUBLISHABLE_KEY = ""
+    set_spend_limit(organization=acme[1], monthly_limit=Decimal("0.125"))
+    assert "of a $0.125 monthly limit" in ada.get("/billing/").content.decode()
+
+
+def test_amounts_rounded_to_cents_round_half_up_as_billing_does():
+    from dashboard.templatetags.dashboard import usd
+
+    assert (usd(Decimal("1234.565")), usd(Decimal("0.015")), usd(Decimal("-2.345"))) == ("$1,234.57", "$0.02", "-$2.35")
