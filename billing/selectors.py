@@ -49,6 +49,11 @@ def balance(*, organization: Organization) -> Decimal:
                       .values_list("micros", flat=True).first())
 
 
+def adjustment_exists(*, reference: str) -> bool:
+    """Whether an operator's adjustment was already made under ``reference`` (they happen once)."""
+    return LedgerEntry.objects.filter(kind=LedgerEntry.Kind.ADJUSTMENT, reference=reference).exists()
+
+
 def month_start(now: datetime | None = None) -> datetime:
     """The start of the current calendar month, UTC."""
     now = (now or dj_timezone.now()).astimezone(timezone.utc)
