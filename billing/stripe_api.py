@@ -2,11 +2,13 @@
 
 ``STRIPE_API_BASE`` (unset: Stripe itself) lets the tests and a development setup point the client
 at localstripe. Webhooks are verified with Stripe's own ``Webhook.construct_event`` (HMAC-SHA256
-over ``"{timestamp}.{payload}"`` with the endpoint secret, timestamp within 300 seconds).
+over ``"{timestamp}.{payload}"`` with the endpoint secret, timestamp within 300 seconds; the
+library checks only the past side, so a timestamp more than that ahead is refused here).
 """
 
 from __future__ import annotations
 
+import time
 from functools import lru_cache
 from typing import Any
 
@@ -49,9 +51,16 @@ def construct_webhook_event(*, payload: bytes, signature: str | None) -> dict[st
         raise InvalidWebhook(f"Invalid Stripe-Signature: {exc.user_message or exc}", param="Stripe-Signature") from None
     except Exception:  # undecodable bytes, not JSON, JSON that is no event
         raise InvalidWebhook("The body is not a Stripe event.", param="body") from None
+    if _signed_at(signature) > time.time() + WEBHOOK_TOLERANCE_SECONDS:
+        raise InvalidWebhook("Invalid Stripe-Signature: its timestamp is in the future.", param="Stripe-Signature")
     event = event.to_dict()
     data = event.get("data")
     if (not isinstance(event.get("id"), str) or not event["id"] or not isinstance(event.get("type"), str)
             or not isinstance(data, dict) or not isinstance(data.get("object"), dict)):
         raise InvalidWebhook("The body is not a Stripe event (id, type and data.object are required).", param="body")
     return event
+
+
+def _signed_at(signature: str) -> int:
+    """The ``t=`` of a Stripe-Signature header that verified (so it has one, and it is a number)."""
+    return max(int(item[2:]) for item in signature.split(",") if item.startswith("t="))

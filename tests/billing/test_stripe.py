@@ -247,6 +247,7 @@ def _post(client, body, headers):
 @pytest.mark.parametrize("headers", [
     pytest.param(lambda body: signed(body, secret="whsec_wrong"), id="wrong-secret"),
     pytest.param(lambda body: signed(body, timestamp=int(time.time()) - 301), id="stale"),
+    pytest.param(lambda body: signed(body, timestamp=int(time.time()) + 3600), id="from-the-future"),
     pytest.param(lambda body: signed(body + " "), id="other-body"),
     pytest.param(lambda body: {}, id="missing"),
     pytest.param(lambda body: {"Stripe-Signature": "t=abc,v1=zz"}, id="malformed"),
