@@ -57,8 +57,10 @@ class InferenceConsumer(AsyncWebsocketConsumer):
                                    user_id=getattr(user, "pk", None))
 
     def _auth_error(self) -> ApiError | None:
-        if self.scope.get("auth_error") or self.scope.get("organization") is None:
-            return ApiError(401, self.scope.get("auth_error") or "Authentication required.", code="invalid_api_key")
+        scope = self.scope
+        if scope.get("auth_error") or scope.get("organization") is None:
+            return ApiError(scope.get("auth_status", 401), scope.get("auth_error") or "Authentication required.",
+                            code=scope.get("auth_code", "invalid_api_key"))
         api_key = self.scope.get("api_key")
         if api_key is not None and not api_key.has_scope("inference"):
             return ApiError(403, "This API key is missing the 'inference' scope.", code="missing_scope")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from django.http import JsonResponse
 from django.shortcuts import render
+from django.utils.http import urlencode
 from django.views.decorators.http import require_GET
 
+from accounts.middleware import ORGANIZATION_PARAMETER
 from accounts.selectors import organizations_for_user
 
 from .. import selectors, snippets
@@ -17,9 +19,11 @@ def playground(request):
     deployments = selectors.playground_deployments(organization=request.organization)
     wanted = request.GET.get("deployment", "")
     selected = next((d for d in deployments if d.name == wanted), deployments[0] if deployments else None)
+    # The socket names the organization this page shows: it bills that one, or is refused, even
+    # after the user switches organization in another tab (never the session's new one unseen).
+    ws_url = f"{snippets.endpoints(request)['ws_url']}?{urlencode({ORGANIZATION_PARAMETER: request.organization.pk})}"
     return render(request, "dashboard/playground.html", {
-        "deployments": deployments, "selected": selected,
-        "ws_url": snippets.endpoints(request)["ws_url"],
+        "deployments": deployments, "selected": selected, "ws_url": ws_url,
     })
 
 

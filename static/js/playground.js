@@ -11,13 +11,15 @@
   const $ = (id) => document.getElementById(id);
   const pane = $("messages"), input = $("chat-input"), sendButton = $("send-button"), stopButton = $("stop-button");
   const select = $("deployment-select"), conn = $("conn-state");
+  // The socket's URL names the organization the page was rendered for (?organization=): the server
+  // bills that one, or refuses when the user no longer belongs to it, even after the user switches
+  // organization in another tab; a reply's cost is looked up there too.
   const wsUrl = root.dataset.wsUrl, costUrl = root.dataset.costUrl;
-  // The organization the socket bills, as the page was rendered: a reply's cost is looked up there
-  // even after the user switches organization in another tab.
   const organizationId = root.dataset.organization;
   const emptyState = $("chat-empty");
 
   let socket = null;
+  let refusal = null;      // why the server refused the connection (its error frame), shown as it closes
   let history = [];        // [{role, content}] of finished turns
   let current = null;      // the reply being streamed into the chat on screen
   const live = new Map();  // request id -> every reply not ended yet, including ones "New chat" left
@@ -49,6 +51,7 @@
   function connect() {
     if (socket && (socket.readyState === WebSocket.OPEN || socket.readyState === WebSocket.CONNECTING)) return;
     setConn("", "Connecting…");
+    refusal = null;
     socket = new WebSocket(wsUrl);
     socket.addEventListener("open", () => {
       setConn("open", "Connected");
@@ -56,8 +59,9 @@
     });
     socket.addEventListener("message", (event) => onFrame(JSON.parse(event.data)));
     socket.addEventListener("close", (event) => {
-      setConn("closed", event.code >= 4000 ? "Not authorized: reload the page" : "Disconnected");
-      live.forEach((reply) => fail(reply, "The connection closed before the reply finished."));
+      const refused = event.code >= 4000;
+      setConn("closed", refused ? refusal || "Not authorized: reload the page" : "Disconnected");
+      live.forEach((reply) => fail(reply, (refused && refusal) || "The connection closed before the reply finished."));
     });
   }
 
@@ -178,7 +182,10 @@
   function onFrame(frame) {
     const reply = live.get(frame.request_id);
     if (!reply) {
-      if (frame.type === "error" && frame.request_id === null) setConn("closed", frame.error?.message || "Error");
+      if (frame.type === "error" && frame.request_id === null) {
+        refusal = frame.error?.message || "Error";
+        setConn("closed", refusal);
+      }
       return;
     }
     if (frame.type === "error") return fail(reply, frame.error?.message || "The request failed.");

@@ -352,3 +352,80 @@ def test_operator_pages_and_team_management(new_page, stack, inference_worker, d
     page.click(".org-menu button:has-text('Platform Ops')")
     page.wait_for_url(HOME)
     assert "Platform Ops" in page.inner_text(".org-switcher summary")
+
+
+def test_the_playground_bills_the_organization_on_screen_after_a_switch_in_another_tab(new_page, stack, db_call):
+    """The playground's socket names the page's organization: reconnecting after the user switched
+    organization in another tab still bills the one on screen; once the user left it, the
+    playground shows why it is refused instead of billing another."""
+    page = new_page()
+    account = sign_up(page, name="Lin Playground", organization=unique("Shown"))
+    other_name = unique("Elsewhere")
+
+    def second_organization():
+        from accounts.models import User
+        from accounts.services import create_organization
+
+        user = User.objects.get(email=account.email)
+        shown = user.memberships.get().organization
+        return user.pk, shown.pk, create_organization(name=other_name, owner=user).pk
+
+    user_id, shown_id, other_id = db_call(second_organization)
+    sockets = []  # every socket the playground opens, passed through to the server
+
+    def through(ws):
+        ws.connect_to_server()
+        sockets.append(ws)
+
+    page.route_web_socket(re.compile(r"/v1/ws(\?|$)"), through)
+    page.goto("/playground/")
+    page.wait_for_selector("#conn-state[data-state=open]")
+    assert sockets[0].url.endswith(f"/v1/ws?organization={shown_id}")
+
+    # Another tab switches the session to the other organization; then the playground reconnects.
+    tab = page.context.new_page()
+    tab.goto("/")
+    tab.click(".org-switcher summary")
+    tab.click(f".org-menu button:has-text('{other_name}')")
+    tab.wait_for_url(HOME)
+    assert other_name in tab.inner_text(".org-switcher summary")
+    sockets[0].close()
+    page.wait_for_selector("#conn-state[data-state=closed]")
+    page.fill("#p-max-tokens", "4")
+    page.fill("#chat-input", "Say hi.")
+    page.keyboard.press("Enter")
+    reply = page.locator(".msg.assistant").nth(0)
+    page.wait_for_selector(".msg.assistant[data-state=done], .msg.assistant[data-state=error]", timeout=120_000)
+    # (The other organization has no credit: billed there, the reply would be refused for its quota.)
+    assert reply.get_attribute("data-state") == "done", reply.inner_text()
+    assert len(sockets) == 2
+    request_id = reply.get_attribute("data-api-request-id")
+
+    def billed_to():
+        from billing.models import UsageRecord
+
+        return UsageRecord.objects.filter(request_id=request_id).values_list("organization_id", flat=True).first()
+
+    assert wait_until(lambda: db_call(billed_to), timeout=30, message="the reply's usage record") == shown_id
+
+    # The user leaves the organization on screen: the next connection is refused, saying why.
+    def leave():
+        from accounts.models import Organization, User
+        from accounts.services import add_member, create_user, remove_member
+
+        shown = Organization.objects.get(pk=shown_id)
+        add_member(organization=shown, user=create_user(email=f"{unique('heir')}@example.com", password=None),
+                   role="owner")
+        remove_member(organization=shown, user=User.objects.get(pk=user_id))
+
+    db_call(leave)
+    sockets[1].close()
+    page.wait_for_selector("#conn-state[data-state=closed]")
+    page.fill("#chat-input", "Say hi again.")
+    page.keyboard.press("Enter")
+    page.wait_for_selector(".msg.assistant[data-state=error]")
+    refused = page.locator(".msg.assistant[data-state=error] .text").inner_text()
+    assert "not a member of the organization this page was opened for" in refused, refused
+    assert "Reload the page" in page.inner_text("#conn-state")
+    shot(page, "22-playground-refused")
+    assert not page.js_errors, page.js_errors

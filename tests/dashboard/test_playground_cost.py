@@ -48,4 +48,8 @@ def test_an_organization_the_user_is_not_in_is_an_unknown_reply(ada, acme, globe
 
 def test_the_page_names_the_organization_its_socket_bills(ada, acme, catalog):
     _, org = acme
-    assert f'data-organization="{org.pk}"' in ada.get("/playground/").content.decode()
+    page = ada.get("/playground/").content.decode()
+    assert f'data-organization="{org.pk}"' in page
+    # The socket's URL names it too: the server bills that one, not whatever the session's current
+    # organization is when the playground (re)connects (tests/gateway/test_playground_organization.py).
+    assert f'data-ws-url="ws://testserver/v1/ws?organization={org.pk}"' in page
