@@ -66,6 +66,24 @@ def create_organization(*, name: str, owner: User) -> Organization:
         raise _from_accounts(exc) from None
 
 
+def create_api_key(*, organization: Organization, created_by: User, name: str, scopes: list[str],
+                   expires_at=None, spend_limit=None):
+    """A key and its spend limit together: a key is never left without the limit it was asked
+    with. Returns (api_key, secret); raises InvalidInput (its ``field`` the form's) for either."""
+    from billing.errors import InvalidParameter
+    from billing.services import set_api_key_spend_limit
+
+    with transaction.atomic():
+        api_key, secret = account_services.create_api_key(organization=organization, name=name, scopes=scopes,
+                                                          created_by=created_by, expires_at=expires_at)
+        if spend_limit is not None:
+            try:
+                set_api_key_spend_limit(api_key=api_key, amount_limit=spend_limit)
+            except InvalidParameter as exc:
+                raise InvalidInput("spend_limit", exc.message) from None
+    return api_key, secret
+
+
 # --- roles ------------------------------------------------------------------------------------------
 
 

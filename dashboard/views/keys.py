@@ -9,10 +9,9 @@ from django.views.decorators.http import require_http_methods, require_POST
 
 from accounts.errors import InvalidInput
 from accounts.selectors import can_revoke_api_key, membership_for
-from accounts.services import create_api_key, revoke_api_key
-from billing.services import set_api_key_spend_limit
+from accounts.services import revoke_api_key
 
-from .. import selectors, snippets
+from .. import selectors, services, snippets
 from ..forms import ApiKeyForm
 from .common import organization_required
 
@@ -38,14 +37,12 @@ def api_keys(request):
     if request.method == "POST" and form.is_valid():
         data = form.cleaned_data
         try:
-            api_key, secret = create_api_key(organization=request.organization, name=data["name"],
-                                             scopes=data["scopes"], created_by=request.user,
-                                             expires_at=form.expires_at())
+            api_key, secret = services.create_api_key(
+                organization=request.organization, name=data["name"], scopes=data["scopes"],
+                created_by=request.user, expires_at=form.expires_at(), spend_limit=data.get("spend_limit"))
         except InvalidInput as exc:
             form.add_error(exc.field if exc.field in form.fields else None, exc.message)
         else:
-            if data.get("spend_limit") is not None:
-                set_api_key_spend_limit(api_key=api_key, amount_limit=data["spend_limit"])
             response = redirect("api-keys")
             response.set_signed_cookie(NEW_KEY_COOKIE, f"{api_key.pk}:{secret}", salt=NEW_KEY_SALT,
                                        max_age=NEW_KEY_MAX_AGE, path=request.path, secure=request.is_secure(),

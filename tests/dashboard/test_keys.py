@@ -93,3 +93,19 @@ def test_the_list_shows_when_a_key_was_last_used_and_when_it_expires(ada, acme):
     idle_row = page.split('data-key="idle"')[1].split("</tr>")[0]
     assert "3\xa0hours ago" in used_row and "May 17, 2031" in used_row
     assert idle_row.count("Never") == 2  # never used, never expires
+
+
+def test_a_key_whose_limit_is_refused_is_not_made_at_all(acme):
+    """The key and its limit are one write: no key is left without the limit it was asked with."""
+    from accounts.errors import InvalidInput
+    from dashboard import services
+
+    user, organization = acme
+    with pytest.raises(InvalidInput) as refused:
+        services.create_api_key(organization=organization, created_by=user, name="capped", scopes=["inference"],
+                                spend_limit=Decimal("-1"))
+    assert refused.value.field == "spend_limit"
+    assert not ApiKey.objects.filter(organization=organization, name="capped").exists()
+    api_key, _ = services.create_api_key(organization=organization, created_by=user, name="capped",
+                                         scopes=["inference"], spend_limit=Decimal("2.5"))
+    assert api_key.spend_limit.amount_limit == Decimal("2.5")
