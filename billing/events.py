@@ -13,7 +13,7 @@ request_id             str             the request's unique id (1-128 printable 
 organization_id        int             the calling organization
 api_key_id             int | None      the key used (None: the dashboard's session)
 deployment_id          int | None      the deployment served (None: unknown / deleted)
-model                  str             catalog model slug (its prices apply)
+model                  str             catalog model slug
 deployment             str             deployment name ("" when none)
 prompt_tokens          int >= 0        every prompt token, cached ones included
 cached_prompt_tokens   int >= 0        prompt tokens served from the prefix cache
@@ -27,23 +27,33 @@ batch_size             float | None    tokens the engine sampled per step, on av
                                        the steps that sampled one of this request's (>= 1)
 finished_at            str             ISO 8601 with a time zone, e.g.
                                        "2025-01-31T12:00:00.123+00:00" or "...Z"
+prices                 object | None   the catalog model's prices when the gateway admitted
+                                       the request, which bill it: input_per_mtok,
+                                       cached_input_per_mtok, output_per_mtok, per_request
+                                       (USD, decimal strings such as "0.150000"; None:
+                                       the catalog's when billing records the event)
 =====================  ==============  ===================================================
 
-``api_key_id``, ``deployment_id``, the three timings and ``batch_size`` may be omitted (read as null). Timings may
-also be given as non-negative floats (milliseconds); they are rounded to whole milliseconds. Counts
-and timings stop at 2**31 - 1. Unknown keys are refused, so a typo in a worker fails loudly instead of being lost.
+``api_key_id``, ``deployment_id``, the three timings, ``batch_size`` and ``prices`` may be omitted (read as null).
+Timings may also be given as non-negative floats (milliseconds); they are rounded to whole milliseconds. Counts
+and timings stop at 2**31 - 1. A price is a string of digits with at most 10 decimal places, below 10**10 (what a
+usage record stores): never a float, a sign, an exponent, NaN or Infinity; all four are required. Unknown keys are
+refused, so a typo in a worker fails loudly instead of being lost (so billing workers are upgraded before the GPU
+workers whose events carry ``prices``; :meth:`ParsedUsageEvent.to_wire` leaves out a null ``prices``).
 This module imports no Django models: a worker can validate an event before publishing it.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from decimal import Decimal
 from typing import Any, Mapping, TypedDict
 
 from .errors import InvalidUsageEvent
-from .pricing import STATUSES
+from .pricing import PRICE_DECIMAL_PLACES, PRICE_FIELDS, PRICE_MAX_DIGITS, STATUSES, Prices
 
 REQUEST_ID_MAX_LENGTH = 128
 NAME_MAX_LENGTH = 200
@@ -68,11 +78,15 @@ class UsageEvent(TypedDict):
     latency_ms: int | float | None
     batch_size: float | None
     finished_at: str
+    prices: dict[str, str] | None
 
 
 FIELDS = tuple(UsageEvent.__annotations__)
-OPTIONAL_FIELDS = ("api_key_id", "deployment_id", "queue_ms", "ttft_ms", "latency_ms", "batch_size")
+OPTIONAL_FIELDS = ("api_key_id", "deployment_id", "queue_ms", "ttft_ms", "latency_ms", "batch_size", "prices")
 BATCH_SIZE_MAX = 1_000_000
+# A price as a usage record stores it: digits, at most PRICE_DECIMAL_PLACES of them after the point.
+PRICE_INTEGER_DIGITS = PRICE_MAX_DIGITS - PRICE_DECIMAL_PLACES
+PRICE_PATTERN = re.compile(rf"[0-9]{{1,{PRICE_INTEGER_DIGITS}}}(\.[0-9]{{1,{PRICE_DECIMAL_PLACES}}})?")
 
 
 @dataclass(frozen=True)
@@ -94,11 +108,16 @@ class ParsedUsageEvent:
     latency_ms: int | None
     batch_size: float | None
     finished_at: datetime
+    prices: Prices | None = None
 
     def to_wire(self) -> UsageEvent:
-        """The JSON-safe form, as published on the queue."""
+        """The JSON-safe form, as published on the queue (without ``prices`` when there are none)."""
         wire = {name: getattr(self, name) for name in FIELDS}
         wire["finished_at"] = self.finished_at.isoformat()
+        if self.prices is None:
+            del wire["prices"]
+        else:
+            wire["prices"] = self.prices.as_strings()
         return UsageEvent(**wire)
 
 
@@ -151,6 +170,28 @@ def _text(event: Mapping, name: str, *, max_length: int, allow_empty: bool) -> s
     if not value.isprintable():
         raise InvalidUsageEvent(name, "must contain printable characters only")
     return value
+
+
+def _prices(event: Mapping) -> Prices | None:
+    value = event.get("prices")
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise InvalidUsageEvent("prices", f"must be an object of the four prices or null, not {value!r}")
+    unknown = sorted(set(value) - set(PRICE_FIELDS), key=str)
+    if unknown:
+        raise InvalidUsageEvent(f"prices.{unknown[0]}", "is not a price")
+    prices = {}
+    for name in PRICE_FIELDS:
+        if name not in value:
+            raise InvalidUsageEvent(f"prices.{name}", "is required")
+        price = value[name]
+        if not isinstance(price, str) or not PRICE_PATTERN.fullmatch(price):
+            raise InvalidUsageEvent(
+                f"prices.{name}", f"must be a decimal string of USD >= 0 with at most {PRICE_DECIMAL_PLACES} decimal "
+                                  f"places, below 10**{PRICE_INTEGER_DIGITS}, not {price!r}")
+        prices[name] = Decimal(price)
+    return Prices(**prices)
 
 
 def _finished_at(event: Mapping) -> datetime:
@@ -208,4 +249,5 @@ def parse_usage_event(event: Any) -> ParsedUsageEvent:
         latency_ms=_millis(event, "latency_ms"),
         batch_size=_batch_size(event),
         finished_at=_finished_at(event),
+        prices=_prices(event),
     )

@@ -18,12 +18,20 @@ from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
-from .pricing import COST_DECIMAL_PLACES, STATUS_CANCELLED, STATUS_COMPLETED, STATUS_FAILED, STATUSES
+from .pricing import (
+    COST_DECIMAL_PLACES,
+    PRICE_DECIMAL_PLACES,
+    PRICE_MAX_DIGITS,
+    STATUS_CANCELLED,
+    STATUS_COMPLETED,
+    STATUS_FAILED,
+    STATUSES,
+)
 
 # USD amounts: 12 digits before the point, 6 after (a micro-dollar).
 MONEY = {"max_digits": 18, "decimal_places": COST_DECIMAL_PLACES}
 # Per-million-token prices as applied: 10 decimal places, as fine as a catalog may set them.
-PRICE = {"max_digits": 20, "decimal_places": 10}
+PRICE = {"max_digits": PRICE_MAX_DIGITS, "decimal_places": PRICE_DECIMAL_PLACES}
 
 
 class UsageRecord(models.Model):
@@ -54,7 +62,8 @@ class UsageRecord(models.Model):
     latency_ms = models.PositiveIntegerField(null=True, blank=True)
     # The engine's batch while it decoded this request: tokens sampled per step, on average.
     mean_batch_size = models.FloatField(null=True, blank=True)
-    # The prices applied (USD; per million tokens, and per request), copied from the catalog.
+    # The prices applied (USD; per million tokens, and per request): the catalog's when the request
+    # was admitted, carried by its usage event (an event without them: the catalog's when recorded).
     price_input_per_mtok = models.DecimalField(**PRICE)
     price_cached_input_per_mtok = models.DecimalField(**PRICE)
     price_output_per_mtok = models.DecimalField(**PRICE)

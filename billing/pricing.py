@@ -24,6 +24,9 @@ from typing import Any, Mapping
 #: Costs are rounded to a micro-dollar (6 decimal places), half up.
 COST_QUANTUM = Decimal("0.000001")
 COST_DECIMAL_PLACES = 6
+#: A price as a usage record stores it: 10 decimal places, below 10**10 USD (``billing.models.PRICE``).
+PRICE_DECIMAL_PLACES = 10
+PRICE_MAX_DIGITS = 20
 TOKENS_PER_PRICE_UNIT = Decimal(1_000_000)
 
 STATUS_COMPLETED = "completed"
@@ -79,7 +82,8 @@ class Prices:
         return cls(**{name: Decimal(str(values[name])) for name in PRICE_FIELDS})
 
     def as_strings(self) -> dict[str, str]:
-        return {name: str(getattr(self, name)) for name in PRICE_FIELDS}
+        """The four prices as decimal strings, in positional notation ("0.000001", never "1E-6")."""
+        return {name: format(getattr(self, name), "f") for name in PRICE_FIELDS}
 
 
 FREE = Prices(Decimal(0), Decimal(0), Decimal(0), Decimal(0))

@@ -3,8 +3,10 @@
 Money moves only as ledger entries, each unique by (kind, reference): a usage event delivered twice,
 a webhook replayed, two workers racing on the same request all end with one entry.
 
-A request is priced at the catalog's prices when billing records its usage event, not when it ran:
-the event carries no prices, so a price changed while the event waits in the billing queue applies.
+A request is priced at the catalog's prices when the gateway admitted it: they travel with it to its
+worker and on in its usage event, so a price changed while it runs, or while its event waits in a
+backlogged billing queue, applies to the requests admitted after the change only. An event without
+prices (one queued across the upgrade that added them) is priced at the catalog's when it is recorded.
 """
 
 from __future__ import annotations
@@ -154,11 +156,13 @@ def record_usage(*, event: Mapping[str, Any]) -> UsageRecord:
     Idempotent by ``request_id``: the record, its ledger charge and the running totals are written
     in one transaction, and the unique request id means a second delivery (a retry, a redelivery,
     a race between two billing workers) rolls its transaction back and returns the existing record
-    without charging again. The prices applied are the catalog model's at recording time, copied
-    onto the record. Eight statements in all, the transaction's included: this runs once per request.
+    without charging again. The prices applied, copied onto the record, are the event's (the
+    catalog's when the request was admitted), or for an event without them the catalog model's now.
+    Eight statements in all, the transaction's included: this runs once per request.
 
     Raises InvalidUsageEvent (malformed, unknown organization, a key of another organization) or
-    UnknownModel: permanent errors, redelivering the event cannot fix them.
+    UnknownModel (an event without prices for a model no longer in the catalog): permanent errors,
+    redelivering the event cannot fix them.
     """
     parsed = parse_usage_event(event)
     try:
@@ -176,11 +180,16 @@ def _recorded(request_id: str) -> UsageRecord | None:
     return UsageRecord.objects.filter(request_id=request_id).first()
 
 
-def _record_usage(parsed) -> UsageRecord:
+def _catalog_prices(parsed) -> Prices:
+    """The catalog model's prices now: for an event that does not carry the admission's."""
     catalog_model = _catalog_models.get(parsed.model, lambda: CatalogModel.objects.filter(slug=parsed.model).first())
     if catalog_model is None:
         raise UnknownModel(f"usage event {parsed.request_id}: no catalog model {parsed.model!r}", param="model")
-    prices = Prices.of(catalog_model)
+    return Prices.of(catalog_model)
+
+
+def _record_usage(parsed) -> UsageRecord:
+    prices = parsed.prices if parsed.prices is not None else _catalog_prices(parsed)
     cost = request_cost(
         prices=prices,
         prompt_tokens=parsed.prompt_tokens,

@@ -27,6 +27,7 @@ from django.db import OperationalError as DatabaseOperationalError
 from kombu.exceptions import OperationalError as BrokerError
 from redis.exceptions import RedisError
 
+from billing.pricing import PRICE_FIELDS, Prices
 from inference_platform import read_cache
 from workers import capacity, dispatch
 
@@ -83,8 +84,11 @@ def session_caller(caller: Caller) -> Caller:
 
 
 # What each (organization, model name) routes to: read once per process until a
-# deployment or catalog model changes (``models_catalog``'s receivers and services invalidate).
+# deployment or catalog model changes (``models_catalog``'s receivers and services invalidate:
+# a price changed in the catalog is in the next request's route).
 _routes = read_cache.ReadCache()
+# The catalog model's price columns, read with the deployment: ``price_<name>`` for each price.
+_PRICE_COLUMNS = {name: f"model__price_{name}" for name in PRICE_FIELDS}
 
 
 class Route(NamedTuple):
@@ -94,6 +98,7 @@ class Route(NamedTuple):
     ready: bool  # a replica is ready
     queue_limit: int  # not part of the spec: changing it must not reload the engine
     context_length: int | None  # the catalog model's, when known
+    prices: dict  # the catalog model's (Decimal strings, ``Prices.as_strings``): what the request is billed at
 
 
 def _load_route(organization, model: str) -> Route:
@@ -102,11 +107,13 @@ def _load_route(organization, model: str) -> Route:
     from models_catalog.selectors import deployments_visible_to
 
     visible = deployments_visible_to(organization=organization)
-    row = visible.filter(name=model).values(*dispatch.SPEC_FIELDS, "queue_limit", "model__context_length").first()
+    row = (visible.filter(name=model)
+           .values(*dispatch.SPEC_FIELDS, "queue_limit", "model__context_length", *_PRICE_COLUMNS.values()).first())
     if row is None:  # raised, so not cached: made-up names cannot crowd out the real ones
         raise ApiError(404, DeploymentNotFound(model).message, param="model", code="model_not_found")
+    prices = Prices(**{name: row[column] for name, column in _PRICE_COLUMNS.items()})
     return Route(dispatch.spec_from_row(row), row["status"] == Deployment.Status.READY, row["queue_limit"],
-                 row["model__context_length"])
+                 row["model__context_length"], prices.as_strings())
 
 
 def _deployment_spec(caller: Caller, model: str) -> Route:
@@ -196,6 +203,7 @@ class Call:
     completion_seen: int = 0  # tokens relayed so far
     tokens_counted: bool = False  # against the token rate limits: once per request
     queue_timeout: float | None = None  # longer while a scaled-to-zero deployment cold-starts
+    prices: dict | None = None  # the route's at admission, for billing (None: the catalog's when billed)
 
     def payload(self) -> dict:
         """The task's argument: what the worker runs, and where to send the events."""
@@ -207,6 +215,7 @@ class Call:
             "organization_id": self.caller.org_id,
             "api_key_id": self.caller.api_key.pk if self.caller.api_key is not None else None,
             "user": self.request.user,
+            "prices": self.prices,
         }
 
     async def _receive(self, timeout: float) -> dict:
@@ -308,13 +317,13 @@ def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], request_id: s
     count the request only once it passed the rest."""
     with read_cache.pinned():  # the key and the deployment, read at one generation
         caller, request = identify()
-        spec, ready, queue_limit, context_length = _deployment_spec(caller, request.model)
+        spec, ready, queue_limit, context_length, prices = _deployment_spec(caller, request.model)
     _check_max_tokens(request, context_length)
     _check_quota(caller)
     decision = _admit(caller, spec, queue_limit, request_id)
     stages.mark("admit")
     call = Call(caller=caller, request=request, spec=spec, request_id=request_id, reply_channel=reply_channel,
-                headers={**decision.headers, "x-request-id": request_id}, stages=stages)
+                headers={**decision.headers, "x-request-id": request_id}, stages=stages, prices=prices)
     dispatch.enqueue(call.payload())
     # A deployment with no ready replica: have the fleet load it, and wait as long as that takes.
     call.queue_timeout = float(settings.GATEWAY_QUEUE_TIMEOUT) if ready else capacity.wake(spec)

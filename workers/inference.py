@@ -188,8 +188,10 @@ def _batch_size(last) -> float | None:
 
 
 def _usage_event(payload: dict, last, handle) -> dict:
-    """What billing records. Without a final output (the worker failed mid-stream), the tokens
-    counted are the prompt alone and the request is marked failed."""
+    """What billing records, at the prices the gateway admitted the request at (a payload from a
+    gateway older than those has none: billing then applies the catalog's). Without a final output
+    (the worker failed mid-stream), the tokens counted are the prompt alone and the request is marked
+    failed."""
     deployment = payload["deployment"]
     if last is not None and last.finished:
         usage, timings, status = _usage(last), _timings_ms(last.timings), STATUS_BY_FINISH.get(last.finish_reason, "failed")
@@ -212,4 +214,5 @@ def _usage_event(payload: dict, last, handle) -> dict:
         "latency_ms": timings.get("latency_ms"),
         "batch_size": _batch_size(last),
         "finished_at": datetime.now(timezone.utc).isoformat(),
+        "prices": payload.get("prices"),
     }

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from decimal import Decimal
 
 import pytest
 
 from billing.errors import InvalidUsageEvent
 from billing.events import parse_usage_event
+from billing.pricing import Prices
 
 
 def event(**changes):
@@ -83,3 +85,55 @@ def test_a_missing_required_field_is_named():
 def test_not_a_mapping():
     with pytest.raises(InvalidUsageEvent):
         parse_usage_event(["req-1"])
+
+
+# --- the prices of the request's admission --------------------------------------------------------
+
+PRICES = {"input_per_mtok": "0.150000", "cached_input_per_mtok": "0.075", "output_per_mtok": "0.6",
+          "per_request": "0"}
+
+
+def test_prices_parse_to_decimals_and_travel_as_decimal_strings():
+    parsed = parse_usage_event(event(prices=PRICES))
+    assert parsed.prices == Prices(Decimal("0.15"), Decimal("0.075"), Decimal("0.6"), Decimal("0"))
+    assert all(type(value) is Decimal for value in vars(parsed.prices).values())
+    wire = parsed.to_wire()
+    assert wire["prices"] == PRICES
+    assert parse_usage_event(wire) == parsed
+    # The widest a usage record holds.
+    widest = {**PRICES, "output_per_mtok": "9999999999.9999999999", "per_request": "0.0000000001"}
+    assert parse_usage_event(event(prices=widest)).to_wire()["prices"] == widest
+
+
+def test_an_event_without_prices_is_published_without_them():
+    assert parse_usage_event(event()).prices is None
+    assert parse_usage_event(event(prices=None)).prices is None
+    assert "prices" not in parse_usage_event(event(prices=None)).to_wire()  # what a billing worker of before reads
+
+
+@pytest.mark.parametrize(("prices", "field", "says"), [
+    ({**PRICES, "output_per_mtok": 0.6}, "prices.output_per_mtok", "decimal string"),
+    ({**PRICES, "output_per_mtok": 1}, "prices.output_per_mtok", "decimal string"),
+    ({**PRICES, "output_per_mtok": True}, "prices.output_per_mtok", "decimal string"),
+    ({**PRICES, "output_per_mtok": None}, "prices.output_per_mtok", "decimal string"),
+    ({**PRICES, "output_per_mtok": Decimal("0.6")}, "prices.output_per_mtok", "decimal string"),
+    ({**PRICES, "input_per_mtok": "-0.15"}, "prices.input_per_mtok", "decimal string"),
+    ({**PRICES, "input_per_mtok": "NaN"}, "prices.input_per_mtok", "decimal string"),
+    ({**PRICES, "input_per_mtok": "Infinity"}, "prices.input_per_mtok", "decimal string"),
+    ({**PRICES, "input_per_mtok": "1.5e-7"}, "prices.input_per_mtok", "decimal string"),
+    ({**PRICES, "input_per_mtok": " 0.15"}, "prices.input_per_mtok", "decimal string"),
+    ({**PRICES, "input_per_mtok": ""}, "prices.input_per_mtok", "decimal string"),
+    ({**PRICES, "input_per_mtok": ".15"}, "prices.input_per_mtok", "decimal string"),
+    ({**PRICES, "input_per_mtok": "1_000"}, "prices.input_per_mtok", "decimal string"),
+    ({**PRICES, "input_per_mtok": "\u0661"}, "prices.input_per_mtok", "decimal string"),  # an Arabic-Indic 1
+    ({**PRICES, "per_request": "0.00000000001"}, "prices.per_request", "decimal string"),  # finer than stored
+    ({**PRICES, "per_request": "10000000000"}, "prices.per_request", "decimal string"),  # larger than stored
+    ({k: v for k, v in PRICES.items() if k != "per_request"}, "prices.per_request", "is required"),
+    ({**PRICES, "discount": "0"}, "prices.discount", "is not a price"),
+    (["0.15", "0.075", "0.6", "0"], "prices", "object of the four prices"),
+    ("0.15", "prices", "object of the four prices"),
+])
+def test_bad_prices_are_refused_naming_the_price(prices, field, says):
+    with pytest.raises(InvalidUsageEvent) as caught:
+        parse_usage_event(event(prices=prices))
+    assert caught.value.field == field and says in caught.value.message

@@ -97,6 +97,36 @@ def test_prices_are_a_snapshot(organization, catalog_model):
     assert record.price_output_per_mtok == Decimal("0.6") and record.cost == SAMPLE_COST
 
 
+def test_an_event_is_billed_at_the_prices_it_carries_and_one_without_at_the_catalogs(organization, catalog_model):
+    """The price changed while the events waited in the billing queue: a request carries the prices
+    of its admission; an event without them (queued across the upgrade) gets the catalog's now."""
+    from models_catalog.services import update_catalog_model
+
+    admitted = dict(usage_event(organization), prices=Prices.of(catalog_model).as_strings())
+    older = usage_event(organization)
+    update_catalog_model(catalog_model=catalog_model, price_input_per_mtok=Decimal("1.5"),
+                         price_output_per_mtok=Decimal("6"), price_per_request=Decimal("0.01"))
+
+    record = services.record_usage(event=admitted)
+    assert (record.price_input_per_mtok, record.price_cached_input_per_mtok, record.price_output_per_mtok,
+            record.price_per_request) == (Decimal("0.15"), Decimal("0.075"), Decimal("0.6"), Decimal("0.0001"))
+    assert record.cost == SAMPLE_COST
+    assert LedgerEntry.objects.get(kind="usage", reference=admitted["request_id"]).amount == -SAMPLE_COST
+
+    fallback = services.record_usage(event=older)  # 800 x 1.5 + 200 x 0.075 + 500 x 6 per million, + 0.01
+    assert (fallback.price_input_per_mtok, fallback.price_output_per_mtok) == (Decimal("1.5"), Decimal("6"))
+    assert fallback.cost == Decimal("0.014215")
+    assert selectors.balance(organization=organization) == SIGNUP - SAMPLE_COST - Decimal("0.014215")
+
+
+def test_an_event_with_prices_is_recorded_though_its_model_left_the_catalog_since(organization, catalog_model):
+    event = dict(usage_event(organization), prices=Prices.of(catalog_model).as_strings())
+    catalog_model.delete()
+    assert services.record_usage(event=event).cost == SAMPLE_COST
+    with pytest.raises(UnknownModel):  # without prices there is nothing to bill it at
+        services.record_usage(event=usage_event(organization))
+
+
 def test_a_cancelled_request_without_output_is_free(organization, catalog_model):
     record = services.record_usage(event=usage_event(organization, status="cancelled", completion_tokens=0))
     assert record.cost == 0

@@ -73,3 +73,34 @@ def test_a_stream_the_client_drops_is_billed_for_the_tokens_produced(tenant, db_
     assert row.status == "cancelled"
     assert 5 <= row.completion_tokens < 1500
     assert row.cost == cost_of(row) > 0
+
+
+EOS = 2  # the bundled model's end of turn: banned below, so only the client's leaving ends the request
+PRICE_COLUMNS = ("price_input_per_mtok", "price_cached_input_per_mtok", "price_output_per_mtok", "price_per_request")
+
+
+def test_a_price_changed_while_a_request_runs_does_not_apply_to_it(tenant, db_read):
+    """The prices in effect when a request was admitted bill it: the catalog's change while it
+    streams, before its usage event even leaves the worker, and still its record has the old ones."""
+    from models_catalog.models import CatalogModel
+    from models_catalog.services import update_catalog_model
+
+    model = db_read(lambda: CatalogModel.objects.get(deployments__name=DEPLOYMENT))
+    before = {name: getattr(model, name) for name in PRICE_COLUMNS}
+    body = {"model": DEPLOYMENT, "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": 1500, "stream": True, "logit_bias": {str(EOS): -100}}
+    try:
+        with httpx.stream("POST", f"{tenant.base_url}/v1/chat/completions", json=body, timeout=120,
+                          headers={"Authorization": f"Bearer {tenant.api_key}"}) as response:
+            chunks = (json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {"))
+            request_id = next(chunk["id"] for chunk in chunks if chunk["choices"][0]["delta"].get("content"))
+            assert record(db_read, request_id) is None  # admitted and running: nothing billed yet
+            db_read(lambda: update_catalog_model(catalog_model=model,
+                                                 **{name: price * 10 + 1 for name, price in before.items()}))
+        # Leaving the block closes the stream: the request ends now, after the change.
+        row = wait_until(lambda: record(db_read, request_id), timeout=60, message="the request's record")
+    finally:
+        db_read(lambda: update_catalog_model(catalog_model=model, **before))
+    assert row.status == "cancelled" and row.completion_tokens >= 1
+    assert {name: getattr(row, name) for name in PRICE_COLUMNS} == before
+    assert row.cost == cost_of(row) > 0

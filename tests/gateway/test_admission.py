@@ -8,6 +8,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
+from types import SimpleNamespace
 
 import pytest
 
@@ -276,6 +277,36 @@ def test_a_known_key_and_deployment_are_read_from_the_database_once(org_key, see
     deployment.queue_limit = first_route[2] + 1
     deployment.save(update_fields=["queue_limit"])
     assert identify()[1][2] == first_route[2] + 1
+
+
+def test_a_request_carries_its_models_prices_at_admission_and_a_price_change_reaches_the_next(org_key, seeded):
+    """The prices come with the route (the deployment's one read, cached), and a change in the
+    catalog invalidates it like any change to the model: the next request is billed at the new ones."""
+    from gateway import calls
+    from inference_platform import read_cache
+    from models_catalog.models import CatalogModel
+    from models_catalog.services import update_catalog_model
+
+    org, key, _ = org_key()
+    caller = calls.Caller(api_key=key, organization=org)
+
+    def admitted() -> dict:
+        with read_cache.pinned():
+            route = calls._deployment_spec(caller, seeded)
+        call = calls.Call(caller=caller, request=SimpleNamespace(payload=dict, user=None), spec=route.spec,
+                          request_id="chatcmpl-prices", reply_channel="reply", headers={}, stages=None,
+                          prices=route.prices)
+        return call.payload()["prices"]
+
+    model = CatalogModel.objects.get(deployments__name=seeded)
+    before = admitted()
+    assert before == {"input_per_mtok": format(model.price_input_per_mtok, "f"),
+                      "cached_input_per_mtok": format(model.price_cached_input_per_mtok, "f"),
+                      "output_per_mtok": format(model.price_output_per_mtok, "f"),
+                      "per_request": format(model.price_per_request, "f")}
+    assert all(type(price) is str for price in before.values())
+    update_catalog_model(catalog_model=model, price_output_per_mtok=Decimal("0.25"))
+    assert admitted() == {**before, "output_per_mtok": "0.250000"}
 
 
 def test_a_dashboard_user_removed_or_deactivated_is_refused_from_the_next_websocket_request(db):

@@ -227,3 +227,23 @@ def test_the_usage_event_leaves_before_the_last_message(monkeypatch):
     with pytest.raises(ConnectionError):
         run()
     assert happened == ["inference.started", "emit attempt", "inference.finished"]
+
+
+def test_the_usage_event_carries_the_prices_the_gateway_admitted_the_request_at():
+    """Copied from the task's payload, so billing applies them whenever it records the event; a
+    payload from a gateway of before has none, and neither has its event (billing: the catalog's)."""
+    from billing.events import parse_usage_event
+    from workers.engine.sequence import RequestOutput, RequestTimings
+
+    final = RequestOutput(request_id="r", token_ids=[5], text="hi", logprobs=None, finished=True, finish_reason="stop",
+                          prompt_tokens=3, cached_prompt_tokens=0, completion_tokens=1,
+                          timings=RequestTimings(arrival_time=0.0, queue_time=0.001, time_to_first_token=0.01,
+                                                 e2e_latency=0.02, mean_batch_size=1.0))
+    prices = {"input_per_mtok": "0.050000", "cached_input_per_mtok": "0.025000", "output_per_mtok": "0.100000",
+              "per_request": "0.000000"}
+    payload = {"request_id": f"chatcmpl-{uuid.uuid4().hex}", "deployment": SPEC, "organization_id": 1,
+               "prices": prices}
+    event = parse_usage_event(inference._usage_event(payload, final, handle=None))
+    assert event.prices.as_strings() == prices
+    del payload["prices"]
+    assert parse_usage_event(inference._usage_event(payload, final, handle=None)).prices is None
