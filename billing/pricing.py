@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal, localcontext
-from typing import Any, Mapping
+from typing import Any
 
 #: Costs are rounded to a micro-dollar (6 decimal places), half up.
 COST_QUANTUM = Decimal("0.000001")
@@ -77,16 +77,19 @@ class Prices:
             per_request=catalog_model.price_per_request,
         )
 
-    @classmethod
-    def from_strings(cls, values: Mapping[str, str]) -> "Prices":
-        return cls(**{name: Decimal(str(values[name])) for name in PRICE_FIELDS})
-
     def as_strings(self) -> dict[str, str]:
         """The four prices as decimal strings, in positional notation ("0.000001", never "1E-6")."""
         return {name: format(getattr(self, name), "f") for name in PRICE_FIELDS}
 
 
 FREE = Prices(Decimal(0), Decimal(0), Decimal(0), Decimal(0))
+
+
+def is_billed(*, status: str, completion_tokens: int) -> bool:
+    """Whether a request is charged at all (see the module's docstring): a completed one, or one
+    that produced output before it was cancelled or failed. What is not billed counts toward no
+    limit either: its tokens are nobody's."""
+    return status == STATUS_COMPLETED or completion_tokens > 0
 
 
 def request_cost(
@@ -116,7 +119,7 @@ def request_cost(
     if status not in STATUSES:
         raise ValueError(f"status must be one of {', '.join(STATUSES)}, not {status!r}")
 
-    if status != STATUS_COMPLETED and completion_tokens == 0:
+    if not is_billed(status=status, completion_tokens=completion_tokens):
         return Decimal(0).quantize(COST_QUANTUM)
 
     # A private context with ample precision: every step before the final quantize is exact

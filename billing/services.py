@@ -38,7 +38,7 @@ from .errors import (
 )
 from .events import parse_usage_event
 from .models import ApiKeySpendLimit, BillingAccount, LedgerEntry, SpendLimit, StripeEvent, TopUp, UsageRecord
-from .pricing import COST_QUANTUM, Prices, request_cost
+from .pricing import COST_QUANTUM, Prices, is_billed, request_cost
 from .stripe_api import stripe_client
 
 logger = logging.getLogger(__name__)
@@ -244,9 +244,10 @@ def _write_usage(parsed, prices: Prices, cost: Decimal) -> UsageRecord:
                          description=parsed.model + (f" on {parsed.deployment}" if parsed.deployment else ""))
         else:
             totals.add_to_balance(organization_id=parsed.organization_id, amount=Decimal(0))
+        billed = is_billed(status=parsed.status, completion_tokens=parsed.completion_tokens)
         totals.add_usage(organization_id=parsed.organization_id, api_key_id=api_key_id,
                          created_at=record.created_at, cost=cost,
-                         tokens=parsed.prompt_tokens + parsed.completion_tokens)
+                         tokens=parsed.prompt_tokens + parsed.completion_tokens if billed else 0)
     return record
 
 

@@ -14,11 +14,11 @@ from datetime import date, datetime, timezone
 from decimal import Decimal
 
 from django.db import connection, transaction
-from django.db.models import Count, F, Sum, Value
+from django.db.models import Count, F, Q, Sum, Value
 from django.db.models.functions import Round, TruncMonth
 
 from .models import ApiKeyTotals, LedgerEntry, MonthlySpend, OrganizationBalance, UsageRecord
-from .pricing import COST_QUANTUM
+from .pricing import COST_QUANTUM, STATUS_COMPLETED
 
 
 def micros(amount: Decimal) -> int:
@@ -62,7 +62,8 @@ def add_to_balance(*, organization_id: int, amount: Decimal) -> None:
 def add_usage(*, organization_id: int, api_key_id: int | None, created_at: datetime, cost: Decimal,
               tokens: int) -> None:
     """A usage record was written (in this transaction): its cost counts toward its month's
-    spend, and it counts toward its key's cost, tokens and requests."""
+    spend, and it counts toward its key's cost, tokens (those of a billed request: the caller's
+    ``tokens``) and requests."""
     _add(MonthlySpend, {"organization": organization_id, "month": month_of(created_at)}, micros=micros(cost))
     if api_key_id is not None:
         _add(ApiKeyTotals, {"api_key": api_key_id}, micros=micros(cost), tokens=tokens, requests=1)
@@ -80,6 +81,10 @@ class Totals:
     keys: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
 
+# The rows billing.pricing.is_billed charges: only their tokens count toward a key's token limit.
+BILLED = Q(status=STATUS_COMPLETED) | Q(completion_tokens__gt=0)
+
+
 def micros_sum(expression) -> Sum:
     """The sum of a money column in micro-dollars, rounded to an integer row by row: exact on
     SQLite too, which keeps decimals as floating point (and before 3.43 sums them so)."""
@@ -93,7 +98,8 @@ def from_rows(*, organization_id: int) -> Totals:
     months = usage.annotate(month=TruncMonth("created_at", tzinfo=timezone.utc)).values("month").annotate(
         cost=micros_sum(F("cost"))).values_list("month", "cost")
     keys = usage.filter(api_key__isnull=False).values("api_key").annotate(
-        cost=micros_sum(F("cost")), tokens=Sum(F("prompt_tokens") + F("completion_tokens")), requests=Count("id"),
+        cost=micros_sum(F("cost")), requests=Count("id"),
+        tokens=Sum(F("prompt_tokens") + F("completion_tokens"), filter=BILLED, default=0),
     ).values_list("api_key", "cost", "tokens", "requests")
     return Totals(
         balance=_integer(balance["total"]),

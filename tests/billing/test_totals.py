@@ -13,6 +13,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from billing import selectors, services, totals
+from billing.errors import QuotaExceeded
 from billing.models import LedgerEntry, MonthlySpend, OrganizationBalance, UsageRecord
 from tests.billing.conftest import make_catalog_model, make_key, make_organization, usage_event
 
@@ -112,6 +113,22 @@ def test_reconcile_finds_nothing_to_correct_after_free_requests(organization, ca
         0, "1 organizations checked, 0 differ.\n")
 
 
+def test_a_request_that_is_not_billed_uses_up_none_of_its_keys_token_limit(organization, catalog_model):
+    """Cancelled or failed before its first output token: free, so its prompt is nobody's tokens."""
+    api_key, _ = make_key(organization)
+    services.set_api_key_spend_limit(api_key=api_key, token_limit=1500)
+    for status in ("cancelled", "failed"):
+        services.record_usage(event=usage_event(organization, api_key=api_key, status=status, completion_tokens=0))
+    assert selectors.api_key_spend(api_key=api_key).tokens == 0
+    services.check_quota(organization=organization, api_key=api_key)  # still allowed
+    services.record_usage(event=usage_event(organization, api_key=api_key, status="cancelled", completion_tokens=3))
+    assert selectors.api_key_spend(api_key=api_key).tokens == 1003  # billed: its whole prompt and output
+    services.record_usage(event=usage_event(organization, api_key=api_key))
+    with pytest.raises(QuotaExceeded):
+        services.check_quota(organization=organization, api_key=api_key)
+    assert totals.stored(organization_id=organization.pk) == totals.from_rows(organization_id=organization.pk)
+
+
 def test_reconcile_names_an_unknown_organization():
     with pytest.raises(CommandError, match="no organization has id 987654"):
         call_command("reconcile_billing", "--organization", "987654")
@@ -152,3 +169,26 @@ def _signup_credit() -> Decimal:
     from django.conf import settings
 
     return settings.BILLING_SIGNUP_CREDIT
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_migration_takes_the_tokens_of_unbilled_requests_out_of_the_key_totals():
+    from django.db.migrations.executor import MigrationExecutor
+
+    organization = make_organization("Counted")
+    api_key, _ = make_key(organization)
+    make_catalog_model()
+    for status, completion_tokens in (("completed", 500), ("cancelled", 0), ("failed", 0), ("cancelled", 7)):
+        services.record_usage(event=usage_event(organization, api_key=api_key, status=status,
+                                                completion_tokens=completion_tokens))
+    before = [("billing", "0004_ledger_kind_index")]
+    executor = MigrationExecutor(connection)
+    executor.migrate(before)
+    try:  # as the totals stood before: every request's tokens counted
+        apps = executor.loader.project_state(before).apps
+        apps.get_model("billing", "ApiKeyTotals").objects.filter(api_key_id=api_key.pk).update(tokens=4 * 1000 + 507)
+    finally:
+        executor = MigrationExecutor(connection)
+        executor.migrate(executor.loader.graph.leaf_nodes())
+    assert selectors.api_key_spend(api_key=api_key).tokens == 2 * 1000 + 507
+    assert totals.stored(organization_id=organization.pk) == totals.from_rows(organization_id=organization.pk)
