@@ -3,7 +3,8 @@ money moves through services (an adjustment is a new ledger entry, never an edit
 
 from django.contrib import admin
 
-from .models import ApiKeySpendLimit, BillingAccount, LedgerEntry, SpendLimit, StripeEvent, TopUp, UsageRecord
+from .models import (ApiKeySpendLimit, BillingAccount, LedgerEntry, RefusedUsageEvent, SpendLimit, StripeEvent, TopUp,
+                     UsageRecord)
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -33,6 +34,14 @@ class LedgerEntryAdmin(ReadOnlyAdmin):
     list_filter = ("kind",)
     search_fields = ("reference", "organization__name", "description")
     list_select_related = ("organization",)
+
+
+@admin.register(RefusedUsageEvent)
+class RefusedUsageEventAdmin(ReadOnlyAdmin):
+    """Replayed with ``manage.py replay_usage_events`` once the cause is fixed."""
+
+    list_display = ("refused_at", "request_id", "error", "replayed_at")
+    search_fields = ("request_id", "error")
 
 
 @admin.register(StripeEvent)

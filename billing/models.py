@@ -240,6 +240,24 @@ class StripeEvent(models.Model):
         return f"{self.event_id} {self.type}"
 
 
+class RefusedUsageEvent(models.Model):
+    """A usage event billing could not record (malformed, an unknown organization or model): kept
+    rather than dropped, since it is money, for an operator to fix the cause and replay it
+    (``manage.py replay_usage_events``). ``replayed_at`` is set once a replay recorded it."""
+
+    event = models.JSONField()
+    request_id = models.CharField(max_length=255, blank=True, db_index=True)
+    error = models.TextField()
+    refused_at = models.DateTimeField(auto_now_add=True)
+    replayed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["refused_at", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.request_id or '(no request id)'}: {self.error}"
+
+
 # --- running totals (see the module's docstring; written only through ``billing.totals``) -----------
 
 
@@ -269,8 +287,8 @@ class MonthlySpend(models.Model):
 
 
 class ApiKeyTotals(models.Model):
-    """What a key's usage records add up to: cost in micro-dollars, prompt + completion tokens,
-    and how many there are."""
+    """What a key's usage records add up to: cost in micro-dollars, prompt + completion tokens of
+    the billed ones (``billing.pricing.is_billed``), and how many there are."""
 
     api_key = models.OneToOneField("accounts.ApiKey", on_delete=models.CASCADE, primary_key=True, related_name="+")
     micros = models.BigIntegerField(default=0)

@@ -37,7 +37,8 @@ from .errors import (
     UnknownModel,
 )
 from .events import parse_usage_event
-from .models import ApiKeySpendLimit, BillingAccount, LedgerEntry, SpendLimit, StripeEvent, TopUp, UsageRecord
+from .models import (ApiKeySpendLimit, BillingAccount, LedgerEntry, RefusedUsageEvent, SpendLimit, StripeEvent, TopUp,
+                     UsageRecord)
 from .pricing import COST_QUANTUM, Prices, is_billed, request_cost
 from .stripe_api import stripe_client
 
@@ -249,6 +250,36 @@ def _write_usage(parsed, prices: Prices, cost: Decimal) -> UsageRecord:
                          created_at=record.created_at, cost=cost,
                          tokens=parsed.prompt_tokens + parsed.completion_tokens if billed else 0)
     return record
+
+
+def keep_refused_event(*, event: Any, error: str) -> RefusedUsageEvent:
+    """Keep an event ``record_usage`` refused, for an operator to replay once its cause is fixed."""
+    request_id = event.get("request_id") if isinstance(event, Mapping) else None
+    return RefusedUsageEvent.objects.create(
+        event=event, error=error, request_id=request_id[:255] if isinstance(request_id, str) else "")
+
+
+@dataclass
+class Replayed:
+    recorded: int = 0  # now recorded (or found recorded already)
+    refused: int = 0  # refused again, its error updated
+
+
+def replay_refused_events() -> Replayed:
+    """Try each kept refused event again, oldest first (recording is idempotent by request id)."""
+    from django.utils import timezone
+
+    outcome = Replayed()
+    for kept in RefusedUsageEvent.objects.filter(replayed_at__isnull=True).iterator():
+        try:
+            record_usage(event=kept.event)
+        except (InvalidUsageEvent, UnknownModel) as exc:
+            outcome.refused += 1
+            RefusedUsageEvent.objects.filter(pk=kept.pk).update(error=exc.message)
+        else:
+            outcome.recorded += 1
+            RefusedUsageEvent.objects.filter(pk=kept.pk).update(replayed_at=timezone.now())
+    return outcome
 
 
 # --- spend limits and the quota check ---------------------------------------------------------------

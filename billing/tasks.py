@@ -32,8 +32,10 @@ def record_usage_event(event: dict) -> int | None:
     try:
         return services.record_usage(event=event).pk
     except (InvalidUsageEvent, UnknownModel) as exc:
-        # Permanent: a redelivery carries the same event. Logged loudly for the operator.
-        logger.error("usage event refused, not recorded: %s; event=%r", exc.message, event)
+        # Permanent: a redelivery carries the same event. Kept for the operator to replay once the
+        # cause is fixed (an unknown model put back, a billing worker upgraded), and logged loudly.
+        logger.error("usage event refused, kept for `manage.py replay_usage_events`: %s; event=%r", exc.message, event)
+        services.keep_refused_event(event=event, error=exc.message)
         return None
 
 

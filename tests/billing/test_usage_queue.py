@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import io
 import sys
 
 import pytest
@@ -205,3 +206,35 @@ def test_a_permanently_bad_event_is_logged_not_retried(caplog):
     assert result.successful() and result.result is None
     assert "usage event refused" in caplog.text
     assert not UsageRecord.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_refused_event_is_kept_and_recorded_once_by_a_replay_after_its_cause_is_fixed():
+    """It is money: an event naming a model the catalog lost is kept, and the operator's replay
+    records it once the model is back, without charging twice when run again."""
+    from django.core.management import call_command
+
+    from billing.models import RefusedUsageEvent
+    from billing.tasks import record_usage_event
+
+    organization = make_organization("Lost model")
+    event = usage_event(organization, model="tiny-llama")
+    garbage = {"request_id": "req-garbage", "organization_id": "not a number"}
+    for refused in (event, garbage):
+        assert record_usage_event.apply(args=[refused]).result is None
+    assert [(kept.request_id, "tiny-llama" in kept.error) for kept in RefusedUsageEvent.objects.all()] == [
+        (event["request_id"], True), ("req-garbage", False)]
+
+    make_catalog_model()  # the cause fixed: the model is back in the catalog
+    said = io.StringIO()
+    call_command("replay_usage_events", stdout=said)
+    assert said.getvalue() == "1 recorded, 1 refused again (see --list for why; fix the cause and run this again).\n"
+    assert UsageRecord.objects.get(request_id=event["request_id"]).cost > 0
+    charged = LedgerEntry.objects.filter(reference=event["request_id"]).count()
+
+    RefusedUsageEvent.objects.filter(request_id=event["request_id"]).update(replayed_at=None)  # replayed again
+    call_command("replay_usage_events", stdout=io.StringIO())
+    assert LedgerEntry.objects.filter(reference=event["request_id"]).count() == charged == 1
+    listed = io.StringIO()
+    call_command("replay_usage_events", "--list", stdout=listed)
+    assert "req-garbage: model: is required" in listed.getvalue() and listed.getvalue().endswith("1 refused usage events waiting.\n")
