@@ -7,6 +7,7 @@ from django.contrib import messages
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_http_methods
 
+from billing.selectors import refused_usage_events
 from models_catalog.errors import ModelImportError
 from models_catalog.services import import_model
 from models_catalog.weights import models_root
@@ -19,7 +20,9 @@ from .common import staff_required
 @staff_required
 def fleet(request):
     deployments = list(selectors.all_deployments())
-    return render(request, "operator/fleet.html", {"deployments": deployments})
+    return render(request, "operator/fleet.html", {
+        "deployments": deployments, "refused_usage_events": len(refused_usage_events()),
+    })
 
 
 @staff_required

@@ -73,3 +73,17 @@ def test_the_workers_fragment_shows_what_each_serves_and_its_heartbeat(client, a
     assert f"{public.name} · loading" in row("cpu0@rack2") and "3\xa0minutes ago" in row("cpu0@rack2")
     assert "2 slots" in row("cpu0@rack2")
     assert "Gone" in row("cpu1@rack2") and "Idle" in row("cpu1@rack2")
+
+
+def test_the_fleet_page_warns_of_usage_events_billing_refused(client, acme):
+    from billing.services import keep_refused_event
+
+    user, _ = acme
+    user.is_staff = True
+    user.save()
+    client.force_login(user)
+    assert 'id="refused-usage-events"' not in client.get("/operator/fleet/").content.decode()
+    keep_refused_event(event={"request_id": "req-1"}, error="model: is required")
+    keep_refused_event(event=["not", "an", "event"], error="not an object")
+    page = client.get("/operator/fleet/").content.decode()
+    assert "2 usage events could not be billed." in page and "replay_usage_events" in page
