@@ -265,6 +265,8 @@ def _env_fraction(name: str) -> float | None:
 ENGINE_KV_MEMORY_FRACTION = _env_fraction("ENGINE_KV_MEMORY_FRACTION")
 ENGINE_CUDA_GRAPHS = env_bool("ENGINE_CUDA_GRAPHS", True)
 METRICS_TOKEN = env_str("METRICS_TOKEN")  # Prometheus scrapes /metrics with "Authorization: Bearer <token>"
+# What /metrics reads at scrape time, one collector per app (so that no app imports another's).
+METRICS_COLLECTORS = ["workers.metrics.FleetCollector", "billing.metrics.BillingCollector"]
 CELERY_BEAT_SCHEDULE = {
     "fleet-tick": {
         "task": "workers.fleet_tick",

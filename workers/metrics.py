@@ -1,4 +1,5 @@
-"""``GET /metrics``: the fleet's figures in Prometheus' text format (prometheus-client).
+"""``GET /metrics``: the fleet's figures in Prometheus' text format (prometheus-client), with those
+of the other collectors ``METRICS_COLLECTORS`` names (billing's).
 
 Per deployment: status, replicas, queue depth, in-flight requests, requests per minute, tokens per
 second, latency percentiles, average batch size, cold starts. Per worker: up, seconds since its
@@ -15,6 +16,7 @@ import hmac
 from django.conf import settings
 from django.http import HttpResponse, JsonResponse
 from django.utils import timezone
+from django.utils.module_loading import import_string
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -130,5 +132,6 @@ def metrics(request):
             "message": "The metrics need 'Authorization: Bearer <METRICS_TOKEN>' or an operator's login.",
             "type": "authentication_error", "param": None, "code": "invalid_api_key"}}, status=401)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(FleetCollector())
+    for path in settings.METRICS_COLLECTORS:
+        registry.register(import_string(path)())
     return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)

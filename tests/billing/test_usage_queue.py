@@ -238,3 +238,21 @@ def test_a_refused_event_is_kept_and_recorded_once_by_a_replay_after_its_cause_i
     listed = io.StringIO()
     call_command("replay_usage_events", "--list", stdout=listed)
     assert "req-garbage: model: is required" in listed.getvalue() and listed.getvalue().endswith("1 refused usage events waiting.\n")
+
+
+@pytest.mark.django_db
+def test_the_metrics_count_the_events_billing_has_not_recorded_and_those_it_refused(broker):
+    """What an operator alerts on: a billing backlog, and events kept for a replay."""
+    from billing.metrics import BillingCollector
+    from billing.services import keep_refused_event
+
+    def figures(collector) -> dict:
+        return {family.name: [sample.value for sample in family.samples] for family in collector.collect()}
+
+    collector = BillingCollector(celery_app=Celery(broker=broker_url()))
+    assert figures(collector) == {"inference_billing_pending_events": [0], "inference_billing_refused_events": [0]}
+    produce(usage_event(make_organization("Backlog")), die=False)
+    keep_refused_event(event={"request_id": "req-x"}, error="model: is required")
+    assert figures(collector) == {"inference_billing_pending_events": [1], "inference_billing_refused_events": [1]}
+    unreachable = BillingCollector(celery_app=Celery(broker="redis://127.0.0.1:9/0"))
+    assert figures(unreachable)["inference_billing_pending_events"] == []  # unknown, not 0
