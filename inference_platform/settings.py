@@ -11,7 +11,8 @@ from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 
-from .env import celery_broker_url, database_from_url, env_bool, env_int, env_list, env_seconds, env_str, secret_key_problem
+from .env import (celery_broker_url, database_from_url, env_bool, env_int, env_list, env_seconds, env_str,
+                  secret_key_problem)
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(env_str("DATA_DIR", str(BASE_DIR / ".data"))).resolve()
