@@ -245,7 +245,8 @@ class RefusedUsageEvent(models.Model):
     rather than dropped, since it is money, for an operator to fix the cause and replay it
     (``manage.py replay_usage_events``). ``replayed_at`` is set once a replay recorded it."""
 
-    event = models.JSONField()
+    event = models.TextField(help_text="The event as JSON text, exactly as it came (it may hold what a JSON column "
+                                       "refuses, such as NaN).")
     request_id = models.CharField(max_length=255, blank=True, db_index=True)
     error = models.TextField()
     refused_at = models.DateTimeField(auto_now_add=True)

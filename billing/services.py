@@ -11,6 +11,7 @@ prices (one queued across the upgrade that added them) is priced at the catalog'
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass
@@ -256,7 +257,8 @@ def keep_refused_event(*, event: Any, error: str) -> RefusedUsageEvent:
     """Keep an event ``record_usage`` refused, for an operator to replay once its cause is fixed."""
     request_id = event.get("request_id") if isinstance(event, Mapping) else None
     return RefusedUsageEvent.objects.create(
-        event=event, error=error, request_id=request_id[:255] if isinstance(request_id, str) else "")
+        event=json.dumps(event, default=repr), error=error,
+        request_id=request_id[:255] if isinstance(request_id, str) else "")
 
 
 @dataclass
@@ -272,7 +274,7 @@ def replay_refused_events() -> Replayed:
     outcome = Replayed()
     for kept in RefusedUsageEvent.objects.filter(replayed_at__isnull=True).iterator():
         try:
-            record_usage(event=kept.event)
+            record_usage(event=json.loads(kept.event))
         except (InvalidUsageEvent, UnknownModel) as exc:
             outcome.refused += 1
             RefusedUsageEvent.objects.filter(pk=kept.pk).update(error=exc.message)

@@ -14,7 +14,7 @@ class Migration(migrations.Migration):
             name='RefusedUsageEvent',
             fields=[
                 ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('event', models.JSONField()),
+                ('event', models.TextField(help_text='The event as JSON text, exactly as it came (it may hold what a JSON column refuses, such as NaN).')),
                 ('request_id', models.CharField(blank=True, db_index=True, max_length=255)),
                 ('error', models.TextField()),
                 ('refused_at', models.DateTimeField(auto_now_add=True)),

@@ -219,7 +219,7 @@ def test_a_refused_event_is_kept_and_recorded_once_by_a_replay_after_its_cause_i
 
     organization = make_organization("Lost model")
     event = usage_event(organization, model="tiny-llama")
-    garbage = {"request_id": "req-garbage", "organization_id": "not a number"}
+    garbage = {"request_id": "req-garbage", "organization_id": "not a number", "queue_ms": float("nan")}
     for refused in (event, garbage):
         assert record_usage_event.apply(args=[refused]).result is None
     assert [(kept.request_id, "tiny-llama" in kept.error) for kept in RefusedUsageEvent.objects.all()] == [
