@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from django.conf import settings
 from prometheus_client.core import GaugeMetricFamily
 
 from inference_platform.celery import app
@@ -23,15 +24,16 @@ log = logging.getLogger(__name__)
 
 
 class BillingCollector:
-    def __init__(self, celery_app=app):
+    def __init__(self, celery_app=app, redis_url: str | None = None):
         self.celery_app = celery_app  # whose broker holds the billing queue
+        self.redis_url = redis_url or settings.REDIS_URL  # the same Redis, as a Redis client names it
 
     def collect(self):
         pending = GaugeMetricFamily("inference_billing_pending_events",
                                     "Usage events waiting to be recorded by billing (queued or being recorded)")
         # A quick ping first: kombu retries a refused connection for seconds, longer than a scrape
         # should wait during an incident.
-        reachable = check_redis(self.celery_app.conf.broker_url)
+        reachable = check_redis(self.redis_url)  # (a unix socket's broker URL is kombu's own spelling)
         try:
             if reachable["ok"]:
                 pending.add_metric([], pending_events(self.celery_app))

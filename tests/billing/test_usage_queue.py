@@ -249,10 +249,32 @@ def test_the_metrics_count_the_events_billing_has_not_recorded_and_those_it_refu
     def figures(collector) -> dict:
         return {family.name: [sample.value for sample in family.samples] for family in collector.collect()}
 
-    collector = BillingCollector(celery_app=Celery(broker=broker_url()))
+    collector = BillingCollector(celery_app=Celery(broker=broker_url()), redis_url=broker_url())
     assert figures(collector) == {"inference_billing_pending_events": [0], "inference_billing_refused_events": [0]}
     produce(usage_event(make_organization("Backlog")), die=False)
     keep_refused_event(event={"request_id": "req-x"}, error="model: is required")
     assert figures(collector) == {"inference_billing_pending_events": [1], "inference_billing_refused_events": [1]}
-    unreachable = BillingCollector(celery_app=Celery(broker="redis://127.0.0.1:9/0"))
+    unreachable = BillingCollector(celery_app=Celery(broker="redis://127.0.0.1:9/0"), redis_url="redis://127.0.0.1:9/0")
     assert figures(unreachable)["inference_billing_pending_events"] == []  # unknown, not 0
+
+
+@pytest.mark.django_db
+def test_the_metrics_count_the_billing_queue_on_a_unix_socket_redis():
+    """The embedded Redis `up` starts: kombu spells its URL redis+socket://, a Redis client unix://."""
+    import tempfile
+    from pathlib import Path
+
+    from billing.metrics import BillingCollector
+    from inference_platform.env import celery_broker_url
+    from inference_platform.processes import start_embedded_redis, stop_all
+
+    with tempfile.TemporaryDirectory(prefix="ip-") as short:  # a unix socket path must stay short
+        socket_path = Path(short) / "redis.sock"
+        redis_proc = start_embedded_redis(socket_path, data_dir=Path(short))
+        try:
+            url = f"unix://{socket_path}"
+            collector = BillingCollector(celery_app=Celery(broker=celery_broker_url(url)), redis_url=url)
+            [pending] = [family for family in collector.collect() if family.name == "inference_billing_pending_events"]
+            assert [sample.value for sample in pending.samples] == [0]
+        finally:
+            stop_all([redis_proc])
