@@ -9,6 +9,11 @@
 - Around each request (``serve``): in-flight counts and idle time per deployment, a one-minute
   window of request figures for the metrics, and where the request got to, so that a redelivered
   copy neither repeats what the client already received nor runs twice.
+- Fencing: a process that was only paused (stopped, swapping, a debugger) past its liveness may
+  have been presumed dead, and its requests handed on. While that may be so, it checks before
+  sending anything of a request, and once more before its next heartbeat revives it, that the
+  request is still its own; one that is not (``Ticket.superseded``) is aborted, sent nothing more
+  and billed nothing: the worker that took it over answers and bills it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from dataclasses import dataclass
 
 from celery.signals import task_received, worker_ready, worker_shutdown
 from celery.worker import state as worker_state
@@ -38,6 +44,14 @@ INSTANCE = uuid.uuid4().hex[:16]  # this run of this process
 WINDOW_S = 60.0
 MAX_SAMPLES = 400
 RUN_INFERENCE = "workers.run_inference"
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One run of a request in this process."""
+
+    request_id: str
+    superseded: bool = False  # another worker took the request over: this run must stop quietly
 
 
 class Figures:
@@ -176,10 +190,11 @@ class Agent:
         self.lock = threading.Lock()
         self.figures: dict[str, Figures] = {}
         self.hosted: dict[str, dict] = {}  # name -> state, deployment_id, spec_hash, load_seconds, error, origin
-        self.running: set[str] = set()
+        self.running: dict[str, Ticket] = {}
         self.serial = _Serial()
         self._stopping = threading.Event()
         self._registered = False
+        self._alive_since: float | None = None  # when the last liveness refresh that succeeded began
 
     # --------------------------------------------------------------------------- lifecycle
 
@@ -211,7 +226,12 @@ class Agent:
         while not self._stopping.is_set():
             started = time.monotonic()
             try:
+                if self.presumed_dead():  # before the refresh revives it: see the module's docstring
+                    with self.lock:
+                        tickets = list(self.running.values())
+                    self.check_tickets(tickets)
                 fleet.set_alive(INSTANCE, self.hostname)
+                self._alive_since = started  # the key was set after this: it expires after started + TTL
                 if self.slots > 0:
                     device = device or detect_device()
                     self._beat(device)
@@ -219,6 +239,24 @@ class Agent:
                 log.exception("heartbeat of %s failed; trying again", self.hostname)
                 connection.close()
             self._stopping.wait(max(0.05, interval - (time.monotonic() - started)))
+
+    def presumed_dead(self) -> bool:
+        """Whether the placement loop may have found this process's liveness expired (and handed
+        its requests on): its last refresh is older than three quarters of the liveness TTL."""
+        return self._alive_since is not None and time.monotonic() - self._alive_since > 0.75 * fleet.liveness_ttl()
+
+    def check_tickets(self, tickets: list[Ticket]) -> None:
+        """Mark superseded the runs whose request this process holds no more (recovery took it):
+        only possible, so only asked of Redis, while this process may be presumed dead."""
+        if not self.presumed_dead():
+            return
+        open_tickets = [ticket for ticket in tickets if not ticket.superseded]
+        held = fleet.held_by(INSTANCE, [ticket.request_id for ticket in open_tickets])
+        for ticket in open_tickets:
+            if ticket.request_id not in held:
+                ticket.superseded = True
+                log.warning("request %s was handed to another worker while this one was presumed dead; "
+                            "stopping this copy", ticket.request_id)
 
     def _beat(self, device) -> None:
         from .services import record_heartbeat, register_worker
@@ -411,9 +449,10 @@ class Agent:
                 return None
             if stage in fleet.DONE_STAGES:
                 return None
-            if owner == INSTANCE and request_id in self.running:
+            running = self.running.get(request_id)
+            if owner == INSTANCE and running is not None and not running.superseded:
                 return None  # a copy of a request this process is running
-            if owner != INSTANCE and fleet.instance_alive(owner):
+            if fleet.running_elsewhere(request_id, owner=owner, instance=INSTANCE):
                 return None  # still running on a live worker
             if stage == fleet.STAGE_STREAMING:
                 fleet.fail_interrupted(request_id, previous, reason=f"{previous.get('worker') or 'a worker'} stopped")
@@ -422,25 +461,28 @@ class Agent:
             if stage == fleet.STAGE_STARTED:
                 skip.add("inference.started")
             log.info("running %s again: its worker %s stopped at %s", request_id, previous.get("worker"), stage)
+        ticket = Ticket(request_id)
         with self.lock:
             figures = self.figures.setdefault(name, Figures())
             figures.in_flight += 1
             figures.last_active = time.time()
-            self.running.add(request_id)
+            self.running[request_id] = ticket
         event = None
         try:
-            event = run(_ProgressSend(send, request_id, skip))
+            event = run(_ProgressSend(send, request_id, skip), ticket)
             return event
         finally:
             with self.lock:
                 figures.in_flight -= 1
                 figures.last_active = time.time()
                 figures.record(event)
-                self.running.discard(request_id)
-            try:
-                fleet.finish(request_id, instance=INSTANCE)
-            except Exception:
-                log.exception("could not record the end of %s", request_id)
+                if self.running.get(request_id) is ticket:
+                    del self.running[request_id]
+            if not ticket.superseded:  # else the request's record is its new worker's to keep
+                try:
+                    fleet.finish(request_id, instance=INSTANCE)
+                except Exception:
+                    log.exception("could not record the end of %s", request_id)
 
 
 agent = Agent()

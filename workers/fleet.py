@@ -175,14 +175,30 @@ def untrack(instance: str, request_id: str) -> None:
     client().hdel(_inflight_key(instance), request_id)
 
 
+def running_elsewhere(request_id: str, *, owner: str | None, instance: str) -> bool:
+    """Whether a process other than ``instance`` runs the request: alive, and still holding it (one
+    presumed dead and recovered holds it no more, even once it is back)."""
+    return bool(owner) and owner != instance and instance_alive(owner) and bool(held_by(owner, [request_id]))
+
+
+def held_by(instance: str, request_ids: list[str]) -> set[str]:
+    """Which of these requests ``instance`` still holds. Recovery takes a dead process's requests
+    out of its record (``recover_requests``), so a process that was only paused, and presumed dead,
+    learns here which of its requests another worker now answers."""
+    if not request_ids:
+        return set()
+    values = client().hmget(_inflight_key(instance), request_ids)
+    return {request_id for request_id, value in zip(request_ids, values) if value is not None}
+
+
 def claim(payload: dict, *, instance: str, hostname: str) -> dict:
     """Record that ``instance`` runs this request; returns the previous record ({} the first time)."""
     key = _progress_key(payload["request_id"])
     r = client()
     previous = r.hgetall(key)
     if previous and (previous.get("stage") in DONE_STAGES
-                     or (previous.get("instance") != instance and instance_alive(previous.get("instance")))):
-        return previous  # done, or still running on a live worker: the caller drops this copy
+                     or running_elsewhere(payload["request_id"], owner=previous.get("instance"), instance=instance)):
+        return previous  # done, or still running on another worker: the caller drops this copy
     deployment = payload.get("deployment") or {}
     record = {
         "instance": instance, "worker": hostname, "reply": payload.get("reply_channel", ""),

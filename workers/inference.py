@@ -23,15 +23,18 @@ from datetime import datetime, timezone
 
 from channels.exceptions import ChannelFull
 
+from .relay import Superseded
+
 log = logging.getLogger(__name__)
 STALL_TIMEOUT_S = 300.0  # an engine that yields nothing for this long has failed the request
 STATUS_BY_FINISH = {"stop": "completed", "length": "completed", "abort": "cancelled", "error": "failed"}
 
 
-def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "") -> dict | None:
+def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", ticket=None) -> dict | None:
     """Serve one request: the start and the end go through ``send`` from this thread; the tokens
     go from the engine through ``relay`` (``workers.relay.StreamRelay``). Returns the usage event
-    it emitted (None if the engine never took the request)."""
+    it emitted (None if the engine never took the request, or if another worker took it over:
+    ``ticket``, see ``workers.agent``)."""
     from workers.engine import EngineError, InvalidRequestError, SamplingParams
 
     request_id, reply = payload["request_id"], payload["reply_channel"]
@@ -49,7 +52,7 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "") -> 
     stream = relay.stream(reply, lambda out: {
         "type": "inference.delta", "text": out.text, "token_ids": out.token_ids,
         "logprobs": _logprobs(engine.tokenizer, out.logprobs, payload["sampling"]),
-    })
+    }, ticket)
     try:
         params = SamplingParams(**_engine_sampling(payload["sampling"]))
         if payload["kind"] == "chat":
@@ -74,6 +77,9 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "") -> 
     cancels.watch(request_id, handle.abort)
     event, billing_tried = None, False
     try:
+        if ticket is not None and ticket.superseded:  # handed on while this thread waited to run
+            handle.abort()
+            raise Superseded(request_id)
         _send_or_abort(send, reply, {"type": "inference.started", "prompt_tokens": handle.prompt_tokens,
                                      "worker": worker_name}, handle)
         stream.open()
@@ -88,6 +94,9 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "") -> 
     except TimeoutError:
         handle.abort()
         _send_quietly(send, reply, _error(504, "the engine produced nothing for too long", code="timeout"))
+    except Superseded:  # the worker that took it over answers and bills it; the relay aborted this copy
+        billing_tried = True
+        cancels.unwatch(request_id)
     finally:
         if not billing_tried:
             event = _bill(payload, stream, handle, cancels)

@@ -27,6 +27,11 @@ log = logging.getLogger(__name__)
 _OPEN = object()  # a stream's marker in the relay's queue: the gateway knows it started
 
 
+class Superseded(Exception):
+    """Another worker answers this request now: this process was presumed dead (paused past its
+    heartbeats, say) and its requests were handed on. This copy sends nothing more, bills nothing."""
+
+
 class ChannelSender:
     def __init__(self, layer=None):
         self.loop = asyncio.new_event_loop()
@@ -44,9 +49,10 @@ class Stream:
     """One request's way through the relay: pass it to ``Engine.submit`` as the listener, then
     ``open()`` it once the gateway has the request's start, and ``wait()`` for its end."""
 
-    def __init__(self, relay: "StreamRelay", channel: str, to_message: Callable[[object], dict]):
+    def __init__(self, relay: "StreamRelay", channel: str, to_message: Callable[[object], dict], ticket=None):
         self.channel = channel
         self.to_message = to_message  # an engine output -> the message sent for it
+        self.ticket = ticket  # this run of the request (``workers.agent.Ticket``): superseded or not
         self.handle = None  # the engine's handle, for aborts (set once submitted)
         self.last = None  # the last output relayed
         self.error: BaseException | None = None  # the failure that ended the relay of this stream
@@ -94,11 +100,15 @@ class StreamRelay:
 
     ``mark_streaming`` is called (on the relay's loop, blocking it briefly) with the request ids
     whose first token is about to leave, before it does: a copy of the request redelivered after
-    this must not run again (the client has seen tokens)."""
+    this must not run again (the client has seen tokens). ``check_tickets`` is called with the
+    tickets of the streams about to send, and marks superseded those another worker took over: their
+    requests are aborted here instead, and nothing of them leaves."""
 
-    def __init__(self, sender: ChannelSender, *, mark_streaming: Callable[[list[str]], None] | None = None):
+    def __init__(self, sender: ChannelSender, *, mark_streaming: Callable[[list[str]], None] | None = None,
+                 check_tickets: Callable[[list], None] | None = None):
         self._sender = sender
         self._mark_streaming = mark_streaming
+        self._check_tickets = check_tickets
         self._pending: list[tuple[Stream, object]] = []
         self._lock = threading.Lock()
         self._wakeup = asyncio.Event()  # bound to the sender's loop on first use there
@@ -108,8 +118,8 @@ class StreamRelay:
         """Stop relaying (the streams not ended stay so)."""
         self._pumping.cancel()
 
-    def stream(self, channel: str, to_message: Callable[[object], dict]) -> Stream:
-        return Stream(self, channel, to_message)
+    def stream(self, channel: str, to_message: Callable[[object], dict], ticket=None) -> Stream:
+        return Stream(self, channel, to_message, ticket)
 
     def put(self, stream: Stream, item) -> None:
         with self._lock:
@@ -136,6 +146,7 @@ class StreamRelay:
         outgoing: list[tuple[Stream, dict]] = []
         finishing: list[Stream] = []
         first_tokens: list[str] = []
+        self._drop_superseded(batch)
         for stream, item in batch:
             if item is _OPEN:
                 stream.opened = True
@@ -178,6 +189,19 @@ class StreamRelay:
             stream.end()
 
 
+    def _drop_superseded(self, batch: list) -> None:
+        tickets = list({id(s.ticket): s.ticket for s, _ in batch if s.ticket is not None and not s.ended}.values())
+        if tickets and self._check_tickets is not None:
+            try:
+                self._check_tickets(tickets)
+            except Exception:  # Redis unreachable: the sends that follow fail the same way
+                log.exception("could not check whether %d requests are still this worker's", len(tickets))
+        for stream, _ in batch:
+            if stream.ticket is not None and stream.ticket.superseded and not stream.ended:
+                stream.abort()
+                stream.end(Superseded(stream.ticket.request_id))
+
+
 async def send_many(layer, messages: list[tuple[str, dict]]) -> list[BaseException | None]:
     """Send messages in order; per message, None or the exception that refused it. The
     platform's layer sends them together; another layer, one after the other."""
@@ -214,7 +238,10 @@ def relay() -> StreamRelay:
         if _relay is None:
             from . import fleet
 
+            from .agent import agent
+
             _relay = StreamRelay(channel_sender,
-                                 mark_streaming=lambda ids: fleet.set_stages(ids, fleet.STAGE_STREAMING))
+                                 mark_streaming=lambda ids: fleet.set_stages(ids, fleet.STAGE_STREAMING),
+                                 check_tickets=agent.check_tickets)
             atexit.register(_relay.close)
         return _relay

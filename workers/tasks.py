@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 def run_inference(self, payload: dict) -> None:
     worker_name = self.request.hostname or ""
     agent.serve(payload, hostname=worker_name, send=sender().send,
-                run=lambda send: inference.run(payload, host=host, send=send, relay=relay(), cancels=listener(),
-                                               worker_name=worker_name))
+                run=lambda send, ticket: inference.run(payload, host=host, send=send, relay=relay(),
+                                                       cancels=listener(), worker_name=worker_name, ticket=ticket))
 
 
 @shared_task(name="workers.fleet_tick", ignore_result=True)

@@ -221,6 +221,78 @@ def _progress_records(deployment: str) -> list[dict]:
     return [rec for rec in records if rec.get("deployment") == deployment]
 
 
+def test_a_worker_paused_past_its_heartbeats_sends_and_bills_nothing_of_the_requests_handed_on(
+        fleet, tenant, deploy, db_read):
+    """SIGSTOP the worker serving a stream, with a second request waiting behind it (max_batch_size
+    1): it is presumed dead, the stream ends with worker_lost and the waiting request is redelivered
+    to a new replica. SIGCONT it while the new replica streams that request: the paused worker's
+    copies must send nothing more and bill nothing. The client gets one answer, the new replica's,
+    billed once for what it got."""
+    import os
+    import signal
+
+    from billing.models import UsageRecord
+    from workers.models import Worker
+
+    name = deploy(min_replicas=1, max_batch_size=1)["name"]
+    wait_until(lambda: status_of(tenant, name) == "ready", timeout=LOAD_TIMEOUT, interval=0.3,
+               message=f"{name} to be ready")
+    [(victim, _)] = _replicas(db_read, name)
+    no_end = {"0": -100, "2": -100}  # only max_tokens ends these answers
+    client = _client(tenant)
+    first = iter(client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": "Tell me a long story about a lighthouse."}],
+        max_tokens=120, temperature=0, stream=True, logit_bias=no_end))
+    while not ((chunk := next(first)).choices and chunk.choices[0].delta.content):
+        pass
+
+    got: dict = {"text": "", "tokens": 0}
+
+    def second_request():
+        stream = client.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "Count slowly to one hundred."}], max_tokens=200,
+            temperature=0, stream=True, stream_options={"include_usage": True}, logit_bias=no_end)
+        for part in stream:
+            if part.choices and part.choices[0].delta.content:
+                got["text"] += part.choices[0].delta.content
+                got["tokens"] += 1
+            if part.usage:
+                got["usage"] = part.usage.completion_tokens
+
+    second = threading.Thread(target=second_request)
+    second.start()
+    wait_until(lambda: sum(1 for rec in _progress_records(name) if rec.get("stage") == "started") == 1,
+               timeout=30, message="the second request to wait in the engine")
+    paused = fleet.workers[victim]
+    os.kill(paused.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(openai.APIError) as lost:
+            for _ in first:
+                pass
+        assert "not billed" in lost.value.message
+        wait_until(lambda: got["tokens"] >= 1, timeout=LOAD_TIMEOUT, interval=0.2,
+                   message="the second request to stream from the new replica")
+    finally:
+        os.kill(paused.pid, signal.SIGCONT)  # back while the new replica still streams
+    wait_until(lambda: db_read(lambda: Worker.objects.get(hostname=victim).status) == "alive", timeout=60,
+               message="the paused worker to be back")
+    second.join(timeout=LOAD_TIMEOUT)
+    assert not second.is_alive()
+    assert got["usage"] == 200 and got["tokens"] <= 200  # one copy's tokens, not two copies' mixed
+    reference = _client(tenant).chat.completions.create(
+        model=name, messages=[{"role": "user", "content": "Count slowly to one hundred."}], max_tokens=200,
+        temperature=0, logit_bias=no_end)
+    assert got["text"] == reference.choices[0].message.content
+
+    def records():
+        rows = db_read(lambda: sorted(UsageRecord.objects.filter(deployment_name=name)
+                                      .values_list("status", "completion_tokens")))
+        return rows if len(rows) == 3 else None
+
+    rows = wait_until(records, timeout=60, message="the three requests to be recorded")
+    assert rows == [("completed", 200), ("completed", 200), ("failed", 0)]  # the second, once, for what it got
+
+
 def test_a_worker_killed_mid_request_is_replaced_and_its_requests_are_not_lost(fleet, tenant, deploy, db_read):
     """SIGKILL the worker serving two requests: one streaming (its client gets a clear error and it
     is recorded, free, as failed), one admitted but not started (max_batch_size 1): redelivered to

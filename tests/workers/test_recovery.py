@@ -5,6 +5,7 @@ what a second copy of a request sends, or whether it runs at all."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -99,7 +100,7 @@ class Recorder:
     def send(self, channel, message):
         self.sent.append(message["type"])
 
-    def run(self, send):
+    def run(self, send, ticket):
         self.ran += 1
         for kind in ("inference.accepted", "inference.started", "inference.delta", "inference.finished"):
             send("reply", {"type": kind, "prompt_tokens": 3, "text": "x"})
@@ -126,6 +127,7 @@ def test_the_first_delivery_runs_and_records_its_progress():
 
 def test_a_copy_of_a_request_running_on_a_live_worker_is_dropped():
     payload = _payload(f"s-{uuid.uuid4().hex[:6]}")
+    fleet.track_received("other-live", payload["request_id"], "tag")  # as the worker does on receiving it
     fleet.claim(payload, instance="other-live", hostname="other@here")
     fleet.set_alive("other-live", "other@here")
     try:
@@ -231,3 +233,41 @@ def test_a_redelivered_copy_of_a_billed_request_sends_the_last_message_once():
     assert _serve(Agent(), payload).ran == 0  # and a third copy sends nothing more
     record = fleet.client().hgetall(f"inference:progress:{payload['request_id']}")
     assert record["stage"] == "finished" and record["told"] == "1"
+
+
+def test_a_paused_worker_presumed_dead_learns_which_requests_were_handed_on():
+    """Recovery took this process's requests out of its record while it was paused: once back, and
+    before its heartbeat revives it, it marks those runs superseded; not a run it still holds."""
+    from workers.agent import INSTANCE, Ticket
+
+    agent = Agent()
+    kept, handed_on = Ticket(f"kept-{uuid.uuid4().hex}"), Ticket(f"gone-{uuid.uuid4().hex}")
+    for ticket in (kept, handed_on):
+        fleet.track_received(INSTANCE, ticket.request_id, "tag")
+    try:
+        fleet.untrack(INSTANCE, handed_on.request_id)  # as recover_requests does
+        agent._alive_since = time.monotonic()  # its heartbeat is fresh: nothing can have been handed on
+        agent.check_tickets([kept, handed_on])
+        assert not handed_on.superseded
+        agent._alive_since = time.monotonic() - fleet.liveness_ttl()  # paused past its liveness
+        agent.check_tickets([kept, handed_on])
+        assert handed_on.superseded and not kept.superseded
+    finally:
+        fleet.untrack(INSTANCE, kept.request_id)
+
+
+def test_a_copy_is_run_when_its_worker_is_back_but_no_longer_holds_the_request():
+    """The worker was presumed dead and its request redelivered; it is alive again by the time the
+    copy arrives, but recovery took the request from it: the copy runs (else nobody would)."""
+    payload = _payload(f"s-{uuid.uuid4().hex[:6]}")
+    fleet.track_received("paused-one", payload["request_id"], "tag")
+    fleet.claim(payload, instance="paused-one", hostname="paused@here")
+    fleet.set_stage(payload["request_id"], fleet.STAGE_STARTED, prompt_tokens=3)
+    fleet.set_alive("paused-one", "paused@here")
+    try:
+        assert _serve(Agent(), payload).ran == 0  # it holds the request: a copy is not run
+        fleet.client().delete(f"fleet:inflight:paused-one")  # recovered while it was paused
+        recorder = _serve(Agent(), payload)
+        assert recorder.ran == 1 and recorder.sent == ["inference.delta", "inference.finished"]
+    finally:
+        fleet.clear_alive("paused-one")

@@ -117,3 +117,42 @@ def test_a_stream_with_no_output_times_out(make_relay):
     stream = make_relay().stream("specific.nobody!x", _delta)
     with pytest.raises(TimeoutError):
         stream.wait(0.2)
+
+
+def test_a_stream_another_worker_took_over_sends_nothing_more_and_is_aborted(engine, make_relay):
+    """A paused worker presumed dead, whose request was handed on: nothing of it may leave."""
+    from workers.agent import Ticket
+    from workers.relay import Superseded
+
+    gateway = RedisChannelLayer(hosts=HOSTS, capacity=1000)
+    handed_on = {"now": False}
+
+    def check(tickets):
+        for ticket in tickets:
+            ticket.superseded = ticket.superseded or handed_on["now"]
+
+    relay = make_relay(check_tickets=check)
+    channel = async_to_sync(gateway.new_channel)()
+    ticket = Ticket("handed-on")
+    stream = relay.stream(channel, _delta, ticket)
+    stream.handle = engine.submit("Tell me a long story", SamplingParams(max_tokens=400, ignore_eos=True),
+                                  request_id="handed-on", listener=stream)
+    stream.open()
+    received = _receive_until_done(gateway, channel, 3)  # streaming, as the worker was paused
+    handed_on["now"] = True
+    with pytest.raises(Superseded):
+        stream.wait(60)
+    assert ticket.superseded
+    wait_until(lambda: engine.stats()["running"] == 0, timeout=30, message="the aborted request to leave the engine")
+
+    async def drain():  # whatever was sent before the hand-over: nothing after it
+        messages = []
+        while True:
+            try:
+                messages.append(await asyncio.wait_for(gateway.receive(channel), 0.5))
+            except asyncio.TimeoutError:
+                return messages
+
+    late = async_to_sync(drain)()
+    assert len(late) <= 2, late  # at most what was already on its way when the request was handed on
+    assert stream.last.completion_tokens < 400 and received
