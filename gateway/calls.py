@@ -29,6 +29,7 @@ from redis.exceptions import RedisError
 
 from billing.pricing import PRICE_FIELDS, Prices
 from inference_platform import read_cache
+from inference_platform.channel_layer import retry_once
 from workers import capacity, dispatch
 
 from . import admission, ratelimit
@@ -222,8 +223,8 @@ class Call:
         try:
             async with asyncio.timeout(timeout):  # not wait_for: no task per token
                 return await get_channel_layer().receive(self.reply_channel)
-        except REDIS_FAILURES as exc:
-            await self.cancel()  # if Redis takes it: the worker must not generate for nobody
+        except REDIS_FAILURES as exc:  # the layer already tried a fresh connection: Redis is down
+            await self.cancel()  # if Redis takes it: the worker must not generate (and bill) for nobody
             raise unavailable(exc) from None
 
     async def start(self) -> None:
@@ -296,9 +297,12 @@ class Call:
 
 
 async def _send_cancel(request_id: str) -> bool:
-    """Abort ``request_id`` wherever it is; False (logged) when Redis is failing: best effort."""
+    """Abort ``request_id`` wherever it is; False (logged) when Redis is failing: best effort.
+    Retried once on a fresh connection (the pool's may all have died with a Redis restart): a
+    request given up on with a 503 must not run, and be billed, anyway."""
+    client = ratelimit.client()
     try:
-        await dispatch.cancel(ratelimit.client(), request_id)
+        await retry_once(client, lambda: dispatch.cancel(client, request_id))  # both steps idempotent
     except REDIS_FAILURES as exc:
         log.warning("could not cancel %s: %s", request_id, exc)
         return False

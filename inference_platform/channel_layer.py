@@ -17,6 +17,9 @@ turn of its receive lock among the coroutines waiting in that process. With 32 s
 The keys, the wire format and the capacity and expiry rules are channels_redis's, so either side
 can be plain channels_redis (``group_send`` to these channels included). Other channels are left
 to it unchanged. As with channels_redis, one event loop at a time receives on a layer.
+
+A Redis call on a process-specific channel that fails on a dead connection is made once more on a
+fresh one (``retry_once``): after Redis restarts, every pooled connection is dead.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 
 from channels.exceptions import ChannelFull
 from channels_redis.core import RedisChannelLayer as BaseRedisChannelLayer
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +79,21 @@ return members
 """
 SEND_BATCH = 256  # messages per script call: a call holds Redis while it runs
 RECEIVE_BATCH = 256
+
+
+async def retry_once(client, call):
+    """Await ``call()``, a call on the asyncio Redis ``client``; if it fails on a connection error,
+    drop the pool's idle connections and make it once more, on a fresh one.
+
+    A Redis that restarted leaves every pooled connection dead, and redis-py's asyncio pool (8.1,
+    over TCP) hands them out unchecked: each one's first call would fail though Redis is back. A
+    second failure is Redis really down (or refusing): raised, as before."""
+    try:
+        return await call()
+    except RedisConnectionError as exc:
+        log.info("a Redis connection failed (%s); trying once more on a fresh one", exc)
+        await client.connection_pool.disconnect(inuse_connections=False)  # they died together
+        return await call()
 
 
 @dataclass(eq=False)
@@ -174,7 +193,8 @@ class RedisChannelLayer(BaseRedisChannelLayer):
             by_host.setdefault(self.consistent_hash(item[0]), []).append(item)
         for index, items in by_host.items():
             try:
-                full = await self._run_send_script(state, index, items)
+                # A retried script call adds the same members again: no message is doubled.
+                full = await retry_once(self.connection(index), lambda: self._run_send_script(state, index, items))
             except Exception as exc:
                 for *_, done in items:
                     if not done.done():
@@ -249,21 +269,25 @@ class RedisChannelLayer(BaseRedisChannelLayer):
         backup = self._backup_channel_name(key)
         index = self.consistent_hash(process_channel)
         pop = self._script(index, POP_SCRIPT)
+        redis = self.connection(index)
         while state.waiting:
             self.receive_calls += 1
             # Cleared before the call: a reader cancelled during it must not have the next one
             # drop a batch that this call may have popped and never sorted.
             handed_out, self._backup_handed_out = self._backup_handed_out, False
-            members = await pop(keys=[key, backup], args=[RECEIVE_BATCH, int(handed_out), int(self.expiry)])
+            # Retried with the same arguments: a call that failed on a connection that died with the
+            # old Redis never reached the new one.
+            members = await retry_once(redis, lambda: pop(
+                keys=[key, backup], args=[RECEIVE_BATCH, int(handed_out), int(self.expiry)]))
             if not members:
                 # Nothing there: block until something is, and keep it in the backup until it
                 # is sorted, as channels_redis does.
                 self.receive_calls += 1
-                popped = await self.connection(index).bzpopmin(key, timeout=self.brpop_timeout)
+                popped = await retry_once(redis, lambda: redis.bzpopmin(key, timeout=self.brpop_timeout))
                 if popped is None:
                     continue
                 _, member, score = popped
-                await self.connection(index).zadd(backup, {member: float(score)})
+                await retry_once(redis, lambda: redis.zadd(backup, {member: float(score)}))
                 members = [member]
             for member in members:
                 self._sort(state, process_channel, member)
