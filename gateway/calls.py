@@ -217,6 +217,9 @@ class Call:
             "api_key_id": self.caller.api_key.pk if self.caller.api_key is not None else None,
             "user": self.request.user,
             "prices": self.prices,
+            # A client that does not stream sees nothing until the end: a copy redelivered after
+            # its worker died may then run again from the start (``inference.restarted``).
+            "stream": self.request.stream,
         }
 
     async def _receive(self, timeout: float) -> dict:
@@ -249,7 +252,8 @@ class Call:
         self.stages.mark("load")  # after "queue": zero unless the worker had to load the model
 
     async def events(self):
-        """Yield ``inference.delta`` events, then the ``inference.finished`` one."""
+        """Yield ``inference.delta`` events, then the ``inference.finished`` one; and, for a client
+        that does not stream, ``inference.restarted`` if its worker died and a copy starts over."""
         while True:
             try:
                 event = await self._receive(settings.GATEWAY_STALL_TIMEOUT)
@@ -261,6 +265,8 @@ class Call:
                 raise ApiError(event["status"], event["message"], param=event.get("param"), code=event.get("code"))
             if event["type"] == "inference.delta":
                 self.completion_seen += len(event.get("token_ids") or ())
+            elif event["type"] == "inference.restarted":  # a redelivered copy: what came before is void
+                self.completion_seen = 0
             elif event["type"] == "inference.finished":
                 self.done = True
                 usage = event["usage"]

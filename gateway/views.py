@@ -77,6 +77,9 @@ async def _collect(call: calls.Call, ctx: formatting.Context) -> dict:
         if event["type"] == "inference.delta":
             text.append(event["text"])
             logprobs.extend(event["logprobs"] or [])
+        elif event["type"] == "inference.restarted":  # its worker died: a copy runs it from the start
+            text.clear()
+            logprobs.clear()
         else:
             return formatting.response(
                 ctx, text="".join(text), finish_reason=formatting.openai_finish_reason(event["finish_reason"]),

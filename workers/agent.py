@@ -36,6 +36,7 @@ from django.db import close_old_connections, connection
 from inference_platform.celery import app, deployment_queue
 
 from . import fleet
+from .inference import send_quietly
 from .runtime import host
 
 log = logging.getLogger(__name__)
@@ -460,6 +461,8 @@ class Agent:
             skip.add("inference.accepted")
             if stage == fleet.STAGE_STARTED:
                 skip.add("inference.started")
+                if payload.get("stream") is False:  # the gateway may hold tokens of the first run: void them
+                    send_quietly(send, payload["reply_channel"], {"type": "inference.restarted"})
             log.info("running %s again: its worker %s stopped at %s", request_id, previous.get("worker"), stage)
         ticket = Ticket(request_id)
         with self.lock:

@@ -3,6 +3,8 @@
 Events sent to the reply channel, in order:
     inference.accepted  a worker took the request and has to load the model first (only then:
                         one event fewer per request otherwise)
+    inference.restarted only from a copy redelivered after its worker died, of a request whose
+                        client does not stream: what the gateway holds of it is void
     inference.started   prompt_tokens, cached_prompt_tokens (the engine accepted the request)
     inference.delta     text, token_ids, logprobs (per token: token, bytes, logprob, top)
     inference.finished  finish_reason, usage, timings, error
@@ -42,17 +44,17 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
         return None  # the client gave up while the request was queued: nothing ran
     if host.spec(payload["deployment"]["name"]) is None:
         # The model must be loaded first: tell the gateway to wait for the load, not the queue.
-        _send_quietly(send, reply, {"type": "inference.accepted", "worker": worker_name})
+        send_quietly(send, reply, {"type": "inference.accepted", "worker": worker_name})
     try:
         engine = host.engine_for(payload["deployment"])
     except Exception as exc:
         log.exception("deployment %s failed to load", payload["deployment"]["name"])
-        _send_quietly(send, reply, _error(503, f"the model failed to load: {exc}", code="model_load_failed"))
+        send_quietly(send, reply, _error(503, f"the model failed to load: {exc}", code="model_load_failed"))
         return None
     stream = relay.stream(reply, lambda out: {
         "type": "inference.delta", "text": out.text, "token_ids": out.token_ids,
         "logprobs": _logprobs(engine.tokenizer, out.logprobs, payload["sampling"]),
-    }, ticket)
+    }, ticket, client_streams=payload.get("stream", True))
     try:
         params = SamplingParams(**_engine_sampling(payload["sampling"]))
         if payload["kind"] == "chat":
@@ -60,16 +62,16 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
         else:
             handle = engine.submit(payload["prompt"], params, request_id=request_id, listener=stream)
     except InvalidRequestError as exc:
-        _send_quietly(send, reply, _refusal(exc, payload["kind"]))
+        send_quietly(send, reply, _refusal(exc, payload["kind"]))
         return None
     except EngineError as exc:  # stopped (an unload raced this request) or its loop died: retryable
         log.error("deployment %s could not take request %s: %s", payload["deployment"]["name"], request_id, exc)
-        _send_quietly(send, reply, _error(503, f"the model is not running on this worker ({exc}); retry",
+        send_quietly(send, reply, _error(503, f"the model is not running on this worker ({exc}); retry",
                                           code="model_unavailable"))
         return None
     except Exception:  # a bug: answer now rather than leave the client waiting for a timeout
         log.exception("request %s could not be submitted", request_id)
-        _send_quietly(send, reply, _error(500, "the worker failed to start this request; it is logged",
+        send_quietly(send, reply, _error(500, "the worker failed to start this request; it is logged",
                                           code="internal_error"))
         return None
 
@@ -90,10 +92,10 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
             billing_tried = True
             event = _bill(payload, stream, handle, cancels)
         finally:  # the client gets its end even if billing failed (that error is raised on)
-            _send_quietly(send, reply, finished)
+            send_quietly(send, reply, finished)
     except TimeoutError:
         handle.abort()
-        _send_quietly(send, reply, _error(504, "the engine produced nothing for too long", code="timeout"))
+        send_quietly(send, reply, _error(504, "the engine produced nothing for too long", code="timeout"))
     except Superseded:  # the worker that took it over answers and bills it; the relay aborted this copy
         billing_tried = True
         cancels.unwatch(request_id)
@@ -148,10 +150,11 @@ def _send_or_abort(send, reply: str, message: dict, handle) -> None:
         handle.abort()
 
 
-def _send_quietly(send, reply: str, message: dict) -> None:
+def send_quietly(send, reply: str, message: dict) -> None:
+    """Send, or log why not: the gateway may be gone, and what follows (billing) must still happen."""
     try:
         send(reply, message)
-    except Exception as exc:  # the gateway may be gone; billing must still happen
+    except Exception as exc:
         log.warning("could not deliver %s to %s: %s", message["type"], reply, exc)
 
 

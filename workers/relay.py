@@ -49,10 +49,14 @@ class Stream:
     """One request's way through the relay: pass it to ``Engine.submit`` as the listener, then
     ``open()`` it once the gateway has the request's start, and ``wait()`` for its end."""
 
-    def __init__(self, relay: "StreamRelay", channel: str, to_message: Callable[[object], dict], ticket=None):
+    def __init__(self, relay: "StreamRelay", channel: str, to_message: Callable[[object], dict], ticket=None,
+                 client_streams: bool = True):
         self.channel = channel
         self.to_message = to_message  # an engine output -> the message sent for it
         self.ticket = ticket  # this run of the request (``workers.agent.Ticket``): superseded or not
+        # Whether its tokens reach the client as they come: else the gateway holds them until the
+        # end, and a copy redelivered after a death may run again from the start.
+        self.client_streams = client_streams
         self.handle = None  # the engine's handle, for aborts (set once submitted)
         self.last = None  # the last output relayed
         self.error: BaseException | None = None  # the failure that ended the relay of this stream
@@ -99,8 +103,8 @@ class StreamRelay:
     """Sends the outputs of every stream of this worker, in order per stream, a batch at a time.
 
     ``mark_streaming`` is called (on the relay's loop, blocking it briefly) with the request ids
-    whose first token is about to leave, before it does: a copy of the request redelivered after
-    this must not run again (the client has seen tokens). ``check_tickets`` is called with the
+    whose first token is about to leave for a streaming client, before it does: a copy of the
+    request redelivered after this must not run again (the client has seen tokens). ``check_tickets`` is called with the
     tickets of the streams about to send, and marks superseded those another worker took over: their
     requests are aborted here instead, and nothing of them leaves."""
 
@@ -118,8 +122,9 @@ class StreamRelay:
         """Stop relaying (the streams not ended stay so)."""
         self._pumping.cancel()
 
-    def stream(self, channel: str, to_message: Callable[[object], dict], ticket=None) -> Stream:
-        return Stream(self, channel, to_message, ticket)
+    def stream(self, channel: str, to_message: Callable[[object], dict], ticket=None,
+               client_streams: bool = True) -> Stream:
+        return Stream(self, channel, to_message, ticket, client_streams)
 
     def put(self, stream: Stream, item) -> None:
         with self._lock:
@@ -170,7 +175,8 @@ class StreamRelay:
                         continue
                     if not stream.streaming:
                         stream.streaming = True
-                        first_tokens.append(out.request_id)
+                        if stream.client_streams:
+                            first_tokens.append(out.request_id)
                 if out.finished:
                     finishing.append(stream)
         if first_tokens and self._mark_streaming is not None:

@@ -293,7 +293,7 @@ def test_a_request_carries_its_models_prices_at_admission_and_a_price_change_rea
     def admitted() -> dict:
         with read_cache.pinned():
             route = calls._deployment_spec(caller, seeded)
-        call = calls.Call(caller=caller, request=SimpleNamespace(payload=dict, user=None), spec=route.spec,
+        call = calls.Call(caller=caller, request=SimpleNamespace(payload=dict, user=None, stream=False), spec=route.spec,
                           request_id="chatcmpl-prices", reply_channel="reply", headers={}, stages=None,
                           prices=route.prices)
         return call.payload()["prices"]

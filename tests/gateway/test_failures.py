@@ -106,3 +106,26 @@ def test_a_request_when_redis_refuses_is_a_json_503(client, seeded, org_key, mon
                            HTTP_AUTHORIZATION=f"Bearer {key}")
     assert response.status_code == 503 and response["Content-Type"] == "application/json"
     assert response.json()["error"]["code"] == "service_unavailable" and response["x-request-id"]
+
+
+def test_a_client_that_does_not_stream_gets_only_the_redelivered_copys_answer():
+    """Its worker died after some tokens reached the gateway (held for the end, never sent): the
+    copy that runs again says so first, and the answer is the copy's alone."""
+    from types import SimpleNamespace
+
+    from gateway import formatting
+    from gateway.views import _collect
+
+    again = {"type": "inference.delta", "text": "Hello", "token_ids": [1, 2], "logprobs": None}
+
+    async def scenario():
+        call = new_call(await reply_channel_with(STARTED, DELTA, {"type": "inference.restarted"}, again,
+                                                 finished("length")))
+        call.request = SimpleNamespace(sampling={})
+        await call.start()
+        ctx = formatting.Context(kind="chat", id=call.request_id, created=0, model="smol")
+        return call, await _collect(call, ctx)
+
+    call, body = asyncio.run(scenario())
+    assert body["choices"][0]["message"]["content"] == "Hello"
+    assert call.completion_seen == 2  # the void tokens are not the client's

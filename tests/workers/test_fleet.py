@@ -213,6 +213,13 @@ def test_a_broken_model_fails_with_its_reason_and_a_stopped_deployment_answers_a
     assert _replicas(db_read, broken) == []
 
 
+def _running_on(hostname: str, deployment: str) -> int:
+    """Requests the worker's engine for the deployment is generating for."""
+    replies = app.control.broadcast("engine_stats", reply=True, timeout=3, destination=[hostname])
+    return sum(reply.get("engines", {}).get(deployment, {}).get("running", 0)
+               for answer in replies for reply in answer.values())
+
+
 def _progress_records(deployment: str) -> list[dict]:
     from workers import fleet as broker
 
@@ -294,13 +301,14 @@ def test_a_worker_paused_past_its_heartbeats_sends_and_bills_nothing_of_the_requ
 
 
 def test_a_worker_killed_mid_request_is_replaced_and_its_requests_are_not_lost(fleet, tenant, deploy, db_read):
-    """SIGKILL the worker serving two requests: one streaming (its client gets a clear error and it
-    is recorded, free, as failed), one admitted but not started (max_batch_size 1): redelivered to
-    the replacement replica and completed. Both billed exactly once."""
+    """SIGKILL the worker generating two requests: one streaming (its client gets a clear error and
+    it is recorded, free, as failed), one whose client does not stream (the gateway held its tokens,
+    the client saw nothing): redelivered to the replacement replica and answered whole. Both billed
+    exactly once."""
     from billing.models import UsageRecord
     from workers.models import FleetEvent, Worker
 
-    name = deploy(min_replicas=1, max_batch_size=1)["name"]
+    name = deploy(min_replicas=1, max_batch_size=2)["name"]
     wait_until(lambda: status_of(tenant, name) == "ready", timeout=LOAD_TIMEOUT, interval=0.3,
                message=f"{name} to be ready")
     [(victim, _)] = _replicas(db_read, name)
@@ -317,8 +325,9 @@ def test_a_worker_killed_mid_request_is_replaced_and_its_requests_are_not_lost(f
     waiting: dict = {}
     second = threading.Thread(target=lambda: waiting.__setitem__("answer", _chat(tenant, name, "Count to five.", 12)))
     second.start()
-    wait_until(lambda: sum(1 for rec in _progress_records(name) if rec.get("stage") == "started") == 1,
-               timeout=30, message="the second request to wait in the engine")
+    wait_until(lambda: _running_on(victim, name) == 2, timeout=30, message="both requests to be generating")
+    for _ in range(3):  # a few steps of both: the second's first tokens have reached the gateway
+        next(chunks)
 
     fleet.kill(victim)
     killed = time.monotonic()

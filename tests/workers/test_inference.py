@@ -37,7 +37,7 @@ class Host:
 
 
 class Relay:
-    def stream(self, reply, to_message):
+    def stream(self, reply, to_message, ticket=None, client_streams=True):
         return object()
 
 
@@ -203,7 +203,7 @@ def test_the_usage_event_leaves_before_the_last_message(monkeypatch):
 
     payload = {"request_id": f"chatcmpl-{uuid.uuid4().hex}", "reply_channel": "reply", "deployment": SPEC,
                "kind": "completion", "prompt": "Hi", "sampling": {"max_tokens": 2}, "organization_id": 1}
-    relay = type("R", (), {"stream": lambda self, reply, to_message: Finished()})()
+    relay = type("R", (), {"stream": lambda self, reply, to_message, ticket=None, client_streams=True: Finished()})()
 
     def run():
         return inference.run(payload, host=Host(Engine()), send=lambda reply, message: happened.append(message["type"]),

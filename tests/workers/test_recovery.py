@@ -144,6 +144,19 @@ def test_a_redelivered_request_sends_only_what_the_client_has_not_seen():
     assert recorder.ran == 1 and recorder.sent == ["inference.delta", "inference.finished"]
 
 
+@pytest.mark.parametrize("client_streams", [True, False])
+def test_a_redelivered_request_the_gateway_held_tokens_of_tells_it_to_void_them(client_streams):
+    """A client that does not stream saw nothing even if tokens left the dead worker (the gateway
+    holds them until the end): the copy runs again from the start, and says so first."""
+    payload = {**_payload(f"s-{uuid.uuid4().hex[:6]}"), "stream": client_streams}
+    fleet.claim(payload, instance="dead-four", hostname="dead@here")
+    fleet.set_stage(payload["request_id"], fleet.STAGE_STARTED, prompt_tokens=3)
+    recorder = _serve(Agent(), payload)
+    assert recorder.ran == 1
+    assert recorder.sent == ([] if client_streams else ["inference.restarted"]) + ["inference.delta",
+                                                                                  "inference.finished"]
+
+
 def test_a_redelivered_request_that_had_been_streaming_is_answered_with_an_error():
     layer = get_channel_layer()
     reply = async_to_sync(layer.new_channel)()

@@ -156,3 +156,18 @@ def test_a_stream_another_worker_took_over_sends_nothing_more_and_is_aborted(eng
     late = async_to_sync(drain)()
     assert len(late) <= 2, late  # at most what was already on its way when the request was handed on
     assert stream.last.completion_tokens < 400 and received
+
+
+def test_a_request_whose_client_does_not_stream_is_not_marked_streaming(engine, make_relay):
+    """Its tokens wait in the gateway: a copy redelivered after a death may still run from the start."""
+    gateway = RedisChannelLayer(hosts=HOSTS, capacity=1000)
+    marked: list[str] = []
+    relay = make_relay(mark_streaming=marked.extend)
+    channel = async_to_sync(gateway.new_channel)()
+    stream = relay.stream(channel, _delta, client_streams=False)
+    stream.handle = engine.submit("Say hi", SamplingParams(max_tokens=4, ignore_eos=True), request_id="held",
+                                  listener=stream)
+    stream.open()
+    assert stream.wait(30).completion_tokens == 4
+    assert sum(len(m["token_ids"]) for m in _receive_until_done(gateway, channel, 4)) == 4
+    assert marked == []
