@@ -204,6 +204,7 @@ class Call:
     completion_seen: int = 0  # tokens relayed so far
     tokens_counted: bool = False  # against the token rate limits: once per request
     queue_timeout: float | None = None  # longer while a scaled-to-zero deployment cold-starts
+    cold_start: bool = False  # no replica was ready: the wait for a worker is the model's load
     prices: dict | None = None  # the route's at admission, for billing (None: the catalog's when billed)
 
     def payload(self) -> dict:
@@ -238,7 +239,7 @@ class Call:
             await self.cancel()
             raise ApiError(503, f"No worker is serving '{self.spec['name']}' right now; try again shortly.",
                            code="model_unavailable") from None
-        self.stages.mark("queue")
+        self.stages.mark("load" if self.cold_start else "queue")
         if event["type"] == "inference.accepted":  # the worker has to load the model first
             try:
                 event = await self._receive(settings.GATEWAY_START_TIMEOUT)
@@ -337,6 +338,7 @@ def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], request_id: s
     dispatch.enqueue(call.payload())
     # A deployment with no ready replica: have the fleet load it, and wait as long as that takes.
     call.queue_timeout = float(settings.GATEWAY_QUEUE_TIMEOUT) if ready else capacity.wake(spec)
+    call.cold_start = not ready
     stages.mark("dispatch")
     return call
 

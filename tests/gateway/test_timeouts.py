@@ -68,3 +68,17 @@ def test_a_stream_that_stalls_is_504(settings):
     assert call.prompt_tokens == 3 and [e["type"] for e in received] == ["inference.delta"]
     assert (error.status, error.code) == (504, "timeout") and "stopped producing" in error.message
     assert call.cancelled and cancel_marked(call.request_id)
+
+
+def test_the_wait_of_a_cold_start_is_reported_as_load_not_queue():
+    """The fleet loads the model for a scaled-to-zero deployment before any worker takes the
+    request: Server-Timing must say where the time went."""
+    async def scenario(cold: bool):
+        call = new_call(await reply_channel_with({"type": "inference.started", "prompt_tokens": 3}))
+        call.cold_start = cold
+        await call.start()
+        return call.stages.durations
+
+    cold, warm = asyncio.run(scenario(True)), asyncio.run(scenario(False))
+    assert "load" in cold and "queue" not in cold
+    assert {"queue", "load"} <= set(warm)
