@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from django.conf import settings
+
 from accounts.models import MANAGER_ROLES
 
 from .organizations import current_organization
@@ -13,7 +15,7 @@ from .selectors import memberships_of
 def dashboard(request) -> dict:
     user = getattr(request, "user", None)
     if user is None or not user.is_authenticated:
-        return {}
+        return {"signup_open": settings.SIGNUP_OPEN}
     organization = current_organization(request)
     memberships = list(memberships_of(user=user))
     role = next((m.role for m in memberships if organization and m.organization_id == organization.pk), None)

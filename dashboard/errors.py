@@ -17,3 +17,7 @@ class NotAllowed(DashboardError):
 
 class InvalidInvitation(DashboardError):
     """The invitation link is unknown, used, revoked or expired."""
+
+
+class SignUpClosed(DashboardError):
+    """Sign-up without an invitation, where the operator closed it (``SIGNUP_OPEN=false``)."""

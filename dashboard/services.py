@@ -11,6 +11,7 @@ from datetime import timedelta
 from typing import Callable
 
 
+from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.mail import send_mail
 from django.core.validators import validate_email
@@ -21,11 +22,13 @@ from accounts import services as account_services
 from accounts.errors import InvalidInput
 from accounts.models import MANAGER_ROLES, Membership, Organization, User
 
-from .errors import DashboardError, InvalidInvitation, NotAllowed
+from .errors import DashboardError, InvalidInvitation, NotAllowed, SignUpClosed
 from .models import Invitation, hash_token
 
 
 INVITATION_TTL = timedelta(days=7)
+SIGNUP_CLOSED = ("Accounts on this platform are made by invitation only. Ask an organization's owner or admin "
+                 "to invite you, or the platform's operator to create your account.")
 OWNER, ADMIN, MEMBER = Membership.Role.OWNER, Membership.Role.ADMIN, Membership.Role.MEMBER
 ROLE_RANK = {MEMBER: 0, ADMIN: 1, OWNER: 2}
 
@@ -43,8 +46,11 @@ def default_organization_name(*, name: str, email: str) -> str:
 def sign_up(*, email: str, password: str, name: str = "", organization_name: str = "",
             invitation_token: str | None = None) -> User:
     """A new user. With an invitation they join its organization; otherwise a new organization is
-    created with them as its owner (billing credits it the sign-up credit). All or nothing."""
+    created with them as its owner (billing credits it the sign-up credit), where sign-up is open
+    (``SIGNUP_OPEN``). All or nothing."""
     invitation = _open_invitation(invitation_token) if invitation_token else None
+    if invitation is None and not settings.SIGNUP_OPEN:
+        raise SignUpClosed(SIGNUP_CLOSED)
     try:
         user = account_services.create_user(email=email, password=password, name=(name or "").strip())
         if invitation is not None:

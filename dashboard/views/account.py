@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth import login
 from django.contrib.auth.decorators import login_required
@@ -37,6 +38,8 @@ def signup(request):
         except InvalidInvitation as exc:
             messages.error(request, exc.message)
             token = ""
+    if invitation is None and not settings.SIGNUP_OPEN:  # the service refuses it too
+        return render(request, "registration/signup.html", {"closed": services.SIGNUP_CLOSED}, status=403)
     if request.method == "POST":
         form = SignUpForm(request.POST)
         if form.is_valid():

@@ -72,3 +72,37 @@ def test_password_reset_says_nothing_about_unknown_addresses(client, db):
     response = client.post("/password-reset/", {"email": "nobody@example.com"})
     assert response.status_code == 302 and response["Location"] == "/password-reset/sent/"
     assert mail.outbox == []
+
+
+def test_where_sign_up_is_closed_only_an_invitation_makes_an_account(client, acme, settings):
+    from dashboard.services import invite_member
+
+    settings.SIGNUP_OPEN = False
+    page = client.get("/signup/")
+    assert page.status_code == 403 and "by invitation only" in page.content.decode()
+    refused = client.post("/signup/", {"name": "Eve", "email": "eve@example.com", "password": PASSWORD,
+                                       "organization_name": "Eve Corp"})
+    assert refused.status_code == 403 and not User.objects.filter(email="eve@example.com").exists()
+    assert "Create an account" not in client.get("/login/").content.decode()
+
+    owner, organization = acme
+    tokens = []
+    invite_member(organization=organization, invited_by=owner, email="bob@example.com", role="member",
+                  link_for=lambda token: tokens.append(token) or f"http://testserver/invitation/{token}/")
+    joined = client.post("/signup/", {"name": "Bob", "email": "bob@example.com", "password": PASSWORD,
+                                      "invitation": tokens[0]})
+    assert joined.status_code == 302
+    assert Membership.objects.filter(user__email="bob@example.com", organization=organization).exists()
+
+
+def test_the_sign_up_service_refuses_too_where_it_is_closed(client, db, settings):
+    import pytest
+
+    from dashboard.errors import SignUpClosed
+    from dashboard.services import sign_up
+
+    assert "Create an account" in client.get("/login/").content.decode()  # open by default
+    settings.SIGNUP_OPEN = False
+    with pytest.raises(SignUpClosed, match="invitation only"):
+        sign_up(email="mallory@example.com", password=PASSWORD, organization_name="M")
+    assert not User.objects.filter(email="mallory@example.com").exists()
