@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import redis
 import redis.asyncio as aioredis
+from redis.maint_notifications import MaintNotificationsConfig
 from django.conf import settings
 
 WINDOW_MS = 60_000
@@ -140,7 +141,10 @@ def client() -> aioredis.Redis:
     """One connection pool per event loop (an asyncio pool cannot cross loops)."""
     loop = asyncio.get_running_loop()
     if loop not in _clients:
-        _clients[loop] = aioredis.Redis.from_url(settings.REDIS_URL)
+        # Maintenance notifications off: with them on (redis-py's default over TCP) its pool hands
+        # out idle connections unchecked, and after a Redis restart each one's first call fails.
+        _clients[loop] = aioredis.Redis.from_url(settings.REDIS_URL,
+                                                 maint_notifications_config=MaintNotificationsConfig(enabled=False))
     return _clients[loop]
 
 

@@ -83,3 +83,16 @@ def test_a_call_that_gives_up_after_a_restart_still_cancels_its_request(server, 
         assert not await calls._send_cancel("chatcmpl-down")  # down: said (logged) at once
 
     asyncio.run(scenario())
+
+
+def test_the_first_request_after_a_restart_counts_against_the_token_limits(server):
+    """The rate limiter's pool checks a connection before handing it out: after a restart its
+    first call reconnects instead of failing (the request's tokens were then counted nowhere)."""
+    async def scenario():
+        await ratelimit.client().ping()  # a pooled connection, which the restart kills
+        await asyncio.to_thread(server.restart)  # the loop runs on meanwhile, as a server's does
+        await ratelimit.record_tokens(key_id="k-restart", org_id="o-restart", request_id="r1", tokens=5)
+        key_sum = ratelimit._keys("k-restart", "o-restart")[4]
+        return int(await ratelimit.client().get(key_sum) or 0)
+
+    assert asyncio.run(scenario()) == 5
