@@ -9,10 +9,12 @@ silently rounded.
 Which requests are billed (``status``):
 
 - ``completed``: every token, plus the per-request price.
-- ``cancelled`` or ``failed`` with at least one output token (a stream the client closed, a worker
-  that died mid-generation): billed like a completed request for the tokens actually processed,
-  i.e. the whole prompt and the output produced so far, plus the per-request price.
-- ``cancelled`` or ``failed`` with no output token: free (0). The caller got nothing.
+- ``cancelled`` or ``failed`` with at least one output token (a stream the client closed, an engine
+  error mid-generation): billed like a completed request for the tokens actually processed, i.e.
+  the whole prompt and the output produced so far, plus the per-request price.
+- ``cancelled`` or ``failed`` with no output token: free (0). The caller got nothing. A request whose
+  worker died mid-stream is recorded so (``workers.fleet.fail_interrupted``): what that worker
+  produced died with it, and its client was told the request is not billed.
 """
 
 from __future__ import annotations
