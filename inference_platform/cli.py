@@ -16,15 +16,16 @@ import secrets
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from .celery import deployment_queue
-from .processes import (STAGE_BILLING, StartError, child_env, describe, spawn, start_embedded_redis, stop_all,
+from .processes import (STAGE_BILLING, STOP_GRACE_S, StartError, child_env, describe, spawn, start_embedded_redis,
                         web_command, worker_command)
-from .supervision import supervise
+from .supervision import shut_down, supervise
 
 DEFAULT_QUEUES = ["default", "billing"]
 BILLING_CONCURRENCY = 4  # threads of the billing worker `up` starts
@@ -326,15 +327,16 @@ def say(message: str) -> None:
     print(message, flush=True)
 
 
-def wait_billing_drained(deadline_s: float = 30.0) -> None:
+def wait_billing_drained(forced=lambda: False, deadline_s: float = 30.0) -> None:
     """Before the billing worker stops: until the usage the other workers emitted as they stopped
-    is recorded (the embedded Redis keeps nothing once it stops), within ``deadline_s``."""
+    is recorded (the embedded Redis keeps nothing once it stops), within ``deadline_s``, or until
+    the stop is ``forced``."""
     from billing.recovery import pending_events
     from inference_platform.celery import app
 
     give_up = time.monotonic() + deadline_s
     try:
-        while (left := pending_events(app)) and time.monotonic() < give_up:
+        while (left := pending_events(app)) and time.monotonic() < give_up and not forced():
             time.sleep(0.2)
     except Exception as exc:  # Redis already gone: nothing left to wait for
         say(f"warning: could not check the billing queue: {exc}")
@@ -342,6 +344,61 @@ def wait_billing_drained(deadline_s: float = 30.0) -> None:
     if left:
         say(f"warning: {left} usage events were not recorded yet; they stay in Redis "
             "(an embedded Redis loses them when it stops)")
+
+
+def drain_timeout(settings) -> float:
+    """How long a stopping inference worker may take to finish its running requests: the drain
+    timeout of an unload (FLEET_DRAIN_TIMEOUT), and never less than any other child's grace."""
+    return max(float(settings.FLEET_DRAIN_TIMEOUT), STOP_GRACE_S)
+
+
+def drains_on_stop(proc: subprocess.Popen, settings, worker: str) -> subprocess.Popen:
+    """Give the inference worker ``proc`` (Celery node ``worker``) the drain timeout to stop in,
+    and the words for what it finishes meanwhile (see ``processes.stop_all``)."""
+    from celery.utils.nodenames import host_format
+
+    node = host_format(worker)  # as the worker names itself (and its heartbeats): gpu0@%h -> gpu0@<host>
+    proc.stop_grace_s = drain_timeout(settings)
+    proc.waiting_for = lambda: _finishing(node)
+    return proc
+
+
+def _finishing(worker: str) -> str | None:
+    """What the stopping inference worker ``worker`` finishes, in words; None when it runs no request."""
+    count = _running_requests(worker)
+    if count == 0:
+        return None  # its shutdown takes a moment, but no request waits on it
+    if count is None:  # not a fleet worker, or the database or Redis did not say
+        return "the inference worker to finish its running requests"
+    return f"the inference worker to finish its {count} running request{'' if count == 1 else 's'}"
+
+
+def _running_requests(worker: str, timeout_s: float = 2.0) -> int | None:
+    """How many requests the fleet worker ``worker`` holds right now (the requests its process took
+    and has not finished: ``workers.fleet``'s record of them, which outlives a stale heartbeat);
+    None when unknown. Asked in a thread, given ``timeout_s``: the platform is stopping, and its
+    database or Redis may be gone."""
+    found: list[int] = []
+
+    def count() -> None:
+        from django.db import connection
+
+        try:
+            from workers import fleet
+            from workers.models import Worker
+
+            instance = Worker.objects.filter(hostname=worker).values_list("instance", flat=True).first()
+            if instance:
+                found.append(int(fleet.client().hlen(fleet._inflight_key(instance))))
+        except Exception:
+            pass
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=count, name="running-requests", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return found[0] if found else None
 
 
 def cmd_up(args) -> int:
@@ -371,25 +428,34 @@ def cmd_up(args) -> int:
         from django.utils import timezone
 
         spawned_at = timezone.now()
-        procs.append(spawn(web_command(host=args.host, port=args.port, workers=args.web_workers), env=env,
-                           log=logs / "web.log", role="the web server"))
+        # A stop lets the inference worker finish its running requests (up to the drain timeout),
+        # and the web server keep streaming them meanwhile (it takes no new connection).
+        drain = drain_timeout(settings)
+        web = spawn(web_command(host=args.host, port=args.port, workers=args.web_workers, graceful_s=drain),
+                    env=env, log=logs / "web.log", role="the web server")
+        web.stop_grace_s = drain + STOP_GRACE_S  # its own timeout ends its streams first
+        procs.append(web)
         # Two workers, as in compose.yaml: the engine's process runs inference alone, and billing's
         # writes run in a process of their own instead of taking turns with the engine's loop.
-        procs.append(
+        procs.append(drains_on_stop(
             spawn(
                 worker_command(queues=["default"] + [deployment_queue(d) for d in served],
                                concurrency=args.concurrency, name=worker_name),
                 env=env,
                 log=logs / "worker.log",
                 role="the inference worker",
-            )
-        )
+            ),
+            settings, worker_name,
+        ))
         billing = spawn(
             worker_command(queues=DEFAULT_QUEUES, concurrency=BILLING_CONCURRENCY,
                            name=f"billing@{socket.gethostname()}"),
             env=child_env(DATA_DIR=str(settings.DATA_DIR), WORKER_SLOTS="0"),
             log=logs / "billing.log",
             role="the billing worker",
+            # Out of the terminal's process group, as the embedded Redis: a Ctrl-C would stop it at
+            # once, before it records the usage of the requests the inference worker finishes.
+            own_session=True,
         )
         billing.stop_stage, billing.before_stop = STAGE_BILLING, wait_billing_drained
         procs.append(billing)
@@ -401,7 +467,7 @@ def cmd_up(args) -> int:
         wait_loaded(served, worker_name, procs, since=spawned_at,
                     deadline_s=max(1.0, args.ready_timeout - (time.monotonic() - started)))
     except (Abort, KeyboardInterrupt) as exc:
-        stop_all(procs)
+        shut_down(procs, say=say, announce=False)
         if isinstance(exc, KeyboardInterrupt):
             return 130
         raise
@@ -462,7 +528,12 @@ def cmd_worker(args) -> int:
     if slots is None:  # WORKER_SLOTS, read (and checked) by the settings, when it is set
         slots = settings.WORKER_SLOTS if os.environ.get("WORKER_SLOTS", "").strip() else max(1, len(args.deployments))
     env = child_env(INFERENCE_PRELOAD=",".join(args.deployments), WORKER_SLOTS=str(slots))
-    procs.append(spawn(worker_command(queues=queues, concurrency=args.concurrency, name=name), env=env))
+    inference = slots > 0 or bool(args.deployments)
+    worker = spawn(worker_command(queues=queues, concurrency=args.concurrency, name=name), env=env,
+                   role="the inference worker" if inference else "the worker")
+    if inference:  # a stop lets its running requests finish, up to the drain timeout
+        drains_on_stop(worker, settings, name)
+    procs.append(worker)
     return supervise(procs, say=say)
 
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import redis
 
@@ -64,8 +65,8 @@ def spawn(args: list[str], *, env: dict | None = None, log: Path | None = None,
     return proc
 
 
-# What a restarted child keeps of the one it replaces, besides its command: when it stops.
-_KEPT_ON_RESTART = ("stop_stage", "before_stop")
+# What a restarted child keeps of the one it replaces, besides its command: when and how it stops.
+_KEPT_ON_RESTART = ("stop_stage", "before_stop", "stop_grace_s", "waiting_for")
 
 
 def respawn(proc: subprocess.Popen) -> subprocess.Popen:
@@ -141,14 +142,15 @@ def start_embedded_redis(socket_path: Path, *, data_dir: Path, deadline_s: float
     raise StartError(f"the embedded Redis did not answer on {socket_path} within {deadline_s:g}s")
 
 
-def web_command(*, host: str, port: int, workers: int = 1) -> list[str]:
+def web_command(*, host: str, port: int, workers: int = 1, graceful_s: float = 5.0) -> list[str]:
+    """``graceful_s``: how long a stopping web server keeps sending the responses already open (it
+    takes no new connection meanwhile); it must end within the supervisor's grace for it (a kill
+    would leave the worker processes of --workers N behind)."""
     return [
         sys.executable, "-m", "uvicorn", "inference_platform.asgi:application",
         "--host", host, "--port", str(port), "--workers", str(workers),
         "--no-access-log", "--lifespan", "off",
-        # Open streams must not hold a stop past the supervisor's patience (it kills after 10 s,
-        # which would leave the worker processes of --workers N behind).
-        "--timeout-graceful-shutdown", "5",
+        "--timeout-graceful-shutdown", f"{graceful_s:g}",
     ]
 
 
@@ -166,30 +168,76 @@ def worker_command(*, queues: list[str], concurrency: int, name: str, loglevel: 
 # it finished its requests; the embedded Redis last (a worker shutting down still talks to it).
 STAGE_FIRST, STAGE_BILLING, STAGE_REDIS = 0, 1, 2
 
+# How long a child has between SIGTERM and SIGKILL, unless it has its own (``proc.stop_grace_s``:
+# the inference worker's is FLEET_DRAIN_TIMEOUT, for its running requests to finish).
+STOP_GRACE_S = 10.0
+# A child that has its own ``proc.waiting_for`` (what it finishes, in words, or None: nothing worth
+# a word) and is still running this long after its SIGTERM is named once, with how long it may
+# take and how to stop it now.
+NOTICE_AFTER_S = 1.0
+_POLL_S = 0.05
 
-def stop_all(procs: list[subprocess.Popen], *, grace_s: float = 10.0) -> None:
-    """SIGTERM every child, stage by stage (``stop_stage``), waiting up to the grace period for
-    each stage before a SIGKILL. A child's ``before_stop`` (if any) runs first: the billing worker's
-    waits for its queue to empty."""
+
+def _never() -> bool:
+    return False
+
+
+def stop_all(procs: list[subprocess.Popen], *, grace_s: float = STOP_GRACE_S, forced: Callable[[], bool] = _never,
+             say: Callable[[str], None] | None = None, notice_after_s: float = NOTICE_AFTER_S) -> None:
+    """SIGTERM every child, stage by stage (``stop_stage``), waiting for each child of a stage up
+    to its grace (``stop_grace_s``, else ``grace_s``) before a SIGKILL. A child's ``before_stop``
+    (if any) runs first, given ``forced``: the billing worker's waits for its queue to empty.
+
+    ``forced`` (polled) turns true when the stop must not wait any longer (a second Ctrl-C): every
+    child still running is killed at once, the later stages' too. ``say``: what the operator reads
+    (the notice of a long wait, a kill); nothing when None."""
+    say = say or (lambda message: None)
+    procs = sorted(procs, key=lambda p: getattr(p, "stop_stage", STAGE_FIRST))  # stable: in order within a stage
     for stage in sorted({getattr(p, "stop_stage", STAGE_FIRST) for p in procs}):
         group = [p for p in procs if getattr(p, "stop_stage", STAGE_FIRST) == stage]
         for proc in group:
-            if proc.poll() is None and getattr(proc, "before_stop", None):
-                proc.before_stop()
-        _stop(group, grace_s)
+            if proc.poll() is None and getattr(proc, "before_stop", None) and not forced():
+                proc.before_stop(forced)
+        if forced():
+            break
+        _stop(group, grace_s, forced=forced, say=say, notice_after_s=notice_after_s)
+    if forced() and (running := [p for p in procs if p.poll() is None]):
+        say(f"stopping now: killing {', '.join(describe(p) for p in running)}")
+        _kill(running)
 
 
-def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
+def _stop(procs: list[subprocess.Popen], grace_s: float, *, forced: Callable[[], bool],
+          say: Callable[[str], None], notice_after_s: float) -> None:
+    """One stage: SIGTERM, then wait for each child up to its grace; returns early when forced."""
+    started = time.monotonic()
     for proc in procs:
         if proc.poll() is None:
             proc.terminate()
-    give_up = time.monotonic() + grace_s
+    noticed = False
+    while running := [p for p in procs if p.poll() is None]:
+        if forced():
+            return
+        elapsed = time.monotonic() - started
+        late = [p for p in running if elapsed >= getattr(p, "stop_grace_s", grace_s)]
+        for proc in late:
+            say(f"warning: {describe(proc)} did not stop within {getattr(proc, 'stop_grace_s', grace_s):g} s "
+                "of its SIGTERM: killing it")
+        _kill(late)
+        if not noticed and elapsed >= notice_after_s:
+            noticed = True
+            for proc in running:
+                what = proc.waiting_for() if proc not in late and getattr(proc, "waiting_for", None) else None
+                if what:
+                    say(f"waiting up to {getattr(proc, 'stop_grace_s', grace_s):g} s for {what}; "
+                        "press Ctrl-C again (or send SIGTERM again) to stop now")
+        time.sleep(_POLL_S)
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
     for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, give_up - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        proc.kill()
+    for proc in procs:
+        proc.wait()
 
 
 def child_env(**extra: str) -> dict:

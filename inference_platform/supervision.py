@@ -4,6 +4,10 @@ that doubles while it keeps dying young, and the whole set stops only when one i
 A restarted inference worker loads its models again; the fleet fails or redelivers the requests
 the dead one held (``workers.fleet.recover_requests``), so the web server stays up and its clients
 get an answer or a clear error instead of a cut connection.
+
+Stopping (Ctrl-C or SIGTERM) waits for each child up to its grace (``stop_all``): the inference
+worker's running requests may take the drain timeout; another Ctrl-C or SIGTERM meanwhile stops
+everything at once.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .processes import describe, respawn, stop_all
+from .processes import STOP_GRACE_S, describe, respawn, stop_all
 
 
 @dataclass
@@ -42,18 +46,19 @@ class Backoff:
 def supervise(procs: list[subprocess.Popen], *, say: Callable[[str], None] = print,
               backoff: Callable[[], Backoff] = Backoff, poll_s: float = 0.2) -> int:
     """Run until Ctrl-C or SIGTERM (0), restarting any child that dies, or until a child is in a
-    crash loop (1); then stop every child. ``procs`` is updated in place with the restarted ones."""
-    stopping = {"signal": None}
+    crash loop (1); then stop every child (``shut_down``: another signal meanwhile stops them at
+    once). ``procs`` is updated in place with the restarted ones."""
+    signals: list[int] = []
 
     def on_signal(signum, frame):
-        stopping["signal"] = signum
+        signals.append(signum)
 
     previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     backoffs = [backoff() for _ in procs]
     restart_at: dict[int, float] = {}  # index in procs -> when
     code = 0
     try:
-        while stopping["signal"] is None and code == 0:
+        while not signals and code == 0:
             now = time.monotonic()
             for index, proc in enumerate(procs):
                 if index in restart_at:
@@ -75,9 +80,33 @@ def supervise(procs: list[subprocess.Popen], *, say: Callable[[str], None] = pri
                 restart_at[index] = now + wait
             time.sleep(poll_s)
     finally:
-        say("stopping...")
-        stop_all(list(reversed(procs)))
-        say("stopped")
+        try:
+            # The first signal asked for this stop; any other, even one that came with it, forces it.
+            shut_down(procs, say=say, signals=signals, asked=min(1, len(signals)))
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+    return code
+
+
+def shut_down(procs: list[subprocess.Popen], *, say: Callable[[str], None] = print, grace_s: float = STOP_GRACE_S,
+              signals: list[int] | None = None, asked: int = 0, announce: bool = True) -> None:
+    """Stop every child, the last started first within a stage (``stop_all``, each child waited for
+    up to its grace). A Ctrl-C or SIGTERM meanwhile, beyond the ``asked`` first of ``signals`` (those
+    that asked for this stop), stops them all at once (SIGKILL). ``announce``: say when the stop
+    starts and ends (the notices of a long wait and of a kill are said either way)."""
+    signals = [] if signals is None else signals
+
+    def on_signal(signum, frame):
+        signals.append(signum)
+
+    previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        if announce:
+            say("stopping...")
+        stop_all(list(reversed(procs)), grace_s=grace_s, forced=lambda: len(signals) > asked, say=say)
+        if announce:
+            say("stopped")
+    finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    return code

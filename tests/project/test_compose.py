@@ -98,3 +98,28 @@ def test_every_setting_the_example_env_names_is_one_the_app_reads():
     read = set(re.findall(r'env_\w+\(\s*"([A-Z0-9_]+)"', (REPO_ROOT / "inference_platform" / "settings.py").read_text()))
     named = set(re.findall(r"^#?([A-Z][A-Z0-9_]+)=", (REPO_ROOT / ".env.example").read_text(), re.MULTILINE))
     assert named - COMPOSE_ONLY <= read, f"not read by the settings: {sorted(named - COMPOSE_ONLY - read)}"
+
+
+def seconds_of(duration: str) -> float:
+    """A compose duration (``stop_grace_period``): 90s, 11m, 1m30s, 1h."""
+    found = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m(?!s))?(?:(\d+)s)?", str(duration).strip())
+    assert found and any(found.groups()), f"not a duration compose reads as meant here: {duration!r}"
+    hours, minutes, secs = (int(part or 0) for part in found.groups())
+    return hours * 3600 + minutes * 60 + secs
+
+
+def test_an_inference_worker_is_given_longer_than_the_drain_timeout_to_stop(compose):
+    """Its command waits up to FLEET_DRAIN_TIMEOUT for the running requests; docker's own default
+    (10 s) would kill them first."""
+    [default] = re.findall(r'FLEET_DRAIN_TIMEOUT = env_seconds\("FLEET_DRAIN_TIMEOUT", "(\d+)"',
+                           (REPO_ROOT / "inference_platform" / "settings.py").read_text())
+    inference = {}
+    for name, service in app_services(compose).items():
+        command = service.get("command") or []
+        if command[:2] == [APP_COMMAND, "worker"]:
+            args = build_parser().parse_args(command[1:])
+            if (args.slots or 0) > 0 or args.deployments:
+                inference[name] = service
+    assert inference, "no inference worker in compose.yaml"
+    for name, service in inference.items():
+        assert seconds_of(service.get("stop_grace_period", "10s")) > int(default), name

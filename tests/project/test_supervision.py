@@ -69,3 +69,52 @@ def test_a_killed_child_is_started_again_and_a_signal_still_stops_everything(tmp
     finally:
         if supervisor.poll() is None:
             supervisor.kill()
+
+
+# A supervisor whose child, like an inference worker in its warm shutdown, keeps running after a
+# SIGTERM (it would for its drain timeout, 600 s), and says when it has its handler in place.
+DRAINING_SUPERVISOR = textwrap.dedent("""
+    import sys
+    from inference_platform.processes import spawn
+    from inference_platform.supervision import supervise
+    child = spawn([sys.executable, "-c", '''
+    import signal, sys, time
+    from pathlib import Path
+    signal.signal(signal.SIGTERM, lambda signum, frame: Path(sys.argv[1], "draining").touch())
+    Path(sys.argv[1], "ready").touch()
+    while True:
+        time.sleep(1)
+    ''', sys.argv[1]], role="the inference worker")
+    child.stop_grace_s = 600
+    child.waiting_for = lambda: "the inference worker to finish its 3 running requests"
+    sys.exit(supervise([child]))
+""")
+
+
+def test_a_stop_waits_for_the_inference_worker_and_says_so_and_a_second_signal_forces_it(tmp_path):
+    log = tmp_path / "supervisor.log"
+    with open(log, "w") as out:
+        supervisor = subprocess.Popen([sys.executable, "-c", DRAINING_SUPERVISOR, str(tmp_path)], cwd=REPO_ROOT,
+                                      stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_until(lambda: (tmp_path / "ready").exists(), timeout=30, message="the child")
+        [child] = psutil.Process(supervisor.pid).children()
+
+        supervisor.send_signal(signal.SIGTERM)  # docker compose stop
+        wait_until(lambda: "waiting up to" in log.read_text() or supervisor.poll() is not None, timeout=60,
+                   message="the notice of the wait")
+        output = log.read_text()
+        assert ("waiting up to 600 s for the inference worker to finish its 3 running requests; "
+                "press Ctrl-C again (or send SIGTERM again) to stop now") in output, output
+        assert output.count("waiting up to") == 1
+        assert (tmp_path / "draining").exists() and child.is_running() and supervisor.poll() is None
+
+        supervisor.send_signal(signal.SIGINT)  # then Ctrl-C: stop now
+        assert supervisor.wait(timeout=30) == 0, log.read_text()
+        output = log.read_text()
+        assert "stopping now: killing the inference worker" in output and output.rstrip().endswith("stopped")
+        gone, alive = psutil.wait_procs([child], timeout=15)
+        assert alive == []
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
