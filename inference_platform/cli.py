@@ -389,7 +389,7 @@ def _running_requests(worker: str, timeout_s: float = 2.0) -> int | None:
 
             instance = Worker.objects.filter(hostname=worker).values_list("instance", flat=True).first()
             if instance:
-                found.append(int(fleet.client().hlen(fleet._inflight_key(instance))))
+                found.append(fleet.held_count(instance))
         except Exception:
             pass
         finally:

@@ -25,7 +25,8 @@ from .processes import STOP_GRACE_S, describe, respawn, stop_all
 class Backoff:
     """When to start a dead child again: soon after a death that ended a healthy run (one of at
     least ``healthy_after_s``), then waits doubling up to ``max_delay_s`` while it keeps dying
-    young; never after ``limit`` young deaths in a row (a crash loop: a setting or a bug to fix)."""
+    young; at most ``limit`` restarts in a row after young deaths, and the next young death gives up
+    (a crash loop: a setting or a bug to fix)."""
 
     healthy_after_s: float = 60.0
     first_delay_s: float = 1.0
@@ -72,7 +73,7 @@ def supervise(procs: list[subprocess.Popen], *, say: Callable[[str], None] = pri
                 wait = backoffs[index].after_death(lived_s=now - proc.started_at)
                 if wait is None:
                     say(f"error: {describe(proc)} exited with code {proc.returncode}, "
-                        f"{backoffs[index].limit} times in a row within {backoffs[index].healthy_after_s:g}s "
+                        f"{backoffs[index].young_deaths} times in a row within {backoffs[index].healthy_after_s:g}s "
                         "of starting; stopping (see its log)")
                     code = 1
                     break

@@ -171,6 +171,11 @@ def track_received(instance: str, request_id: str, delivery_tag: str) -> None:
     pipe.execute()
 
 
+def held_count(instance: str) -> int:
+    """How many requests the process ``instance`` took and has not finished."""
+    return int(client().hlen(_inflight_key(instance)))
+
+
 def untrack(instance: str, request_id: str) -> None:
     client().hdel(_inflight_key(instance), request_id)
 

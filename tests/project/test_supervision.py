@@ -31,7 +31,7 @@ def test_a_child_in_a_crash_loop_stops_everything_with_its_name():
     code = supervise(procs, say=said.append, backoff=lambda: Backoff(first_delay_s=0.01, limit=2), poll_s=0.01)
     assert code == 1
     assert said.count("warning: the inference worker exited with code 3; restarting it in 0.01s") == 1
-    assert any(line.startswith("error: the inference worker exited with code 3, 2 times in a row") for line in said)
+    assert any(line.startswith("error: the inference worker exited with code 3, 3 times in a row") for line in said)
     assert healthy.poll() is not None  # stopped with the rest
     assert procs[0] is not crashing  # restarted twice before giving up
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers  # given back
