@@ -239,7 +239,11 @@ class Call:
             await self.cancel()
             raise ApiError(503, f"No worker is serving '{self.spec['name']}' right now; try again shortly.",
                            code="model_unavailable") from None
-        self.stages.mark("load" if self.cold_start else "queue")
+        if self.cold_start:  # the wait was the model's load: the same stages, in the same order
+            self.stages.durations.setdefault("queue", 0.0)
+            self.stages.mark("load")
+        else:
+            self.stages.mark("queue")
         if event["type"] == "inference.accepted":  # the worker has to load the model first
             try:
                 event = await self._receive(settings.GATEWAY_START_TIMEOUT)
