@@ -494,7 +494,12 @@ def cmd_web(args) -> int:
     ensure_redis(settings, procs, alone=True)
     require_database(settings)
     free_port(args.host, args.port)
-    procs.append(spawn(web_command(host=args.host, port=args.port, workers=args.workers), env=child_env()))
+    # A stop lets the answers already streaming finish, as long as the inference workers' drain.
+    drain = drain_timeout(settings)
+    web = spawn(web_command(host=args.host, port=args.port, workers=args.workers, graceful_s=drain),
+                env=child_env(), role="the web server")
+    web.stop_grace_s = drain + STOP_GRACE_S  # its own timeout ends its streams first
+    procs.append(web)
     say(f"web server on http://{args.host}:{args.port}")
     return supervise(procs, say=say)
 

@@ -109,8 +109,8 @@ def seconds_of(duration: str) -> float:
 
 
 def test_an_inference_worker_is_given_longer_than_the_drain_timeout_to_stop(compose):
-    """Its command waits up to FLEET_DRAIN_TIMEOUT for the running requests; docker's own default
-    (10 s) would kill them first."""
+    """Its command waits up to FLEET_DRAIN_TIMEOUT for the running requests, and the web server
+    streams their answers as long; docker's own default (10 s) would kill them first."""
     [default] = re.findall(r'FLEET_DRAIN_TIMEOUT = env_seconds\("FLEET_DRAIN_TIMEOUT", "(\d+)"',
                            (REPO_ROOT / "inference_platform" / "settings.py").read_text())
     inference = {}
@@ -121,5 +121,6 @@ def test_an_inference_worker_is_given_longer_than_the_drain_timeout_to_stop(comp
             if (args.slots or 0) > 0 or args.deployments:
                 inference[name] = service
     assert inference, "no inference worker in compose.yaml"
+    inference["web"] = compose["services"]["web"]  # which streams those requests' answers meanwhile
     for name, service in inference.items():
         assert seconds_of(service.get("stop_grace_period", "10s")) > int(default), name

@@ -78,3 +78,27 @@ def test_ctrl_c_lets_a_running_stream_finish_bills_it_and_exits_0(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_the_web_command_keeps_open_answers_as_long_as_the_workers_drain(tmp_path):
+    """`web` run apart (compose's web service) must not cut the streams a stopping GPU worker is
+    still finishing: its server's graceful timeout is the drain timeout, and its supervisor waits."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from tests.support import REPO_ROOT, free_port, wait_until
+
+    env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL"}}
+    env.update(DATA_DIR=str(tmp_path), FLEET_DRAIN_TIMEOUT="42")
+    web = subprocess.Popen([sys.executable, "-m", "inference_platform.cli", "web", "--port", str(free_port())],
+                           cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        server = wait_until(lambda: [c for c in psutil.Process(web.pid).children() if "uvicorn" in " ".join(c.cmdline())],
+                            timeout=60, message="the web server")[0]
+        line = server.cmdline()
+        assert line[line.index("--timeout-graceful-shutdown") + 1] == "42"
+    finally:
+        web.send_signal(signal.SIGINT)
+        web.wait(timeout=60)
