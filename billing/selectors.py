@@ -50,11 +50,6 @@ def balance(*, organization: Organization) -> Decimal:
                       .values_list("micros", flat=True).first())
 
 
-def adjustment_exists(*, reference: str) -> bool:
-    """Whether an operator's adjustment was already made under ``reference`` (they happen once)."""
-    return LedgerEntry.objects.filter(kind=LedgerEntry.Kind.ADJUSTMENT, reference=reference).exists()
-
-
 def refused_usage_events() -> list[RefusedUsageEvent]:
     """The usage events billing refused and kept, not recorded by a replay yet, oldest first."""
     return list(RefusedUsageEvent.objects.filter(replayed_at__isnull=True))

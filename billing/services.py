@@ -110,10 +110,12 @@ def grant_signup_credit(*, organization: Organization) -> LedgerEntry | None:
     return entry if entry.organization_id == organization.pk else None
 
 
-def add_adjustment(*, organization: Organization, amount: Decimal, description: str, reference: str = "") -> LedgerEntry:
-    """An operator's manual credit (positive) or debit (negative). With a ``reference`` it happens
-    once: a second call with the same reference returns the first entry (one of another
-    organization raises InvalidParameter: nothing would be credited where it was meant to be)."""
+def add_adjustment(*, organization: Organization, amount: Decimal, description: str,
+                   reference: str = "") -> tuple[LedgerEntry, bool]:
+    """An operator's manual credit (positive) or debit (negative); returns the entry and whether it
+    was written now. With a ``reference`` it happens once: a second call with the same reference
+    returns the first entry (one of another organization raises InvalidParameter: nothing would be
+    credited where it was meant to be)."""
     if isinstance(amount, float) or not isinstance(amount, Decimal):
         raise InvalidParameter("amount", "amount must be a Decimal")
     try:
@@ -122,11 +124,11 @@ def add_adjustment(*, organization: Organization, amount: Decimal, description: 
         raise InvalidParameter("amount", f"amount {amount} is not a USD amount") from None
     if amount == 0:
         raise InvalidParameter("amount", "an adjustment cannot be zero")
-    entry, _ = _post(organization_id=organization.pk, kind=LedgerEntry.Kind.ADJUSTMENT, amount=amount,
-                     reference=reference, description=description[:255])
+    entry, created = _post(organization_id=organization.pk, kind=LedgerEntry.Kind.ADJUSTMENT, amount=amount,
+                           reference=reference, description=description[:255])
     if entry.organization_id != organization.pk:
         raise InvalidParameter("reference", f"the reference {reference!r} was already used for another organization")
-    return entry
+    return entry, created
 
 
 # --- usage ------------------------------------------------------------------------------------------

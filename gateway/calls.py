@@ -29,7 +29,6 @@ from redis.exceptions import RedisError
 
 from billing.pricing import PRICE_FIELDS, Prices
 from inference_platform import read_cache
-from inference_platform.channel_layer import retry_once
 from workers import capacity, dispatch
 
 from . import admission, ratelimit
@@ -308,12 +307,11 @@ class Call:
 
 
 async def _send_cancel(request_id: str) -> bool:
-    """Abort ``request_id`` wherever it is; False (logged) when Redis is failing: best effort.
-    Retried once on a fresh connection (the pool's may all have died with a Redis restart): a
-    request given up on with a 503 must not run, and be billed, anyway."""
-    client = ratelimit.client()
+    """Abort ``request_id`` wherever it is; False (logged) when Redis is failing: best effort. Its
+    client's pool checks a connection before handing it out, so that a request given up on with a
+    503 right after a Redis restart is still cancelled (and does not run, and get billed, anyway)."""
     try:
-        await retry_once(client, lambda: dispatch.cancel(client, request_id))  # both steps idempotent
+        await dispatch.cancel(ratelimit.client(), request_id)
     except REDIS_FAILURES as exc:
         log.warning("could not cancel %s: %s", request_id, exc)
         return False

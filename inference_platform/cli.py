@@ -352,6 +352,16 @@ def drain_timeout(settings) -> float:
     return max(float(settings.FLEET_DRAIN_TIMEOUT), STOP_GRACE_S)
 
 
+def spawn_web(settings, *, host: str, port: int, workers: int, env: dict, log: Path | None = None) -> subprocess.Popen:
+    """The web server. A stop lets it keep streaming the answers already open (it takes no new
+    connection) for as long as the inference workers drain, and its own timeout ends them first."""
+    drain = drain_timeout(settings)
+    web = spawn(web_command(host=host, port=port, workers=workers, graceful_s=drain), env=env, log=log,
+                role="the web server")
+    web.stop_grace_s = drain + STOP_GRACE_S
+    return web
+
+
 def drains_on_stop(proc: subprocess.Popen, settings, worker: str) -> subprocess.Popen:
     """Give the inference worker ``proc`` (Celery node ``worker``) the drain timeout to stop in,
     and the words for what it finishes meanwhile (see ``processes.stop_all``)."""
@@ -430,11 +440,8 @@ def cmd_up(args) -> int:
         spawned_at = timezone.now()
         # A stop lets the inference worker finish its running requests (up to the drain timeout),
         # and the web server keep streaming them meanwhile (it takes no new connection).
-        drain = drain_timeout(settings)
-        web = spawn(web_command(host=args.host, port=args.port, workers=args.web_workers, graceful_s=drain),
-                    env=env, log=logs / "web.log", role="the web server")
-        web.stop_grace_s = drain + STOP_GRACE_S  # its own timeout ends its streams first
-        procs.append(web)
+        procs.append(spawn_web(settings, host=args.host, port=args.port, workers=args.web_workers, env=env,
+                               log=logs / "web.log"))
         # Two workers, as in compose.yaml: the engine's process runs inference alone, and billing's
         # writes run in a process of their own instead of taking turns with the engine's loop.
         procs.append(drains_on_stop(
@@ -494,12 +501,7 @@ def cmd_web(args) -> int:
     ensure_redis(settings, procs, alone=True)
     require_database(settings)
     free_port(args.host, args.port)
-    # A stop lets the answers already streaming finish, as long as the inference workers' drain.
-    drain = drain_timeout(settings)
-    web = spawn(web_command(host=args.host, port=args.port, workers=args.workers, graceful_s=drain),
-                env=child_env(), role="the web server")
-    web.stop_grace_s = drain + STOP_GRACE_S  # its own timeout ends its streams first
-    procs.append(web)
+    procs.append(spawn_web(settings, host=args.host, port=args.port, workers=args.workers, env=child_env()))
     say(f"web server on http://{args.host}:{args.port}")
     return supervise(procs, say=say)
 

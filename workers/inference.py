@@ -67,12 +67,12 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
     except EngineError as exc:  # stopped (an unload raced this request) or its loop died: retryable
         log.error("deployment %s could not take request %s: %s", payload["deployment"]["name"], request_id, exc)
         send_quietly(send, reply, _error(503, f"the model is not running on this worker ({exc}); retry",
-                                          code="model_unavailable"))
+                                         code="model_unavailable"))
         return None
     except Exception:  # a bug: answer now rather than leave the client waiting for a timeout
         log.exception("request %s could not be submitted", request_id)
         send_quietly(send, reply, _error(500, "the worker failed to start this request; it is logged",
-                                          code="internal_error"))
+                                         code="internal_error"))
         return None
 
     stream.handle = handle

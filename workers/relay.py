@@ -104,9 +104,10 @@ class StreamRelay:
 
     ``mark_streaming`` is called (on the relay's loop, blocking it briefly) with the request ids
     whose first token is about to leave for a streaming client, before it does: a copy of the
-    request redelivered after this must not run again (the client has seen tokens). ``check_tickets`` is called with the
-    tickets of the streams about to send, and marks superseded those another worker took over: their
-    requests are aborted here instead, and nothing of them leaves."""
+    request redelivered after this must not run again (the client has seen tokens).
+    ``check_tickets`` is called with the tickets of the streams about to send, and marks superseded
+    those another worker took over: their requests are aborted here instead, and nothing of them
+    leaves."""
 
     def __init__(self, sender: ChannelSender, *, mark_streaming: Callable[[list[str]], None] | None = None,
                  check_tickets: Callable[[list], None] | None = None):
@@ -194,7 +195,6 @@ class StreamRelay:
         for stream in finishing:
             stream.end()
 
-
     def _drop_superseded(self, batch: list) -> None:
         tickets = list({id(s.ticket): s.ticket for s, _ in batch if s.ticket is not None and not s.ended}.values())
         if tickets and self._check_tickets is not None:
@@ -243,7 +243,6 @@ def relay() -> StreamRelay:
     with _lock:
         if _relay is None:
             from . import fleet
-
             from .agent import agent
 
             _relay = StreamRelay(channel_sender,

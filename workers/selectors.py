@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.db.models import Count, F, QuerySet
-from redis.exceptions import RedisError
 from django.utils import timezone
+from redis.exceptions import RedisError
 
 from models_catalog.models import Deployment
 

@@ -33,13 +33,12 @@ class Command(BaseCommand):
             raise CommandError(f"amount must be finite, with at most 6 decimals, not {amount!r}")
         if not reason.strip():
             raise CommandError("--reason must say why, in words the organization will read")
-        done_before = bool(reference) and selectors.adjustment_exists(reference=reference)
         try:
-            entry = services.add_adjustment(organization=org, amount=value, description=reason.strip(),
-                                            reference=reference)
+            entry, created = services.add_adjustment(organization=org, amount=value, description=reason.strip(),
+                                                     reference=reference)
         except InvalidParameter as exc:
             raise CommandError(str(exc)) from None
-        note = " (done before under this reference: nothing added now)" if done_before else ""
+        note = "" if created else " (done before under this reference: nothing added now)"
         self.stdout.write(f"{org.name} (id {org.pk}): {entry.amount:+} USD, ledger entry {entry.pk}{note}; "
                           f"balance now {selectors.balance(organization=org)} USD")
 

@@ -11,7 +11,8 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser):
-        parser.add_argument("--list", dest="only_list", action="store_true", help="list the refused events waiting, and replay nothing")
+        parser.add_argument("--list", dest="only_list", action="store_true",
+                            help="list the refused events waiting, and replay nothing")
 
     def handle(self, *args, only_list=False, **options):
         waiting = selectors.refused_usage_events()
