@@ -219,6 +219,19 @@ def test_an_abort_after_the_last_token_was_taken_reports_how_the_request_ended(m
     engine.stop()
 
 
+def test_an_engine_gone_idle_reports_the_requests_it_finished_last(model):
+    # With nothing left to run, the last step's outputs are handed out while the engine waits for
+    # work; its figures (read by the worker's heartbeat) must count those requests too.
+    with make_engine(model) as engine:
+        handles = [engine.submit(p, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+                   for p in PROMPTS[:2]]
+        for handle in handles:
+            handle.result(timeout=60)
+        wait_until(lambda: engine.stats()["running"] == 0 and engine.stats()["requests_finished"] == 2,
+                   timeout=10, what="the idle engine's figures to count both requests")
+        assert engine.stats()["generated_tokens"] == 6
+
+
 # 3: the token that fails is also the one that reaches max_tokens.
 @pytest.mark.parametrize("max_tokens", [6, 3])
 def test_a_token_that_cannot_be_decoded_fails_only_its_request(model, monkeypatch, max_tokens):

@@ -532,6 +532,7 @@ class Engine:
                     return True  # the last step's tokens go out while the next one runs
                 if self._unhanded:
                     self._hand_out(locked=True)  # nothing to overlap with: deliver now
+                    self._stats = self._collect_stats()  # it finished requests: an idle engine reports them
                 if scheduler.waiting:
                     # Idle: give a burst of requests the batch window to arrive together.
                     wait = scheduler.waiting[0].timings.arrival_time + self.batch_window \
