@@ -232,11 +232,13 @@ class Call:
 
     async def start(self) -> None:
         """Wait for a worker to accept and the engine to admit the request; raise ApiError if not."""
+        waited = self.queue_timeout or settings.GATEWAY_QUEUE_TIMEOUT
         try:
-            event = await self._receive(self.queue_timeout or settings.GATEWAY_QUEUE_TIMEOUT)
+            event = await self._receive(waited)
         except asyncio.TimeoutError:
             await self.cancel()
-            raise ApiError(503, f"No worker is serving '{self.spec['name']}' right now; try again shortly.",
+            raise ApiError(503, f"No worker took this request for '{self.spec['name']}' within {waited:g}s: its "
+                                "replicas are busy, or none is running; try again shortly.",
                            code="model_unavailable") from None
         if self.cold_start:  # the wait was the model's load: the same stages, in the same order
             self.stages.durations.setdefault("queue", 0.0)

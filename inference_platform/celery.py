@@ -51,6 +51,9 @@ def _recycle_connections(task=None, **_) -> None:
     connections.close_all()
 
 
+DEPLOYMENT_QUEUE_PREFIX = "deployment."
+
+
 def deployment_queue(deployment_name: str) -> str:
     """The Celery queue a deployment's requests travel on."""
-    return f"deployment.{deployment_name}"
+    return f"{DEPLOYMENT_QUEUE_PREFIX}{deployment_name}"

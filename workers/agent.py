@@ -37,6 +37,7 @@ from inference_platform.celery import app, deployment_queue
 
 from . import fleet
 from .inference import send_quietly
+from .reservations import reservations
 from .runtime import host
 
 log = logging.getLogger(__name__)
@@ -203,6 +204,7 @@ class Agent:
         self.consumer = consumer
         self.hostname = consumer.hostname
         self.slots = int(settings.WORKER_SLOTS)
+        reservations.attach(consumer)
         threading.Thread(target=self._beat_forever, name="fleet-heartbeat", daemon=True).start()
         if self.slots > 0:
             for name in [n for n in os.environ.get("INFERENCE_PRELOAD", "").split(",") if n]:
@@ -233,6 +235,7 @@ class Agent:
                     self.check_tickets(tickets)
                 fleet.set_alive(INSTANCE, self.hostname)
                 self._alive_since = started  # the key was set after this: it expires after started + TTL
+                reservations.apply()  # again after a reconnection, which resets Celery's prefetch
                 if self.slots > 0:
                     device = device or detect_device()
                     self._beat(device)
@@ -351,6 +354,7 @@ class Agent:
         with self.lock:
             if not self._still_wanted(spec):
                 return  # unloaded meanwhile, or other settings asked for since: the step queued after this loads those
+        reservations.serve(name, spec.get("max_batch_size"))
         loaded = host.spec(name)
         if loaded is not None and loaded != spec:
             # Other settings, or a deleted deployment's name taken again: the old engine finishes
@@ -369,6 +373,7 @@ class Agent:
                            error=str(exc)[:1000])
             with self.lock:
                 self.hosted.pop(name, None)
+            reservations.forget(name)
             return
         seconds = host.load_seconds.get(name) or (time.monotonic() - started)
         with self.lock:
@@ -430,6 +435,7 @@ class Agent:
             if (self.hosted.get(name) or {}).get("state") != "unloading":
                 return
         host.unload(name)
+        reservations.forget(name)
         with self.lock:
             if (self.hosted.get(name) or {}).get("state") == "unloading":
                 self.hosted.pop(name, None)
@@ -441,6 +447,7 @@ class Agent:
         """Run one request through ``run(send)`` (``workers.inference.run``) with the bookkeeping."""
         request_id = payload["request_id"]
         name = payload["deployment"]["name"]
+        reservations.serve(name, payload["deployment"].get("max_batch_size"))
         previous = fleet.claim(payload, instance=INSTANCE, hostname=hostname)
         skip: set[str] = set()
         if previous:

@@ -300,6 +300,57 @@ def test_a_worker_paused_past_its_heartbeats_sends_and_bills_nothing_of_the_requ
     assert rows == [("completed", 200), ("completed", 200), ("failed", 0)]  # the second, once, for what it got
 
 
+def _finished_on(hostname: str, deployment: str) -> int:
+    """Requests the worker's engine for the deployment has finished."""
+    replies = app.control.broadcast("engine_stats", reply=True, timeout=3, destination=[hostname])
+    return sum(reply.get("engines", {}).get(deployment, {}).get("requests_finished", 0)
+               for answer in replies for reply in answer.values())
+
+
+def test_a_burst_waits_on_the_queue_so_that_the_replica_added_for_it_takes_its_share(
+        fleet, tenant, deploy, db_read):
+    """A worker takes what its engine batches (2 here), a quarter more (1) and one per other queue it
+    consumes (default, billing), not a request per thread (16): the rest of a burst waits on the
+    deployment's queue, where the placement loop sees it, and the replica it adds for it serves
+    part of it."""
+    from workers import fleet as broker
+
+    name = deploy(min_replicas=1, max_replicas=2, max_batch_size=2, batch_window_ms=0)["name"]
+    wait_until(lambda: status_of(tenant, name) == "ready", timeout=LOAD_TIMEOUT, interval=0.3,
+               message=f"{name} to be ready")
+    [(first, _)] = _replicas(db_read, name)
+
+    burst = 14
+    answers: dict[int, object] = {}
+    clients = [threading.Thread(target=lambda i=i: answers.__setitem__(
+        i, _chat(tenant, name, f"Write a long story about lighthouse number {i}.", max_tokens=64)))
+        for i in range(burst)]
+    for thread in clients:
+        thread.start()
+
+    def queued() -> int:
+        return broker.queue_depths([name])[name]
+
+    held = 3 + 2
+    wait_until(lambda: len(_unacknowledged(name)) == held and queued() >= burst - held - _finished_on(first, name),
+               timeout=60, interval=0.05, message=f"the worker to hold {held} of the burst and the rest to wait")
+    assert len(_unacknowledged(name)) <= held
+
+    wait_until(lambda: len([s for _, s in _replicas(db_read, name) if s == "ready"]) == 2, timeout=LOAD_TIMEOUT,
+               interval=0.3, message="a second replica for the burst")
+    [second] = [w for w, _ in _replicas(db_read, name) if w != first]
+    for thread in clients:
+        thread.join(timeout=LOAD_TIMEOUT)
+    assert len(answers) == burst
+    assert all(a.choices[0].finish_reason == "length" and a.usage.completion_tokens == 64 for a in answers.values())
+
+    def served() -> dict[str, int] | None:  # the engines' figures are refreshed after their step
+        counts = {first: _finished_on(first, name), second: _finished_on(second, name)}
+        return counts if sum(counts.values()) == burst else None
+
+    assert wait_until(served, timeout=30, message="both engines' figures")[second] > 0
+
+
 def test_a_worker_killed_mid_request_is_replaced_and_its_requests_are_not_lost(fleet, tenant, deploy, db_read):
     """SIGKILL the worker generating two requests: one streaming (its client gets a clear error and
     it is recorded, free, as failed), one whose client does not stream (the gateway held its tokens,

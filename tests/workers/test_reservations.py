@@ -1,0 +1,90 @@
+"""A worker takes from the broker what its engines can run, not its whole thread count.
+
+The consumer here is the part of Celery's that the reservations read and set: its kombu ``QoS``
+(the real one, which the consumer loop applies) and the queues its task consumer consumes. The
+fleet test (``test_fleet.py``) checks the same against real workers and a real burst.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+from kombu import Queue
+from kombu.common import QoS
+
+from workers.reservations import Reservations, reserve_for
+
+
+def _consumer(*queues: str, threads: int = 64) -> SimpleNamespace:
+    applied: list[int] = []
+    qos = QoS(lambda prefetch_count: applied.append(prefetch_count), threads)
+    qos.update()
+    return SimpleNamespace(qos=qos, initial_prefetch_count=threads, applied=applied,
+                           task_consumer=SimpleNamespace(queues=[Queue(name) for name in queues]))
+
+
+@pytest.mark.parametrize(("batch", "reserved"), [(1, 2), (2, 3), (4, 5), (5, 7), (32, 40), (256, 320)])
+def test_a_deployment_reserves_its_batch_and_a_quarter_more(batch, reserved):
+    assert reserve_for(batch) == reserved
+
+
+def test_the_prefetch_follows_the_deployments_hosted_and_the_other_queues():
+    consumer = _consumer("default", "billing", "deployment.a", "deployment.b")
+    reservations = Reservations()
+    reservations.attach(consumer)
+    assert consumer.qos.value == 64  # nothing hosted yet: Celery's own
+
+    reservations.serve("a", 2)
+    reservations.serve("b", 32)
+    assert consumer.qos.value == 3 + 40 + 2
+    consumer.qos.update()  # what the consumer loop does between two turns
+    assert consumer.applied[-1] == 45
+    assert consumer.initial_prefetch_count == 45  # a reconnection starts from it
+
+    reservations.serve("b", 4)  # its settings changed
+    assert consumer.qos.value == 3 + 5 + 2
+    reservations.forget("a")
+    assert consumer.qos.value == 5 + 2
+    reservations.forget("b")
+    assert consumer.qos.value == 64
+
+
+def test_a_billing_worker_keeps_celerys_prefetch():
+    consumer = _consumer("default", "billing", threads=4)
+    reservations = Reservations()
+    reservations.attach(consumer)
+    reservations.apply()
+    assert consumer.qos.value == 4 and consumer.applied == [4]
+
+
+def test_never_more_than_the_threads_and_the_operator_is_told(caplog):
+    consumer = _consumer("deployment.big", threads=16)
+    reservations = Reservations()
+    reservations.attach(consumer)
+    with caplog.at_level(logging.WARNING, logger="workers.reservations"):
+        reservations.serve("big", 64)
+        reservations.apply()
+    assert consumer.qos.value == 16
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "big=64" in warning and "--concurrency 80" in warning
+
+
+def test_a_reconnection_resets_celerys_prefetch_and_the_next_apply_sets_it_again():
+    consumer = _consumer("deployment.a")
+    reservations = Reservations()
+    reservations.attach(consumer)
+    reservations.serve("a", 8)
+    assert consumer.qos.value == 10
+    consumer.qos = QoS(lambda prefetch_count: None, 64)  # Celery builds a new one on a reconnection
+    reservations.apply()
+    assert consumer.qos.value == 10
+
+
+def test_an_unreadable_batch_size_changes_nothing():
+    consumer = _consumer("deployment.a")
+    reservations = Reservations()
+    reservations.attach(consumer)
+    reservations.serve("a", None)
+    assert consumer.qos.value == 64
