@@ -38,7 +38,14 @@ def test_a_prompt_longer_than_the_context_is_400_and_not_billed(tenant, db_read)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
-    # A request that runs afterwards is billed; the refused one never is.
+    # A prompt that fits, with a max_tokens the rest of the context cannot hold: refused, not cut short.
+    fits = "hello " * 8000
+    response = chat(tenant, {"model": DEPLOYMENT, "messages": [{"role": "user", "content": fits}], "max_tokens": 1000})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+    assert "1000 to generate" in error["message"]
+    # A request that runs afterwards is billed; the refused ones never are.
     ok = chat(tenant, {"model": DEPLOYMENT, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert ok.status_code == 200
     wait_for_usage(db_read, tenant, 1)

@@ -455,13 +455,19 @@ def test_bad_parameters_are_refused_at_submit(engine, model):
     assert engine.generate("Hello", GREEDY, timeout=60).completion_tokens == 8
 
 
-def test_max_tokens_is_clamped_to_the_context(model):
+def test_a_request_without_max_tokens_fills_the_context_and_one_asking_for_more_is_refused(model):
     with make_engine(model, max_model_len=40) as eng:
         prompt = model.tokenizer.encode(PROMPTS[3])[:30]
-        result = eng.generate(prompt, SamplingParams(max_tokens=100, temperature=0,
-                                                     ignore_eos=True), timeout=60)
-    assert result.finish_reason == "length"
-    assert result.prompt_tokens + result.completion_tokens == 40
+        result = eng.generate(prompt, SamplingParams(temperature=0, ignore_eos=True), timeout=60)
+        assert result.finish_reason == "length"
+        assert result.prompt_tokens + result.completion_tokens == 40
+        room = 40 - len(prompt)
+        exact = eng.generate(prompt, SamplingParams(max_tokens=room, temperature=0, ignore_eos=True),
+                             timeout=60)
+        assert exact.completion_tokens == room
+        with pytest.raises(InvalidRequestError, match="holds 40 tokens, but 41 were asked for") as refused:
+            eng.submit(prompt, SamplingParams(max_tokens=room + 1))
+        assert refused.value.param == "prompt"
 
 
 # ------------------------------------------------------------------------- failing steps

@@ -156,9 +156,9 @@ class Engine:
     ``batch_window_ms``: when idle, how long to wait for more requests before the first prefill,
     so that a burst starts as one batch (a full batch starts at once).
 
-    Requests: a prompt that leaves no room in the context is refused (``InvalidRequestError``,
-    param "prompt"); a ``max_tokens`` beyond the room left is clamped to it, and the request then
-    ends with finish_reason "length".
+    Requests: a prompt that leaves no room in the context, or less than its ``max_tokens``, is
+    refused (``InvalidRequestError``, param "prompt"); without ``max_tokens`` a request may fill
+    the context, and then ends with finish_reason "length".
     """
 
     def __init__(self, model: Any, **options: Any):
@@ -400,12 +400,11 @@ class Engine:
                 raise InvalidRequestError("messages: each message needs a role",
                                           param="messages")
         try:
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
         except ValueError as exc:  # the template refused the messages
             raise InvalidRequestError(f"messages: {exc}", param="messages") from exc
         # A template that writes the BOS itself, on a tokenizer that adds one too (Llama 3,
         # Mistral GGUFs), gave two: keep one. One that does not write it keeps the tokenizer's.
-        ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         bos = self.tokenizer.bos_token_id
         if bos is not None and ids[:2] == [bos, bos]:
             ids = ids[1:]
@@ -472,8 +471,9 @@ class Engine:
         return ids
 
     def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """The request's max_tokens, clamped to the context. A prompt that leaves no room for
-        one token, or that needs more KV blocks than the engine has, is refused."""
+        """The request's max_tokens: what the context leaves when none is given. A prompt that
+        leaves no room for one token or for the max_tokens asked for, or that needs more KV blocks
+        than the engine has, is refused."""
         n = len(prompt_ids)
         if n >= self.max_model_len:
             raise InvalidRequestError(
@@ -493,7 +493,13 @@ class Engine:
                 raise InvalidRequestError(f"stop_token_ids: token id {token} is not in the "
                                           f"vocabulary of {vocab}", param="stop_token_ids")
         room = self.max_model_len - n
-        return room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.max_tokens is not None and params.max_tokens > room:
+            # As OpenAI: an asked-for length that does not fit is refused, not silently cut.
+            raise InvalidRequestError(
+                f"prompt: this model's context holds {self.max_model_len} tokens, but "
+                f"{n + params.max_tokens} were asked for ({n} in the prompt, {params.max_tokens} "
+                f"to generate); shorten the prompt or lower max_tokens", param="prompt")
+        return room if params.max_tokens is None else params.max_tokens
 
     def _detokenizer(self):
         from .tokenizer import IncrementalDetokenizer

@@ -44,9 +44,9 @@ class SamplingParams:
     """How to pick tokens and when to stop. Defaults follow OpenAI's API.
 
     ``temperature == 0`` is greedy. ``top_k`` of 0 or -1 disables top-k. ``max_tokens=None`` means
-    "until the context is full"; a ``max_tokens`` larger than what fits after the prompt is
-    clamped to the room left (the request then ends with finish_reason "length"), whereas a
-    prompt that leaves no room at all is rejected.
+    "until the context is full" (the request then ends with finish_reason "length"); a
+    ``max_tokens`` larger than what fits after the prompt is refused, as is a prompt that leaves
+    no room at all.
     """
 
     max_tokens: int | None = None
@@ -210,7 +210,7 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt, then generated tokens
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
-        self.max_tokens = max_tokens  # after clamping to the context
+        self.max_tokens = max_tokens  # what the context leaves when none was asked for
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []

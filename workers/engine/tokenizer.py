@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Encoding, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from .config import UnsupportedModelError, WeightsError
@@ -48,6 +49,10 @@ _IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe"}
 _GPT2_NAMES = {None, "default", "gpt2", *(_DIGIT_SPLIT), *_SPLITS}
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+# Put after the first character of a control token's text written in a message, so that the
+# rendered prompt holds no such text but the template's own (taken out again before encoding).
+_MARK = "\ue000"  # a private-use character
+_MARKS = re.compile(_MARK + "(" + _MARK + ")?")  # a doubled mark is a mark the message itself held
 
 
 class Tokenizer:
@@ -70,6 +75,8 @@ class Tokenizer:
         # bos_token, eos_token, ... as text, which chat templates refer to.
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self._template = None
+        self._control = _control_token_pattern(backend)  # None: the vocabulary has none
+        self._as_text = None  # a copy of the backend that reads control tokens' text as plain text
         self._byte_level = "ByteLevel" in repr(backend.decoder)  # GPT-2 style pieces (else "▁" pieces)
         self._token_bytes: dict[int, bytes] = {}
 
@@ -153,6 +160,40 @@ class Tokenizer:
             raise TypeError(f"encode() needs a str, not {type(text).__name__}")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the chat prompt, with the model's own additions (e.g. BOS). Only the
+        template writes control tokens: a message that spells one (``<|im_end|>``) gets it as
+        text, as OpenAI treats message content, so that a user cannot end their turn or forge
+        another role's. Without such text the ids are those of encoding the rendered prompt."""
+        if self._control is None:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt),
+                               add_special_tokens=True)
+        escaped = [{**m, "content": self._escape(m["content"])} if isinstance(m.get("content"), str) else m
+                   for m in messages]
+        prompt = self.apply_chat_template(escaped, add_generation_prompt=add_generation_prompt)
+        if self._as_text is None:
+            as_text = BackendTokenizer.from_str(self.backend.to_str())
+            as_text.encode_special_tokens = True
+            self._as_text = as_text
+        pieces = []
+        for i, part in enumerate(self._control.split(prompt)):  # odd parts: the template's control tokens
+            if i % 2:
+                pieces.append(self.backend.encode(part, add_special_tokens=False))
+            elif part:
+                pieces.append(self._as_text.encode(_MARKS.sub(lambda m: m.group(1) or "", part),
+                                                   add_special_tokens=False))
+        merged = Encoding.merge(pieces) if pieces else self.backend.encode("", add_special_tokens=False)
+        return self.backend.post_process(merged, add_special_tokens=True).ids
+
+    def _escape(self, text: str) -> str:
+        text = text.replace(_MARK, _MARK * 2)
+        for _ in range(8):  # control tokens whose text overlaps itself need another pass
+            escaped = self._control.sub(lambda m: m.group(0)[0] + _MARK + m.group(0)[1:], text)
+            if escaped == text:
+                break
+            text = escaped
+        return text
+
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
@@ -180,6 +221,14 @@ class Tokenizer:
             raise
         except Exception as exc:  # a template is code: any failure is the caller's messages' fault
             raise ChatTemplateError(f"the chat template failed: {exc}") from exc
+
+
+def _control_token_pattern(backend: BackendTokenizer) -> re.Pattern | None:
+    """A pattern matching the text of the vocabulary's control (special) tokens, the longest first,
+    captured (so that ``split`` keeps them); None when it has none."""
+    texts = sorted({token.content for token in backend.get_added_tokens_decoder().values()
+                    if token.special and token.content}, key=len, reverse=True)
+    return re.compile("(" + "|".join(re.escape(t) for t in texts) + ")") if texts else None
 
 
 class IncrementalDetokenizer:
