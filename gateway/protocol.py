@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,9 +19,14 @@ CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_STOP = 4  # OpenAI allows up to four stop sequences
 MAX_MODEL_NAME = 200
 TOP_P_MIN = 1e-6  # top_p 0 asks for the likeliest token alone; the sampler keeps at least one
+# JSON may escape half of a UTF-16 pair ("\ud83d"), e.g. from a string cut inside an emoji: not text.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 COMMON_FIELDS = {
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop", "seed",
     "presence_penalty", "frequency_penalty", "logit_bias", "user",
+    # Identifiers OpenAI takes for caching and abuse tracking: nothing to do with them here (the
+    # prefix cache needs no key).
+    "prompt_cache_key", "safety_identifier",
     # Common open-model extensions (vLLM, Together): accepted, passed to the sampler.
     "top_k", "min_p", "repetition_penalty",
 }
@@ -36,6 +42,7 @@ CHAT_NO_OPS = {
     "parallel_tool_calls": (True, False),
     "store": (False,),
     "service_tier": ("auto", "default"),
+    "modalities": (["text"],),
 }
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "metadata"} | \
     set(CHAT_NO_OPS)
@@ -71,7 +78,10 @@ def parse_chat(body: Any) -> InferenceRequest:
     _no_ops(body)
     messages = _messages(body.get("messages"))
     sampling = _sampling(body)
-    if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
+    if body.get("max_completion_tokens") is not None:
+        if body.get("max_tokens") is not None:
+            raise invalid("max_tokens", "max_tokens and max_completion_tokens cannot both be set; send "
+                                        "max_completion_tokens alone", code="invalid_parameter_combination")
         sampling["max_tokens"] = _int(body, "max_completion_tokens", minimum=1)
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
@@ -79,7 +89,7 @@ def parse_chat(body: Any) -> InferenceRequest:
     top = body.get("top_logprobs")
     if top is not None:
         top = _int(body, "top_logprobs", minimum=0, maximum=20)
-        if not logprobs:
+        if top and not logprobs:
             raise invalid("top_logprobs", "top_logprobs requires logprobs to be true")
     sampling["logprobs"] = bool(logprobs)
     sampling["top_logprobs"] = top or 0
@@ -105,7 +115,8 @@ def parse_completion(body: Any) -> InferenceRequest:
         sampling["logprobs"], sampling["top_logprobs"] = False, 0
     for name, allowed in (("echo", (None, False)), ("suffix", (None,)), ("best_of", (None, 1))):
         if body.get(name) not in allowed:
-            raise invalid(name, f"{name} is not supported")
+            raise invalid(name, f"{name}={json.dumps(body.get(name))[:200]} is not supported by this platform; "
+                                f"leave it out", code="unsupported_value")
     return _request("completion", body, sampling, prompt=prompt)
 
 
@@ -126,17 +137,19 @@ def _request(kind: str, body: dict, sampling: dict, **content) -> InferenceReque
     if options is not None:
         if not stream:
             raise invalid("stream_options", "stream_options is only allowed when stream is true")
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise invalid("stream_options", "stream_options accepts only include_usage")
+        if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
+            raise invalid("stream_options", "stream_options accepts only include_usage and include_obfuscation")
         include_usage = options.get("include_usage", False)
-        if not isinstance(include_usage, bool):
-            raise invalid("stream_options.include_usage", "include_usage must be a boolean")
+        for name in ("include_usage", "include_obfuscation"):  # no obfuscation is ever added
+            if not isinstance(options.get(name, False), bool):
+                raise invalid(f"stream_options.{name}", f"{name} must be a boolean")
     n = body.get("n")
     if n is not None and (not _is_int(n) or n != 1):
         raise invalid("n", "only n=1 is supported")
+    for name in ("user", "prompt_cache_key", "safety_identifier"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise invalid(name, f"{name} must be a string")
     user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise invalid("user", "user must be a string")
     return InferenceRequest(kind=kind, model=model, stream=stream, include_usage=include_usage,
                             sampling=sampling, user=user, **content)
 
@@ -195,6 +208,7 @@ def _messages(messages: Any) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise invalid(f"{where}.content", f"{where}.content must be a string or an array of text parts")
+        _unicode(content, f"{where}.content")
         clean.append({"role": "system" if role == "developer" else role, "content": content})
     return clean
 
@@ -207,7 +221,7 @@ def _prompt(prompt: Any) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise invalid("prompt", "prompt must not be empty")
-        return prompt
+        return _unicode(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
         return prompt
     raise invalid("prompt", "prompt must be a non-empty string or an array of token ids (one prompt per request)")
@@ -222,7 +236,18 @@ def _stop(stop: Any) -> list[str]:
         raise invalid("stop", "stop must be a non-empty string or an array of non-empty strings")
     if len(stop) > MAX_STOP:
         raise invalid("stop", f"at most {MAX_STOP} stop sequences are allowed")
+    for text in stop:
+        _unicode(text, "stop")
     return stop
+
+
+def _unicode(text: str, param: str) -> str:
+    found = LONE_SURROGATE.search(text)
+    if found:
+        raise invalid(param, f"{param} holds an unpaired UTF-16 surrogate (\\u{ord(found.group()):04x}) at "
+                             f"character {found.start()}, which is not text: was a string cut inside a "
+                             "character (an emoji)?")
+    return text
 
 
 def _logit_bias(bias: Any) -> dict[str, float]:
@@ -245,8 +270,12 @@ def _object(body: Any) -> dict:
 
 
 def _no_ops(body: dict) -> None:
+    # Tools the client forbids the model to call ask for nothing either (frameworks send them so).
+    tools_off = {"tools": body.get("tool_choice") == "none", "functions": body.get("function_call") == "none"}
     for name, accepted in CHAT_NO_OPS.items():
         value = body.get(name)
+        if tools_off.get(name) and isinstance(value, list):
+            continue
         if value is not None and not any(value == ok and type(value) is type(ok) for ok in accepted):
             shown = " or ".join(json.dumps(ok) for ok in accepted)
             raise invalid(name, f"{name}={json.dumps(value)[:200]} is not supported by this platform; "

@@ -198,6 +198,14 @@ def test_another_organizations_dedicated_deployment_cannot_be_called_over_the_we
     (CHAT, chat(metadata={"a": 1}), "metadata"),
     (CHAT, chat(logit_bias={"²": 1}), "logit_bias"),  # a digit to str.isdigit, no token id to int()
     (CHAT, chat(stream="yes"), "stream"),
+    (CHAT, chat(max_tokens=5, max_completion_tokens=5), "max_tokens"),
+    (CHAT, chat(messages=[{"role": "user", "content": "cut \ud83d"}]), "messages[0].content"),
+    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]), "messages[0].content"),
+    (CHAT, chat(stop=["ok", "\ud800"]), "stop"),
+    (CHAT, chat(prompt_cache_key=7), "prompt_cache_key"),
+    (CHAT, chat(modalities=["text", "audio"]), "modalities"),
+    (CHAT, chat(stream=True, stream_options={"include_obfuscation": "no"}), "stream_options.include_obfuscation"),
+    (COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "\ud800 cut"}, "prompt"),
     (COMPLETIONS, {"model": "smollm2-135m-instruct"}, "prompt"),
     (COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": ""}, "prompt"),
     (COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": ["a", "b"]}, "prompt"),
@@ -216,8 +224,13 @@ def test_openais_parameters_that_ask_for_nothing_are_accepted():
     from gateway.protocol import parse_chat
 
     request = parse_chat(chat(response_format={"type": "text"}, tools=[], tool_choice="none", parallel_tool_calls=False,
-                              store=False, metadata={"team": "search"}, service_tier="auto"))
-    assert request.messages == [{"role": "user", "content": "Hi"}]
+                              store=False, metadata={"team": "search"}, service_tier="auto", modalities=["text"],
+                              prompt_cache_key="conversation-42", safety_identifier="user-hash",
+                              stream=True, stream_options={"include_usage": True, "include_obfuscation": False}))
+    assert request.messages == [{"role": "user", "content": "Hi"}] and request.include_usage
+    # Tools the model may not call: their definitions change nothing.
+    parse_chat(chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none"))
+    assert parse_chat(chat(logprobs=False, top_logprobs=0)).sampling["logprobs"] is False
     assert 0 < parse_chat(chat(top_p=0)).sampling["top_p"] < 1e-3  # OpenAI's "only the likeliest token"
 
 
@@ -226,6 +239,8 @@ def test_an_unsupported_value_says_so_and_what_is_accepted(client, seeded, org_k
     response = post(client, CHAT, chat(response_format={"type": "json_schema"}), key=plaintext)
     error = response.json()["error"]
     assert error["code"] == "unsupported_value" and '{"type": "text"}' in error["message"]
+    response = post(client, COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "x", "echo": True}, key=plaintext)
+    assert response.json()["error"]["code"] == "unsupported_value"
 
 
 def test_a_body_that_is_not_json_is_400(client, seeded, org_key):
