@@ -18,7 +18,11 @@ Per pass:
    - fewer when a replica of it has served nothing for ``scale_to_zero_seconds`` (0: never), down
      to ``min_replicas``; at none, the deployment is scaled to zero;
 3. new replicas go to the alive workers with a free slot, least busy first; a replica loaded with
-   other settings than the deployment's current ones is replaced.
+   other settings than the deployment's current ones is replaced;
+4. a deployment with no replica and no free slot anywhere takes one from the replica idle longest
+   (for FLEET_EVICT_IDLE_SECONDS at least) among those above their deployment's ``min_replicas``
+   and with no request waiting: only ``min_replicas`` are reserved, so no organization keeps the
+   fleet's slots from others by idling (its deployment cold-starts again when next called).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class TickReport:
     placed: list[tuple[str, str]] = field(default_factory=list)  # (deployment, worker)
     released: list[tuple[str, str]] = field(default_factory=list)
     waiting_for_capacity: list[str] = field(default_factory=list)
+    evicted: list[tuple[str, str]] = field(default_factory=list)  # (deployment, worker)
 
 
 def tick(*, now: datetime | None = None) -> TickReport | None:
@@ -108,7 +113,37 @@ def _tick_once(*, now: datetime | None) -> TickReport:
                               used=used, now=now, report=report)
         except Exception:  # one deployment's trouble must not stop the fleet's pass
             log.exception("placing %s failed; the next pass tries again", deployment.name)
+    if report.waiting_for_capacity:
+        waiting = {name for name, count in depths.items() if count} | {n for n, c in engine_waiting.items() if c}
+        _evict_idle(report, busy=waiting, now=now)
     return report
+
+
+def _evict_idle(report: TickReport, *, busy: set[str], now: datetime) -> None:
+    """Free a slot for each deployment waiting for one: release the replica idle longest among
+    those that may go (its slot frees once its worker has unloaded it, for a later pass)."""
+    idle_since = now - timedelta(seconds=settings.FLEET_EVICT_IDLE_SECONDS)
+    placed = list(Replica.objects.filter(worker__status=Worker.Status.ALIVE, deployment__isnull=False)
+                  .select_related("worker", "deployment"))
+    count = defaultdict(int)
+    for replica in placed:
+        count[replica.deployment_id] += 1
+    candidates = sorted(
+        (r for r in placed if r.status == Replica.Status.READY and r.in_flight == 0
+         and r.deployment_name not in busy and r.deployment_name not in report.waiting_for_capacity
+         and (r.last_active_at or r.assigned_at) <= idle_since),
+        key=lambda r: r.last_active_at or r.assigned_at)
+    for needing in report.waiting_for_capacity:
+        replica = next((r for r in candidates if count[r.deployment_id] > r.deployment.min_replicas), None)
+        if replica is None:
+            return
+        candidates.remove(replica)
+        count[replica.deployment_id] -= 1
+        idle = int((now - (replica.last_active_at or replica.assigned_at)).total_seconds())
+        services.release_replica(
+            replica=replica, reason=f"evicted after {idle}s idle: {needing} needed its slot",
+            idle_status=Status.SCALED_TO_ZERO if count[replica.deployment_id] == 0 else None)
+        report.evicted.append((replica.deployment_name, replica.worker.hostname))
 
 
 def _slots_used(workers, replicas) -> dict[int, int]:

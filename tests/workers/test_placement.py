@@ -334,6 +334,37 @@ def test_a_stop_that_lands_between_the_loops_read_and_write_is_kept(model, monke
     assert (deployment.status, deployment.status_reason) == ("stopped", "stopped through the API")
 
 
+def test_a_deployment_without_a_slot_takes_the_one_of_the_replica_idle_longest(model, queued, settings):
+    """Only min_replicas are reserved: a replica kept up by a long scale-to-zero time gives its slot
+    to a deployment that has none, once idle for FLEET_EVICT_IDLE_SECONDS, and not while a request
+    waits for it."""
+    settings.FLEET_EVICT_IDLE_SECONDS = 60
+    worker = register("alpha", slots=2)
+    reserved = deploy(model, kind="dedicated", min_replicas=1, scale_to_zero_seconds=0)
+    idler = deploy(model, scale_to_zero_seconds=7 * 24 * 3600)
+    placement._tick_once(now=None)
+    for deployment in (reserved, idler):
+        loaded(worker, deployment)
+    newcomer = deploy(model)
+
+    Replica.objects.update(last_active_at=timezone.now() - timedelta(seconds=30))
+    report = placement._tick_once(now=None)
+    assert report.waiting_for_capacity == [newcomer.name] and report.evicted == []  # idle 30 s < 60 s
+
+    Replica.objects.update(last_active_at=timezone.now() - timedelta(hours=1))
+    queued(idler)  # a request waits for it: it stays
+    assert placement._tick_once(now=None).evicted == []
+    fleet.client().delete(*dispatch.queue_lists(idler.name))
+
+    report = placement._tick_once(now=None)
+    assert report.evicted == [(idler.name, worker.hostname)]  # not the reserved one, idle as long
+    assert replicas(idler) == [] and len(replicas(reserved)) == 1
+    deployment_status, reason = status(idler)
+    assert deployment_status == "scaled_to_zero" and reason.endswith(f"{newcomer.name} needed its slot")
+    placement._tick_once(now=None)
+    assert replicas(newcomer) == [(worker.hostname, "loading", "initial")]
+
+
 def test_a_slot_frees_only_once_its_worker_has_let_go_of_the_model(model):
     """A model scaled to zero holds its GPU memory until its worker has drained and unloaded it:
     placing the next one there at once loaded two models into one model's memory."""
