@@ -46,6 +46,7 @@ class Caller:
     api_key: object
     organization: object
     user_id: int | None = None
+    session_key: str | None = None  # a dashboard user's: the session the socket was opened with
 
     @property
     def key_id(self):
@@ -74,13 +75,28 @@ def authenticate_sync(header, *, scope: str | None = "inference") -> Caller:
 
 
 def session_caller(caller: Caller) -> Caller:
-    """A dashboard user's caller, checked again: 401 once the user is deactivated or no longer
-    belongs to the organization."""
+    """A dashboard user's caller, checked again: 401 once the user signed out, changed or reset
+    their password (the session is gone or no longer matches), is deactivated or no longer belongs
+    to the organization."""
     from accounts.selectors import is_active_member
 
-    if not is_active_member(user_id=caller.user_id, organization_id=caller.org_id):
+    if not _session_alive(caller) or not is_active_member(user_id=caller.user_id, organization_id=caller.org_id):
         raise ApiError(401, "You no longer have access to this organization; sign in again.", code="invalid_session")
     return caller
+
+
+def _session_alive(caller: Caller) -> bool:
+    """Whether the caller's session still signs in its user, as Django checks a page's request
+    (stored, not expired, and made with the user's current password)."""
+    from importlib import import_module
+    from types import SimpleNamespace
+
+    from django.contrib.auth import get_user
+
+    if not caller.session_key:
+        return False
+    store = import_module(settings.SESSION_ENGINE).SessionStore(session_key=caller.session_key)
+    return get_user(SimpleNamespace(session=store)).pk == caller.user_id
 
 
 # What each (organization, model name) routes to: read once per process until a

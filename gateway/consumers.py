@@ -54,7 +54,8 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             return
         user = self.scope.get("user")
         self.caller = calls.Caller(api_key=self.scope["api_key"], organization=self.scope["organization"],
-                                   user_id=getattr(user, "pk", None))
+                                   user_id=getattr(user, "pk", None),
+                                   session_key=getattr(self.scope.get("session"), "session_key", None))
 
     def _auth_error(self) -> ApiError | None:
         scope = self.scope

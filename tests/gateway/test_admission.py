@@ -309,23 +309,60 @@ def test_a_request_carries_its_models_prices_at_admission_and_a_price_change_rea
     assert admitted() == {**before, "output_per_mtok": "0.250000"}
 
 
+def _signed_in(user) -> str:
+    """A session signing ``user`` in, as the dashboard's login makes it; its key."""
+    from django.contrib.auth import login
+    from django.contrib.sessions.backends.db import SessionStore
+    from django.test import RequestFactory
+
+    request = RequestFactory().get("/")
+    request.session = SessionStore()
+    login(request, user, backend="django.contrib.auth.backends.ModelBackend")
+    request.session.save()
+    return request.session.session_key
+
+
 def test_a_dashboard_user_removed_or_deactivated_is_refused_from_the_next_websocket_request(db):
     """The playground's socket is authenticated once, by session; each request checks it again."""
     from accounts import services
     from gateway import calls
     from gateway.errors import ApiError
 
-    owner = services.create_user(email=f"o-{uuid.uuid4().hex[:8]}@example.com", password=None)
+    owner = services.create_user(email=f"o-{uuid.uuid4().hex[:8]}@example.com", password="a long password 1")
     org = services.create_organization(name=f"org-{uuid.uuid4().hex[:8]}", owner=owner)
-    member = services.create_user(email=f"m-{uuid.uuid4().hex[:8]}@example.com", password=None)
+    member = services.create_user(email=f"m-{uuid.uuid4().hex[:8]}@example.com", password="a long password 2")
     services.add_member(organization=org, user=member)
-    for user in (owner, member):
-        caller = calls.Caller(api_key=None, organization=org, user_id=user.pk)
+    callers = {user: calls.Caller(api_key=None, organization=org, user_id=user.pk, session_key=_signed_in(user))
+               for user in (owner, member)}
+    for caller in callers.values():
         assert calls.session_caller(caller) is caller
     services.remove_member(organization=org, user=member)
     owner.is_active = False
     owner.save(update_fields=["is_active"])
-    for user in (owner, member):
+    for caller in callers.values():
         with pytest.raises(ApiError) as refused:
-            calls.session_caller(calls.Caller(api_key=None, organization=org, user_id=user.pk))
+            calls.session_caller(caller)
         assert refused.value.status == 401
+
+
+def test_a_websocket_opened_by_a_session_is_refused_once_it_signs_out_or_the_password_changes(db):
+    from django.contrib.sessions.backends.db import SessionStore
+
+    from accounts import services
+    from gateway import calls
+    from gateway.errors import ApiError
+
+    user = services.create_user(email=f"u-{uuid.uuid4().hex[:8]}@example.com", password="a long password 3")
+    org = services.create_organization(name=f"org-{uuid.uuid4().hex[:8]}", owner=user)
+    signed_out, password_changed = _signed_in(user), _signed_in(user)
+    for key in (signed_out, password_changed):
+        assert calls.session_caller(calls.Caller(api_key=None, organization=org, user_id=user.pk, session_key=key))
+    SessionStore(session_key=signed_out).delete()  # what logout does
+    with pytest.raises(ApiError) as refused:
+        calls.session_caller(calls.Caller(api_key=None, organization=org, user_id=user.pk, session_key=signed_out))
+    assert refused.value.code == "invalid_session"
+    user.set_password("another long password")  # a reset: the session's password hash no longer matches
+    user.save()
+    with pytest.raises(ApiError):
+        calls.session_caller(calls.Caller(api_key=None, organization=org, user_id=user.pk,
+                                          session_key=password_changed))
