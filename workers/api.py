@@ -22,15 +22,18 @@ from . import selectors
 class DeploymentMetricsView(ManageAPIView):
     @extend_schema(responses={200: OpenApiTypes.OBJECT})
     def get(self, request, name: str):
-        deployment = readable_deployment(caller_of(request), name)
-        figures = selectors.deployment_figures(deployment=deployment)
+        caller = caller_of(request)
+        deployment = readable_deployment(caller, name)
+        figures = selectors.deployment_figures(deployment=deployment).as_dict()
+        if not caller.operator and deployment.organization_id != caller.organization.pk:
+            figures.pop("workers", None)  # a public deployment's hosts are the operator's business
         return Response({
             "object": "deployment.metrics",
             "id": deployment.name,
             "status": deployment.status,
             "status_reason": deployment.status_reason,
             "window_seconds": 60,
-            **figures.as_dict(),
+            **figures,
         })
 
 

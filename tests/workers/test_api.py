@@ -66,6 +66,21 @@ def test_deployment_metrics_add_up_the_workers_last_minute(client, world):
     assert sorted(body["workers"]) == sorted(w.hostname for w in world["workers"])
 
 
+def test_a_public_deployments_metrics_leave_its_workers_out_for_tenants(client, world):
+    public = create_deployment(organization=None, model=world["mine"].model, name=f"pub-{uuid.uuid4().hex[:6]}",
+                               is_public=True)
+    Replica.objects.create(worker=world["workers"][0], deployment=public, deployment_name=public.name,
+                           status="ready", assigned_at=world["workers"][0].started_at,
+                           ready_at=world["workers"][0].started_at)
+    body = client.get(f"/v1/deployments/{public.name}/metrics", headers=bearer(world["key"])).json()
+    assert body["replicas_ready"] == 1 and "workers" not in body
+    operator = create_user(email=f"ops-{uuid.uuid4().hex[:6]}@platform.test", password=None)
+    operator.is_staff = True
+    operator.save(update_fields=["is_staff"])
+    client.force_login(operator)
+    assert "workers" in client.get(f"/v1/deployments/{public.name}/metrics").json()
+
+
 def test_another_organizations_metrics_do_not_exist(client, world):
     response = client.get(f"/v1/deployments/{world['theirs'].name}/metrics", headers=bearer(world["key"]))
     assert response.status_code == 404 and response.json()["error"]["code"] == "deployment_not_found"
