@@ -1,6 +1,7 @@
 # One image for every role (web, CPU worker, GPU worker); compose.yaml picks the command.
 FROM python:3.11-slim
-ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+# Production mode unless told otherwise: it needs SECRET_KEY and ALLOWED_HOSTS (see .env.example).
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 DEBUG=false
 WORKDIR /app
 # A C compiler: Triton compiles its launchers with it on GPU workers, and CPU workers build their
 # decode-attention kernel with it.

@@ -288,6 +288,21 @@ def free_port(host: str, port: int) -> None:
             raise Abort(f"cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
+def refuse_debug_off_loopback(settings, host: str) -> None:
+    """Debug mode (the embedded defaults) shows a traceback with the settings for any error; only
+    this machine may see that."""
+    import ipaddress
+
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        loopback = False
+    if settings.DEBUG and not loopback:
+        raise Abort(f"debug mode (DEBUG=true, the default) shows error pages with tracebacks and settings, so the "
+                    f"web server listens on this machine only: to serve {host}, set DEBUG=false with SECRET_KEY "
+                    "and ALLOWED_HOSTS (see .env.example), or leave --host at 127.0.0.1")
+
+
 def local_url(host: str, port: int) -> str:
     """Where this machine reaches the web server: a wildcard address is one to listen on, not to
     connect to (and its Host header is none that ALLOWED_HOSTS lists)."""
@@ -416,6 +431,7 @@ def cmd_up(args) -> int:
     lock = lock_data_dir(settings.DATA_DIR)  # noqa: F841 (held until this process ends)
     procs: list[subprocess.Popen] = []
     try:
+        refuse_debug_off_loopback(settings, args.host)
         free_port(args.host, args.port)
         say("[1/5] Redis")
         ensure_redis(settings, procs)
@@ -497,6 +513,7 @@ def cmd_up(args) -> int:
 
 def cmd_web(args) -> int:
     settings = setup_django()
+    refuse_debug_off_loopback(settings, args.host)
     procs: list[subprocess.Popen] = []
     ensure_redis(settings, procs, alone=True)
     require_database(settings)

@@ -103,6 +103,25 @@ def test_production_mode_refuses_empty_allowed_hosts():
     assert "ALLOWED_HOSTS" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("command", ["web", "up"])
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.0.2.7", "::", "example.com"])
+def test_debug_mode_listens_on_this_machine_only(command, host, tmp_path):
+    """Its error pages show tracebacks and settings: refused before anything starts."""
+    result = run_cli(command, "--host", host, "--port", str(free_port()), env_overrides={"DATA_DIR": str(tmp_path)})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "DEBUG=false" in result.stderr and host in result.stderr
+
+
+def test_loopback_addresses_are_this_machine():
+    from types import SimpleNamespace
+
+    from inference_platform.cli import refuse_debug_off_loopback
+
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"):
+        refuse_debug_off_loopback(SimpleNamespace(DEBUG=True), host)
+    refuse_debug_off_loopback(SimpleNamespace(DEBUG=False), "0.0.0.0")
+
+
 @pytest.mark.parametrize("name,value,says", [
     ("GATEWAY_QUEUE_TIMEOUT", "abc", "a number of seconds"),
     ("READYZ_WORKER_TIMEOUT", "-1", "at least"),
