@@ -176,20 +176,28 @@ def admit(*, key_id, org_id, request_id: str, limits: Limits | None = None, queu
         int(v) for v in out
     )
     counted = 1 if allowed else 0
-    remaining_requests = min(limits.key_rpm - key_req, limits.org_rpm - org_req) - counted
-    remaining_tokens = min(limits.key_tpm - key_tok, limits.org_tpm - org_tok)
-    headers = {
-        "x-ratelimit-limit-requests": str(min(limits.key_rpm, limits.org_rpm)),
-        "x-ratelimit-remaining-requests": str(max(0, remaining_requests)),
-        "x-ratelimit-reset-requests": duration(max(key_req_reset, org_req_reset) if (key_req or org_req) else 0),
-        "x-ratelimit-limit-tokens": str(min(limits.key_tpm, limits.org_tpm)),
-        "x-ratelimit-remaining-tokens": str(max(0, remaining_tokens)),
-        "x-ratelimit-reset-tokens": duration(max(key_tok_reset, org_tok_reset)),
-    }
+    requests = _binding((limits.key_rpm, key_req + counted, key_req_reset if key_req else 0),
+                        (limits.org_rpm, org_req + counted, org_req_reset if org_req else 0))
+    tokens = _binding((limits.key_tpm, key_tok, key_tok_reset), (limits.org_tpm, org_tok, org_tok_reset))
+    headers = {}
+    for unit, (limit, remaining, reset) in (("requests", requests), ("tokens", tokens)):
+        headers[f"x-ratelimit-limit-{unit}"] = str(limit)
+        headers[f"x-ratelimit-remaining-{unit}"] = str(remaining)
+        headers[f"x-ratelimit-reset-{unit}"] = duration(reset)
     if not allowed:
         headers["retry-after"] = str(max(1, -(-retry_ms // 1000)))
         headers["retry-after-ms"] = str(retry_ms)
     return Decision(bool(allowed), retry_ms, headers)
+
+
+def _binding(key: tuple[int, int, int], org: tuple[int, int, int]) -> tuple[int, int, int]:
+    """(limit, remaining, reset in ms) of the window that binds first, the key's or the
+    organization's (each given as limit, used, reset): the headers describe one window, as
+    OpenAI's do, not one's remaining with the other's reset."""
+    (limit, used, reset), (org_limit, org_used, org_reset) = key, org
+    if (org_limit - org_used, -org_reset) < (limit - used, -reset):
+        limit, used, reset = org_limit, org_used, org_reset
+    return limit, max(0, limit - used), reset
 
 
 async def record_tokens(*, key_id, org_id, request_id: str, tokens: int, now_ms: int | None = None) -> None:

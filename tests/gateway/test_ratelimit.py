@@ -46,6 +46,25 @@ def test_a_key_gets_exactly_its_request_limit(ids):
     assert admit(ids, limits, now + ratelimit.WINDOW_MS).allowed  # the first one left the window
 
 
+def test_the_headers_describe_the_window_that_binds_first(ids):
+    """A fresh key in a busy organization: remaining and reset both come from the organization's
+    window when it is the tighter one, and both from the key's when that is."""
+    key_id, org_id = ids
+    now = int(time.time() * 1000)
+    loose_key = Limits(key_rpm=100, org_rpm=5, key_tpm=BIG, org_tpm=BIG)
+    other_key = f"test-{uuid.uuid4().hex}"
+    ratelimit.admit(key_id=other_key, org_id=org_id, request_id="r0", limits=loose_key,
+                    now_ms=now - 20_000)  # the organization's window started 20 s ago, by another key
+    headers = admit(ids, loose_key, now).headers
+    assert (headers["x-ratelimit-limit-requests"], headers["x-ratelimit-remaining-requests"]) == ("5", "3")
+    assert headers["x-ratelimit-reset-requests"] == "40s"  # when the organization's oldest leaves
+    tight_key = Limits(key_rpm=3, org_rpm=100, key_tpm=BIG, org_tpm=BIG)
+    headers = admit(ids, tight_key, now + 10_000).headers
+    assert (headers["x-ratelimit-limit-requests"], headers["x-ratelimit-remaining-requests"]) == ("3", "1")
+    assert headers["x-ratelimit-reset-requests"] == "50s"  # the key's own oldest, admitted at now
+    redis.Redis.from_url(settings.REDIS_URL).delete(*ratelimit._keys(other_key, org_id))
+
+
 def test_tokens_count_once_per_request_and_leave_the_window_on_time(ids):
     limits, now = Limits(key_rpm=BIG, org_rpm=BIG, key_tpm=100, org_tpm=BIG), int(time.time() * 1000)
     record(ids, "req-old", 60, now - 59_000)
