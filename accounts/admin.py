@@ -80,7 +80,8 @@ class ApiKeyAdmin(admin.ModelAdmin):
                     "expires_at", "revoked_at"]
     list_filter = ["revoked_at"]
     search_fields = ["name", "prefix", "organization__name"]
-    readonly_fields = ["organization", "created_by", "prefix", "scopes", "created_at", "last_used_at", "revoked_at"]
+    readonly_fields = ["organization", "created_by", "origin", "prefix", "scopes", "created_at", "last_used_at",
+                       "revoked_at"]
     exclude = ["secret_hash"]
     actions = [revoke_keys]
 

@@ -8,7 +8,7 @@ class AccountsConfig(AppConfig):
     def ready(self):
         from inference_platform.read_cache import invalidate_on_change
 
-        from . import schema  # noqa: F401  (registers the API-key scheme with the OpenAPI document)
+        from . import receivers, schema  # noqa: F401  (keys follow memberships; the OpenAPI key scheme)
         from .models import ApiKey, Organization, User
 
         invalidate_on_change(ApiKey, Organization, User)  # authenticated keys are cached (``selectors``)

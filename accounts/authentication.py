@@ -1,8 +1,8 @@
 """API key authentication for DRF: ``Authorization: Bearer sk-...``.
 
 ``request.auth`` is the ApiKey (its ``organization`` is the caller's organization) and
-``request.user`` the key's creator, or an :class:`ApiKeyUser` when the creator is gone or inactive.
-A wrong, expired or revoked key is a 401 with code ``invalid_api_key``.
+``request.user`` the key's creator, or an :class:`ApiKeyUser` for a key without one. A wrong,
+expired or revoked key, or one whose creator is deactivated, is a 401 with code ``invalid_api_key``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .services import touch_api_key
 
 
 class ApiKeyUser(AnonymousUser):
-    """The principal of a key whose creator is gone: authenticated, with no permissions of its own."""
+    """The principal of a key without a creator: authenticated, with no permissions of its own."""
 
     def __init__(self, api_key: ApiKey):
         self.api_key = api_key
@@ -47,6 +47,16 @@ def user_for_api_key(api_key: ApiKey):
     if creator is not None and creator.is_active:
         return creator
     return ApiKeyUser(api_key)
+
+
+def key_actor(api_key: ApiKey):
+    """Whose role decides what ``api_key`` may change (an organization's spend limit, its
+    deployments): its creator; None (the organization itself, no role check) only for a key the
+    operator's command line made for no user. Any other key without a creator gets an
+    :class:`ApiKeyUser`, which holds no role anywhere."""
+    if api_key.acts_as_organization:
+        return None
+    return user_for_api_key(api_key)
 
 
 class ApiKeyAuthentication(BaseAuthentication):

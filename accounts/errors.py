@@ -40,6 +40,13 @@ class RevokedApiKey(ApiKeyError):
     default_message = "This API key has been revoked. Create a new key in the dashboard."
 
 
+class DeactivatedApiKey(ApiKeyError):
+    """The key's creator is deactivated: it works again if they are reactivated (not revoked)."""
+
+    default_message = ("This API key belongs to a deactivated user account and cannot be used. "
+                       "Ask an owner or admin of the organization for a key.")
+
+
 class InvalidInput(AccountsError):
     """A service refused its arguments; ``field`` names the offending one."""
 

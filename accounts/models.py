@@ -129,10 +129,19 @@ MANAGER_ROLES = (Membership.Role.OWNER, Membership.Role.ADMIN)
 
 
 class ApiKey(models.Model):
-    """An organization's API key. The secret itself is never stored, only its SHA-256 hex digest."""
+    """An organization's API key. The secret itself is never stored, only its SHA-256 hex digest.
+
+    A key acts with the role of the member who created it. A key without a creator acts as the
+    organization itself only when ``origin`` says the operator's command line made it: a creator
+    can also go missing (a deleted user), and that must never turn a member's key into a manager's."""
+
+    class Origin(models.TextChoices):
+        MEMBER = "member", "A member (dashboard or code)"
+        COMMAND_LINE = "command_line", "The operator's command line"
 
     organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="api_keys")
     created_by = models.ForeignKey(User, null=True, blank=True, on_delete=models.SET_NULL, related_name="api_keys")
+    origin = models.CharField(max_length=16, choices=Origin.choices, default=Origin.MEMBER, editable=False)
     name = models.CharField(max_length=100)
     prefix = models.CharField(max_length=KEY_PREFIX_LENGTH, unique=True, editable=False)
     secret_hash = models.CharField(max_length=64, unique=True, editable=False)
@@ -147,6 +156,8 @@ class ApiKey(models.Model):
         constraints = [
             models.CheckConstraint(condition=~models.Q(secret_hash=""), name="accounts_apikey_hash_not_empty"),
             models.CheckConstraint(condition=~models.Q(prefix=""), name="accounts_apikey_prefix_not_empty"),
+            models.CheckConstraint(condition=models.Q(origin__in=["member", "command_line"]),
+                                   name="accounts_apikey_origin_valid"),
         ]
 
     def __str__(self) -> str:
@@ -166,3 +177,8 @@ class ApiKey(models.Model):
 
     def has_scope(self, scope: str) -> bool:
         return scope in (self.scopes or [])
+
+    @property
+    def acts_as_organization(self) -> bool:
+        """No member's role limits this key: the command line made it for no user."""
+        return self.created_by_id is None and self.origin == self.Origin.COMMAND_LINE

@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from inference_platform.read_cache import ReadCache
 
-from .errors import ExpiredApiKey, InvalidApiKey, MissingApiKey, RevokedApiKey
+from .errors import DeactivatedApiKey, ExpiredApiKey, InvalidApiKey, MissingApiKey, RevokedApiKey
 from .models import KEY_PREFIX, KEY_PREFIX_LENGTH, MANAGER_ROLES, ApiKey, Membership, Organization, User, hash_api_key
 
 _KEY_SHAPE = re.compile(rf"^{re.escape(KEY_PREFIX)}([A-Za-z0-9]{{{KEY_PREFIX_LENGTH}}})_[A-Za-z0-9_-]{{20,200}}$")
@@ -38,7 +38,8 @@ def authenticate_api_key(raw: str) -> ApiKey:
     """The usable key for ``raw``, with its organization and creator loaded: instances this process
     shares between requests (the read cache), to be read, not changed.
 
-    Raises InvalidApiKey (missing, malformed or unknown), RevokedApiKey or ExpiredApiKey.
+    Raises InvalidApiKey (missing, malformed or unknown), RevokedApiKey, ExpiredApiKey or
+    DeactivatedApiKey (its creator is deactivated).
     """
     raw = (raw or "").strip()
     if not raw:
@@ -52,6 +53,9 @@ def authenticate_api_key(raw: str) -> ApiKey:
         raise RevokedApiKey()
     if api_key.is_expired(timezone.now()):
         raise ExpiredApiKey()
+    # A deactivated user has lost every access; their keys with it (saving the user invalidates the cache).
+    if api_key.created_by is not None and not api_key.created_by.is_active:
+        raise DeactivatedApiKey()
     return api_key
 
 

@@ -108,11 +108,21 @@ def remove_member(*, organization: Organization, user: User) -> int:
             owners = Membership.objects.filter(organization=organization, role=Membership.Role.OWNER).count()
             if owners <= 1:
                 raise InvalidInput("user", "The last owner cannot leave the organization.")
-        membership.delete()
-        revoked = ApiKey.objects.filter(organization=organization, created_by=user,
-                                        revoked_at__isnull=True).update(revoked_at=timezone.now())
-        if revoked:
-            read_cache.invalidate()
+        revoked = revoke_keys_of(user_id=user.pk, organization_id=organization.pk)
+        membership.delete()  # its pre_delete receiver finds nothing left to revoke
+    return revoked
+
+
+def revoke_keys_of(*, user_id: int, organization_id: int | None = None) -> int:
+    """Revokes the keys ``user_id`` created (in ``organization_id`` only, when given): their holder
+    lost that access. ``receivers`` call it for every deletion of a membership or a user, however
+    made (the admin site, a cascade), so that it cannot be skipped. Returns how many."""
+    keys = ApiKey.objects.filter(created_by_id=user_id, revoked_at__isnull=True)
+    if organization_id is not None:
+        keys = keys.filter(organization_id=organization_id)
+    revoked = keys.update(revoked_at=timezone.now())
+    if revoked:
+        read_cache.invalidate()
     return revoked
 
 
@@ -137,14 +147,20 @@ def create_api_key(
     scopes: list[str],
     created_by: User | None = None,
     expires_at: datetime | None = None,
+    origin: str = ApiKey.Origin.MEMBER,
 ) -> tuple[ApiKey, str]:
-    """A new key for ``organization``. Returns the row and the plaintext key, which exists only here."""
+    """A new key for ``organization``. Returns the row and the plaintext key, which exists only here.
+
+    ``origin``: ``ApiKey.Origin.COMMAND_LINE`` only from the operator's command line; with no
+    ``created_by`` such a key acts as the organization (any other creator-less key has no role)."""
     name = (name or "").strip()
     if not name:
         raise InvalidInput("name", "A key needs a name.")
     if len(name) > ApiKey._meta.get_field("name").max_length:
         raise InvalidInput("name", "The name is too long (100 characters at most).")
     scopes = validate_scopes(scopes)
+    if origin not in ApiKey.Origin.values:
+        raise InvalidInput("origin", f"The origin must be one of {', '.join(ApiKey.Origin.values)}.")
     if expires_at is not None and expires_at <= timezone.now():
         raise InvalidInput("expires_at", "The expiry must be in the future.")
     for attempt in range(5):
@@ -153,7 +169,7 @@ def create_api_key(
             with transaction.atomic():
                 api_key = ApiKey.objects.create(
                     organization=organization, created_by=created_by, name=name, prefix=prefix,
-                    secret_hash=hash_api_key(raw), scopes=scopes, expires_at=expires_at,
+                    secret_hash=hash_api_key(raw), scopes=scopes, expires_at=expires_at, origin=origin,
                 )
             return api_key, raw
         except IntegrityError:  # a prefix collision: astronomically rare, draw again

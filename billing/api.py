@@ -25,7 +25,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.api_errors import drf_error_response, error_response
-from accounts.authentication import ApiKeyAuthentication
+from accounts.authentication import ApiKeyAuthentication, key_actor
 from accounts.middleware import SESSION_ORGANIZATION_KEY
 from accounts.models import ApiKey
 from accounts.permissions import require_scope
@@ -60,8 +60,8 @@ def _session_user(request):
 def _key_creator(request):
     """The member who created the calling API key: a key acts with its creator's role, so that a
     member cannot lift the organization's limit with a ``manage`` key of their own. None for a key
-    made by the operator's command line (no creator)."""
-    return request.auth.created_by if isinstance(request.auth, ApiKey) else None
+    the operator's command line made for no user (``key_actor``)."""
+    return key_actor(request.auth) if isinstance(request.auth, ApiKey) else None
 
 
 class BillingAPIView(APIView):

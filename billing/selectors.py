@@ -91,8 +91,9 @@ def organization_monthly_limit(*, organization: Organization) -> Decimal | None:
 
 
 def may_change_spend_limit(*, user, organization: Organization) -> bool:
-    """Whether ``user`` (a dashboard session's) is an owner or an admin of ``organization``."""
-    if organization is None or not getattr(user, "is_authenticated", False):
+    """Whether ``user`` (a dashboard session's, or an API key's creator) is an owner or an admin
+    of ``organization``. A key's principal without a user (``ApiKeyUser``) is neither."""
+    if organization is None or not getattr(user, "is_authenticated", False) or getattr(user, "pk", None) is None:
         return False
     return Membership.objects.filter(user=user, organization=organization, role__in=MANAGER_ROLES).exists()
 

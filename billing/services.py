@@ -309,9 +309,10 @@ def _limit(name: str, value) -> Decimal | None:
 
 def set_spend_limit(*, organization: Organization, monthly_limit: Decimal | None, actor=None) -> SpendLimit:
     """Set (or clear, with None) the organization's monthly spend limit in USD. ``actor``: the
-    member making the change (the dashboard's user, or the creator of the calling API key), who
-    must be an owner or an admin (NotAllowed otherwise); None for a key the operator's command
-    line made, the admin site, or code."""
+    member making the change (the dashboard's user, or the creator of the calling API key:
+    ``accounts.authentication.key_actor``), who must be an owner or an admin (NotAllowed
+    otherwise); None for a key the operator's command line made for no user, the admin site, or
+    code."""
     if actor is not None and not selectors.may_change_spend_limit(user=actor, organization=organization):
         raise NotAllowed("Only owners and admins can change the organization's spend limit.")
     limit, _ = SpendLimit.objects.update_or_create(

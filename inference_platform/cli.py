@@ -151,7 +151,7 @@ def make_api_key(*, org_name: str, email: str | None, scopes: list[str], name: s
     from django.db import transaction
 
     from accounts.errors import InvalidInput
-    from accounts.models import Membership, Organization
+    from accounts.models import ApiKey, Membership, Organization
     from accounts.services import add_member, create_api_key, create_organization, create_user
 
     users = get_user_model()
@@ -178,7 +178,8 @@ def make_api_key(*, org_name: str, email: str | None, scopes: list[str], name: s
             if user is None:
                 owner = organization.memberships.filter(role=Membership.Role.OWNER).select_related("user").first()
                 user = owner.user if owner else None
-            api_key, raw = create_api_key(organization=organization, name=name, scopes=scopes, created_by=user)
+            api_key, raw = create_api_key(organization=organization, name=name, scopes=scopes, created_by=user,
+                                          origin=ApiKey.Origin.COMMAND_LINE)
     except InvalidInput as exc:
         raise Abort(f"{exc.field}: {exc.message}") from None
     notes.append(f"created the API key {api_key.name!r} ({api_key.display_prefix}) for {organization.name!r} "

@@ -4,11 +4,11 @@ Callers: an API key with the ``manage`` scope, or the dashboard's logged-in user
 current organization). An organization sees the public deployments and its own; it changes only
 its own. Another organization's deployment does not exist for it (404 for every verb). Within
 the organization, owners and admins change every deployment, a member only those they created
-(403 ``insufficient_role``); a key acts with the role of the member who created it, a key made by
-the operator's command line (no creator) as the organization. Operators (staff users) also see
-and change the platform's own deployments, and may publish one to every organization. Errors
-follow OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; invalid settings are a
-400 naming the field in ``param``.
+(403 ``insufficient_role``); a key acts with the role of the member who created it, a key the
+operator's command line made for no user as the organization, any other key without a creator
+with no role. Operators (staff users) also see and change the platform's own deployments, and may
+publish one to every organization. Errors follow OpenAI's shape ``{"error": {"message", "type",
+"param", "code"}}``; invalid settings are a 400 naming the field in ``param``.
 
     GET    /v1/catalog                      the models one can deploy
     GET    /v1/catalog/{id}
@@ -34,7 +34,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.api_errors import drf_error_response, error_response
-from accounts.authentication import ApiKeyAuthentication
+from accounts.authentication import ApiKeyAuthentication, key_actor
 from accounts.middleware import SESSION_ORGANIZATION_KEY
 from accounts.models import ApiKey, Organization
 from accounts.permissions import require_scope
@@ -76,7 +76,8 @@ class Caller:
     operator: bool
     user: object
     # Whose role decides what the caller may change: the session's user or the key's creator;
-    # None for a key made by the operator's command line (as billing's spend limit treats it).
+    # None for a key the operator's command line made for no user (``key_actor``, as billing's
+    # spend limit treats it).
     actor: object = None
 
 
@@ -87,7 +88,7 @@ def caller_of(request) -> Caller:
     operator = bool(getattr(user, "is_staff", False) and getattr(user, "is_active", False))
     if isinstance(request.auth, ApiKey):
         return Caller(organization=request.auth.organization, operator=operator, user=user,
-                      actor=request.auth.created_by)
+                      actor=key_actor(request.auth))
     organization = current_organization_for_user(user=user, organization_id=request.session.get(SESSION_ORGANIZATION_KEY))
     if organization is None and not operator:
         raise ApiProblem(403, "Your account does not belong to an organization yet.", code="no_organization")

@@ -48,3 +48,34 @@ def test_the_admin_revokes_keys(client, operator):
     assert ApiKey.objects.get(pk=api_key.pk).revoked_at is not None
     with pytest.raises(RevokedApiKey):
         authenticate_api_key(raw)
+
+
+@pytest.fixture
+def member_key(operator):
+    """A member of the operator's organization and a manage key they made."""
+    from accounts.services import add_member, create_user
+
+    org = create_organization(name="Acme", owner=operator)
+    member = create_user(email="bob@example.com", password=None)
+    add_member(organization=org, user=member)
+    _, raw = create_api_key(organization=org, name="bob's", scopes=["manage"], created_by=member)
+    assert authenticate_api_key(raw)  # in the read cache from now on
+    return member, raw
+
+
+def test_removing_a_membership_in_the_admin_revokes_the_members_keys(client, member_key):
+    member, raw = member_key
+    membership = member.memberships.get()
+    response = client.post(f"/admin/accounts/membership/{membership.pk}/delete/", {"post": "yes"})
+    assert response.status_code == 302 and not member.memberships.exists()
+    with pytest.raises(RevokedApiKey):
+        authenticate_api_key(raw)
+
+
+def test_deleting_a_user_in_the_admin_revokes_their_keys(client, member_key):
+    member, raw = member_key
+    response = client.post(f"/admin/accounts/user/{member.pk}/delete/", {"post": "yes"})
+    assert response.status_code == 302 and not User.objects.filter(pk=member.pk).exists()
+    with pytest.raises(RevokedApiKey):
+        authenticate_api_key(raw)
+    assert ApiKey.objects.get(prefix=raw[3:15]).created_by is None

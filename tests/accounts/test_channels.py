@@ -85,6 +85,19 @@ def test_a_revoked_key_gives_an_auth_error_and_no_organization(org):
     assert "revoked" in message["auth_error"]
 
 
+@pytest.mark.parametrize("loss", ["deactivated", "deleted"])
+def test_a_key_whose_creator_lost_access_gives_an_auth_error(org, owner, loss):
+    _, raw = create_api_key(organization=org, name="k", scopes=["inference"], created_by=owner)
+    if loss == "deactivated":
+        owner.is_active = False
+        owner.save(update_fields=["is_active"])
+    else:
+        owner.delete()
+    message = handshake([(b"authorization", f"Bearer {raw}".encode())])
+    assert message["key_id"] is None and message["organization"] is None
+    assert {"deactivated": "deactivated user", "deleted": "revoked"}[loss] in message["auth_error"]
+
+
 def test_a_garbage_header_gives_an_auth_error():
     message = handshake([(b"authorization", b"Bearer sk-garbage")])
     assert message["organization"] is None and "Incorrect API key" in message["auth_error"]

@@ -33,7 +33,7 @@ def test_createkey_prints_exactly_the_key_and_creates_org_and_user():
     api_key = authenticate_api_key(lines[0])
     assert api_key.organization.name == "Acme" and api_key.name == "deploy"
     assert api_key.scopes == ["inference", "manage"]
-    assert api_key.created_by.email == "ops@example.com"
+    assert api_key.created_by.email == "ops@example.com" and api_key.origin == ApiKey.Origin.COMMAND_LINE
     assert Membership.objects.get(user__email="ops@example.com", organization__name="Acme").role == "owner"
     assert "created the organization" in result.stderr and lines[0] not in result.stderr
 
@@ -44,9 +44,21 @@ def test_createkey_reuses_an_existing_org_and_its_owner():
     result = createkey("--org", "Acme")
     assert result.returncode == 0, result.stderr
     api_key = authenticate_api_key(result.stdout.strip())
-    assert api_key.organization == org and api_key.created_by == owner
+    assert api_key.organization == org and api_key.created_by == owner and api_key.origin == "command_line"
     assert api_key.scopes == ["inference", "read_usage"]
     assert Organization.objects.count() == 1 and User.objects.count() == 1
+
+
+def test_createkey_into_an_organization_without_owner_makes_a_key_that_acts_as_it():
+    """No user to make it for: the key says the command line made it, the one creator-less key with
+    an owner's rights (a deleted member's key is revoked, never left like this)."""
+    owner = create_user(email="ada@example.com", password="a-long-pass-phrase-42")
+    org = create_organization(name="Acme", owner=owner)
+    Membership.objects.filter(organization=org).update(role="member")
+    result = createkey("--org", "Acme", "--scopes", "manage")
+    assert result.returncode == 0, result.stderr
+    api_key = authenticate_api_key(result.stdout.strip())
+    assert api_key.created_by is None and api_key.acts_as_organization
 
 
 def test_createkey_refuses_an_unknown_scope_in_one_line_and_writes_nothing():
@@ -73,6 +85,7 @@ def test_up_saves_one_key_and_prints_the_same_one_again(tmp_path, settings):
     assert cli.ensure_api_key(settings) == first
     api_key = authenticate_api_key(first)
     assert api_key.organization.name == "default" and api_key.created_by.is_superuser
+    assert api_key.origin == ApiKey.Origin.COMMAND_LINE
     # A revoked (or lost) key is replaced by a working one.
     ApiKey.objects.update(revoked_at="2000-01-01T00:00:00Z")
     read_cache.invalidate()  # a queryset update sends no signal

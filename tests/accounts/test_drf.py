@@ -37,11 +37,31 @@ def test_a_valid_key_authenticates_as_its_creator_and_records_use(client, org, o
     assert ApiKey.objects.get(pk=api_key.pk).last_used_at is not None
 
 
-def test_a_key_whose_creator_is_gone_is_its_own_principal(client, org, owner):
-    api_key, raw = create_api_key(organization=org, name="k", scopes=["inference"], created_by=owner)
-    owner.delete()
+def test_a_key_without_a_creator_is_its_own_principal(client, org):
+    _, raw = create_api_key(organization=org, name="k", scopes=["inference"])
     body = client.get("/whoami", **bearer(raw)).json()
     assert body["authenticated"] is True and body["user"].startswith("api-key sk-")
+
+
+def test_a_deleted_users_keys_are_revoked(client, org, owner):
+    _, raw = create_api_key(organization=org, name="k", scopes=["inference"], created_by=owner)
+    assert client.get("/whoami", **bearer(raw)).status_code == 200  # cached by the read cache
+    owner.delete()
+    response = client.get("/whoami", **bearer(raw))
+    assert response.status_code == 401 and "revoked" in response.json()["detail"]
+
+
+def test_a_deactivated_users_keys_fail_until_they_are_reactivated(client, org, owner):
+    _, raw = create_api_key(organization=org, name="k", scopes=["inference"], created_by=owner)
+    assert client.get("/whoami", **bearer(raw)).status_code == 200
+    owner.is_active = False
+    owner.save(update_fields=["is_active"])
+    response = client.get("/whoami", **bearer(raw))
+    assert response.status_code == 401 and response.headers["WWW-Authenticate"].startswith("Bearer")
+    assert "deactivated" in response.json()["detail"]
+    owner.is_active = True
+    owner.save(update_fields=["is_active"])
+    assert client.get("/whoami", **bearer(raw)).status_code == 200
 
 
 @pytest.mark.parametrize("case", ["wrong", "malformed", "revoked", "expired", "not-bearer"])

@@ -128,6 +128,98 @@ def test_a_removed_member_loses_the_keys_they_created():
     assert authenticate_api_key(owners) and authenticate_api_key(bobs_own)  # others', and his elsewhere
 
 
+def _bob_with_keys():
+    """Ada's organization with Bob in it, a key each there, and Bob's key in his own organization."""
+    from accounts.services import create_api_key
+
+    owner = create_user(email="ada@example.com", password=PASSWORD)
+    org = create_organization(name="Acme", owner=owner)
+    bob = create_user(email="bob@example.com", password=PASSWORD)
+    add_member(organization=org, user=bob, role="admin")
+    keys = {
+        "bob's": create_api_key(organization=org, name="bob's", scopes=["manage"], created_by=bob)[1],
+        "owner's": create_api_key(organization=org, name="owner's", scopes=["manage"], created_by=owner)[1],
+        "bob's own": create_api_key(organization=create_organization(name="Bob's own", owner=bob), name="own",
+                                    scopes=["manage"], created_by=bob)[1],
+    }
+    return org, bob, keys
+
+
+def _usable(raw) -> bool:
+    from accounts.errors import ApiKeyError
+    from accounts.selectors import authenticate_api_key
+
+    try:
+        authenticate_api_key(raw)
+    except ApiKeyError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("how", ["instance", "queryset"])
+def test_deleting_a_membership_any_way_revokes_the_members_keys_there(how):
+    """The admin site deletes the row (one, or a selection): no service runs, the keys go all the same."""
+    org, bob, keys = _bob_with_keys()
+    assert all(_usable(raw) for raw in keys.values())  # now in the read cache
+    memberships = Membership.objects.filter(organization=org, user=bob)
+    memberships.get().delete() if how == "instance" else memberships.delete()
+    assert {name: _usable(raw) for name, raw in keys.items()} == {"bob's": False, "owner's": True, "bob's own": True}
+
+
+def test_deleting_a_user_revokes_all_their_keys_and_nobody_elses():
+    org, bob, keys = _bob_with_keys()
+    assert all(_usable(raw) for raw in keys.values())
+    bob.delete()
+    assert {name: _usable(raw) for name, raw in keys.items()} == {"bob's": False, "owner's": True, "bob's own": False}
+    from accounts.models import ApiKey
+
+    # Revoked, not left active with no creator (which the command line's keys alone may be).
+    assert not ApiKey.objects.filter(created_by__isnull=True, revoked_at__isnull=True).exists()
+
+
+def test_deleting_an_organization_still_deletes_its_memberships_and_keys():
+    from accounts.models import ApiKey
+
+    org, bob, keys = _bob_with_keys()
+    org.delete()
+    assert not Membership.objects.filter(organization_id=org.pk).exists()
+    assert not ApiKey.objects.filter(organization_id=org.pk).exists()
+    assert _usable(keys["bob's own"])
+
+
+def test_a_deactivated_users_keys_fail_with_a_clear_error_and_work_again_once_reactivated():
+    from accounts.errors import DeactivatedApiKey
+    from accounts.selectors import authenticate_api_key
+
+    org, bob, keys = _bob_with_keys()
+    assert _usable(keys["bob's"])
+    bob.is_active = False
+    bob.save(update_fields=["is_active"])
+    with pytest.raises(DeactivatedApiKey) as caught:
+        authenticate_api_key(keys["bob's"])
+    assert "deactivated" in caught.value.message and caught.value.code == "invalid_api_key"
+    assert not _usable(keys["bob's own"]) and _usable(keys["owner's"])
+    bob.is_active = True
+    bob.save(update_fields=["is_active"])
+    assert _usable(keys["bob's"]) and _usable(keys["bob's own"])
+
+
+def test_only_the_command_line_makes_keys_that_act_as_the_organization():
+    from accounts.authentication import ApiKeyUser, key_actor
+    from accounts.models import ApiKey
+    from accounts.services import create_api_key
+
+    org, bob, _ = _bob_with_keys()
+    by_bob, _ = create_api_key(organization=org, name="b", scopes=["manage"], created_by=bob)
+    assert by_bob.origin == ApiKey.Origin.MEMBER and key_actor(by_bob) == bob
+    orphan, _ = create_api_key(organization=org, name="o", scopes=["manage"])
+    assert not orphan.acts_as_organization and isinstance(key_actor(orphan), ApiKeyUser)
+    cli, _ = create_api_key(organization=org, name="c", scopes=["manage"], origin=ApiKey.Origin.COMMAND_LINE)
+    assert cli.acts_as_organization and key_actor(cli) is None
+    with pytest.raises(InvalidInput):
+        create_api_key(organization=org, name="x", scopes=["manage"], origin="admin")
+
+
 @pytest.mark.django_db(transaction=True)
 def test_two_owners_leaving_at_once_leave_one_owner(monkeypatch):
     """Each removal counts the owners: without a lock both would count two and both leave."""

@@ -38,10 +38,11 @@ def make_organization(name: str = "Acme"):
     return create_organization(name=name, owner=owner)
 
 
-def make_key(organization, scopes=("inference", "read_usage"), name="test key"):
+def make_key(organization, scopes=("inference", "read_usage"), name="test key", origin="command_line"):
+    """A key with no creator: the operator's command line's by default, which acts as the organization."""
     from accounts.services import create_api_key
 
-    api_key, plaintext = create_api_key(organization=organization, name=name, scopes=list(scopes))
+    api_key, plaintext = create_api_key(organization=organization, name=name, scopes=list(scopes), origin=origin)
     return api_key, plaintext
 
 

@@ -170,6 +170,30 @@ def test_a_key_acts_with_its_creators_role(client, acme, role, allowed):
     assert limit_of(organization) == (Decimal("25") if allowed else None)
 
 
+def test_a_key_without_a_creator_not_made_by_the_command_line_may_not_change_it(client, acme):
+    organization, _, _ = acme
+    _, orphan = make_key(organization, scopes=["manage", "read_usage"], name="orphan", origin="member")
+    response = put(client, {"monthly_limit": "25.00"}, key=orphan)
+    assert response.status_code == 403 and response.json()["error"]["code"] == "insufficient_role"
+    assert limit_of(organization) is None
+    assert client.get(LIMITS, headers=bearer(orphan)).status_code == 200  # reading stays allowed
+
+
+def test_a_deleted_members_key_cannot_change_it(client, acme):
+    """Their creator deleted, keys used to act as the command line's: a member's 403 became a 200."""
+    from accounts.services import create_api_key
+
+    organization, _, _ = acme
+    member = member_of(organization, "member")
+    _, plaintext = create_api_key(organization=organization, name="theirs", scopes=["manage"], created_by=member)
+    assert put(client, {"monthly_limit": "25.00"}, key=plaintext).status_code == 403
+    member.delete()
+    response = put(client, {"monthly_limit": "25.00"}, key=plaintext)
+    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    assert "revoked" in response.json()["error"]["message"]
+    assert limit_of(organization) is None
+
+
 def test_a_session_put_needs_the_csrf_token(acme):
     organization, _, _ = acme
     client = Client(enforce_csrf_checks=True)

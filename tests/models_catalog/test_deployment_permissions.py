@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 
+from accounts.models import ApiKey
 from accounts.services import add_member, create_api_key, create_organization, create_user
 from models_catalog.models import CatalogModel, Deployment
 from models_catalog.selectors import can_manage_deployment
@@ -35,7 +36,8 @@ def model():
 @pytest.fixture
 def acme(model):
     """An organization with an owner, an admin and a member, a deployment created by each of the
-    owner and the member, and a manage key per person."""
+    owner and the member, a manage key per person, one the command line made for no user and one
+    with no creator that the command line did not make."""
     owner, admin, member = _user("owner"), _user("admin"), _user("member")
     org = create_organization(name="Acme", owner=owner)
     add_member(organization=org, user=admin, role="admin")
@@ -43,8 +45,9 @@ def acme(model):
     create_deployment(organization=org, model=model, name="owner-dep", created_by=owner)
     create_deployment(organization=org, model=model, name="member-dep", created_by=member)
     keys = {}
-    for role, user in (("owner", owner), ("admin", admin), ("member", member), ("cli", None)):
-        _, raw = create_api_key(organization=org, name=role, scopes=["manage"], created_by=user)
+    for role, user in (("owner", owner), ("admin", admin), ("member", member), ("cli", None), ("orphan", None)):
+        origin = ApiKey.Origin.COMMAND_LINE if role == "cli" else ApiKey.Origin.MEMBER
+        _, raw = create_api_key(organization=org, name=role, scopes=["manage"], created_by=user, origin=origin)
         keys[role] = bearer(raw)
     return {"organization": org, "owner": owner, "admin": admin, "member": member, "keys": keys}
 
@@ -135,6 +138,22 @@ def test_owner_admin_and_command_line_keys_change_a_members_deployment(client, a
                            headers=headers)
     assert response.status_code == 200 and response.json()["max_replicas"] == 3
     assert client.delete("/v1/deployments/member-dep", headers=headers).status_code == 200
+
+
+def test_a_creator_less_key_not_made_by_the_command_line_changes_nothing(client, acme):
+    for response in _calls(client, acme["keys"]["orphan"], "member-dep"):
+        _error(response, 403, param="name", code="insufficient_role")
+    assert _deployment("member-dep").status == "pending"
+
+
+def test_a_deleted_members_key_stops_working_rather_than_acting_as_the_organization(client, acme):
+    """Their creator gone, keys used to act as the command line's: a member's 403 became a 200."""
+    headers = acme["keys"]["member"]
+    _error(client.post("/v1/deployments/owner-dep/stop", headers=headers), 403, code="insufficient_role")
+    acme["member"].delete()
+    response = client.post("/v1/deployments/owner-dep/stop", headers=headers)
+    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    assert _deployment("owner-dep").status == "pending"
 
 
 def test_a_key_follows_its_creators_role(client, acme):
