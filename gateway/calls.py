@@ -248,14 +248,7 @@ class Call:
 
     async def start(self) -> None:
         """Wait for a worker to accept and the engine to admit the request; raise ApiError if not."""
-        waited = self.queue_timeout or settings.GATEWAY_QUEUE_TIMEOUT
-        try:
-            event = await self._receive(waited)
-        except asyncio.TimeoutError:
-            await self.cancel()
-            raise ApiError(503, f"No worker took this request for '{self.spec['name']}' within {waited:g}s: its "
-                                "replicas are busy, or none is running; try again shortly.",
-                           code="model_unavailable") from None
+        event = await self._wait_in_queue()
         if self.cold_start:  # the wait was the model's load: the same stages, in the same order
             self.stages.durations.setdefault("queue", 0.0)
             self.stages.mark("load")
@@ -300,6 +293,33 @@ class Call:
             yield event
             if self.done:
                 return
+
+    async def _wait_in_queue(self) -> dict:
+        """The first event of a worker that took the request. While the deployment's queue moves
+        (a worker took one of its requests within the last period), it waits behind busy replicas,
+        up to GATEWAY_STALL_TIMEOUT in all; a queue that stops moving for a whole period has no
+        worker consuming it: 503."""
+        period = self.queue_timeout or settings.GATEWAY_QUEUE_TIMEOUT
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        while True:
+            try:
+                return await self._receive(period)
+            except asyncio.TimeoutError:
+                pass
+            waited = loop.time() - started
+            try:
+                moved_ms_ago = await dispatch.last_taken_ms_ago(ratelimit.client(), self.spec["name"])
+            except REDIS_FAILURES:
+                moved_ms_ago = None
+            if moved_ms_ago is None or moved_ms_ago > period * 1000:
+                await self.cancel()
+                raise ApiError(503, f"No worker took a request for '{self.spec['name']}' in {period:g}s: none is "
+                                    "running it right now; try again shortly.", code="model_unavailable") from None
+            if waited + period > max(settings.GATEWAY_STALL_TIMEOUT, period):
+                await self.cancel()
+                raise ApiError(503, f"'{self.spec['name']}' is busy: this request waited {waited:.0f}s for a "
+                                    "replica; try again shortly.", code="model_overloaded") from None
 
     async def cancel(self) -> None:
         """Abort the request wherever it is (queued or running); the worker bills what it produced."""

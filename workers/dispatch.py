@@ -57,6 +57,23 @@ def queue_lists(name: str) -> list[str]:
     return lists(deployment_queue(name))
 
 
+# A worker marks its deployment's queue as moving each time it takes a request from it; the key
+# expires this long after the last one, so its remaining TTL (Redis's clock, not a host's) tells
+# how long ago that was.
+TAKEN_TTL_MS = 3_600_000
+
+
+def taken_key(name: str) -> str:
+    return f"fleet:taken:{name}"
+
+
+async def last_taken_ms_ago(client: aioredis.Redis, name: str) -> int | None:
+    """How long ago a worker last took a request of the deployment ``name``; None: not within the
+    hour."""
+    ttl = await client.pttl(taken_key(name))
+    return TAKEN_TTL_MS - ttl if ttl > 0 else None
+
+
 def enqueue(payload: dict) -> None:
     """Put a request on its deployment's queue (publishing to Redis; no result backend). The
     message's printable form names the request only: Celery would otherwise render the whole

@@ -27,6 +27,7 @@ from django.conf import settings
 from inference_platform.celery import app, deployment_queue
 
 from .cancellation import MARK_TTL_S, mark_key
+from .dispatch import TAKEN_TTL_MS, taken_key
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +217,8 @@ def claim(payload: dict, *, instance: str, hostname: str) -> dict:
     pipe = r.pipeline(transaction=False)
     pipe.hset(key, mapping=record)
     pipe.expire(key, progress_ttl())
+    if record["deployment"]:  # the queue moves: its waiting requests wait for a busy replica, not for none
+        pipe.set(taken_key(record["deployment"]), "1", px=TAKEN_TTL_MS)
     pipe.execute()
     return previous
 

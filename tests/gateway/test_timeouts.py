@@ -82,3 +82,67 @@ def test_the_wait_of_a_cold_start_is_reported_as_load_not_queue():
     cold, warm = asyncio.run(scenario(True)), asyncio.run(scenario(False))
     assert list(cold) == list(warm) == ["queue", "load"]  # the same stages, for the header's readers
     assert cold["queue"] == 0 < cold["load"]
+
+
+def _spec(call: Call) -> str:
+    call.spec = {"name": f"smol-{uuid.uuid4().hex[:8]}"}
+    return call.spec["name"]
+
+
+def test_a_queue_nobody_takes_from_is_503_after_one_period(settings):
+    async def scenario():
+        call = new_call(await get_channel_layer().new_channel())
+        call.queue_timeout = 0.3
+        _spec(call)
+        with pytest.raises(ApiError) as refused:
+            await call.start()
+        return call, refused.value
+
+    call, error = asyncio.run(scenario())
+    assert (error.status, error.code) == (503, "model_unavailable") and "none is running" in error.message
+    assert call.cancelled and cancel_marked(call.request_id)
+
+
+def test_a_request_behind_busy_replicas_waits_while_its_queue_moves_and_up_to_the_stall_timeout(settings):
+    """A worker takes only what its engine can run, so a burst waits on the queue: the period of
+    GATEWAY_QUEUE_TIMEOUT without a take means nobody serves the deployment, but while workers keep
+    taking its requests this one waits, up to GATEWAY_STALL_TIMEOUT."""
+    from workers import dispatch, fleet
+
+    settings.GATEWAY_STALL_TIMEOUT = 1.5
+
+    async def take_every(seconds: float, name: str, stop: asyncio.Event) -> None:
+        while not stop.is_set():  # what fleet.claim does each time a worker takes one of its requests
+            fleet.client().set(dispatch.taken_key(name), "1", px=dispatch.TAKEN_TTL_MS)
+            try:
+                await asyncio.wait_for(stop.wait(), seconds)
+            except asyncio.TimeoutError:
+                pass
+
+    async def scenario(*, served_after: float | None):
+        layer = get_channel_layer()
+        call = new_call(await layer.new_channel())
+        call.queue_timeout = 0.3
+        name = _spec(call)
+        stop = asyncio.Event()
+        workers = asyncio.create_task(take_every(0.1, name, stop))
+        loop = asyncio.get_running_loop()
+        if served_after is not None:  # its turn comes: a worker takes it and starts it
+            loop.call_later(served_after, lambda: asyncio.ensure_future(
+                layer.send(call.reply_channel, {"type": "inference.started", "prompt_tokens": 3})))
+        started = loop.time()
+        try:
+            await call.start()
+            return call, None, loop.time() - started
+        except ApiError as error:
+            return call, error, loop.time() - started
+        finally:
+            stop.set()
+            await workers
+            fleet.client().delete(dispatch.taken_key(name))
+
+    call, error, waited = asyncio.run(scenario(served_after=0.9))  # three periods: served, not refused
+    assert error is None and call.prompt_tokens == 3 and waited >= 0.9
+    call, error, waited = asyncio.run(scenario(served_after=None))
+    assert (error.status, error.code) == (503, "model_overloaded") and "busy" in error.message
+    assert waited >= 1.2 and call.cancelled and cancel_marked(call.request_id)  # several periods, not one
