@@ -287,3 +287,28 @@ def test_current_organization_is_the_session_choice_when_a_member_else_the_first
     assert current_organization_for_user(user=ada, organization_id=second.pk) == second
     assert current_organization_for_user(user=ada, organization_id=foreign.pk) == first
     assert current_organization_for_user(user=ada, organization_id="junk") == first
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_migration_revokes_the_creator_less_keys_it_finds_and_keeps_the_others():
+    """Before it, a deleted user's keys stayed active with no creator; the command line always
+    gave its keys one (``up``: the admin; ``createkey``: --email or the owner)."""
+    from django.db import connection
+    from django.db.migrations.executor import MigrationExecutor
+
+    from accounts.models import ApiKey
+    from accounts.services import create_api_key
+
+    owner = create_user(email="ada@example.com", password=PASSWORD)
+    org = create_organization(name="Acme", owner=owner)
+    kept, _ = create_api_key(organization=org, name="up", scopes=["manage"], created_by=owner)
+    orphan, _ = create_api_key(organization=org, name="gone", scopes=["manage"])
+    executor = MigrationExecutor(connection)
+    try:
+        executor.migrate([("accounts", "0001_initial")])
+    finally:  # to the latest again: later tests need every migration
+        executor = MigrationExecutor(connection)
+        executor.migrate(executor.loader.graph.leaf_nodes())
+    kept, orphan = ApiKey.objects.get(pk=kept.pk), ApiKey.objects.get(pk=orphan.pk)
+    assert kept.revoked_at is None and kept.origin == "member" and kept.created_by == owner
+    assert orphan.revoked_at is not None and orphan.origin == "member"
