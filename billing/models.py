@@ -14,6 +14,8 @@ an atomic upsert (``billing.totals``). ``manage.py reconcile_billing`` recompute
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
@@ -30,6 +32,12 @@ from .pricing import (
 
 # USD amounts: 12 digits before the point, 6 after (a micro-dollar).
 MONEY = {"max_digits": 18, "decimal_places": COST_DECIMAL_PLACES}
+# The largest amount a customer may set as a limit: SQLite (the default database) stores a decimal
+# with more than 15 significant digits as a float, which reads back rounded, or not at all once
+# it rounds up past the column (999999999999.999999 became 1e12: a 500 on every billing page).
+# 15 digits with the 6 decimal places leaves 9 before the point, exact on SQLite as on PostgreSQL.
+SQLITE_EXACT_DIGITS = 15
+LIMIT_MAX = Decimal(10) ** (SQLITE_EXACT_DIGITS - COST_DECIMAL_PLACES) - Decimal(1).scaleb(-COST_DECIMAL_PLACES)
 # Per-million-token prices as applied: 10 decimal places, as fine as a catalog may set them.
 PRICE = {"max_digits": PRICE_MAX_DIGITS, "decimal_places": PRICE_DECIMAL_PLACES}
 

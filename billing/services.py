@@ -15,7 +15,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass
-from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
+from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal, InvalidOperation
 from typing import Any, Mapping
 
 import stripe
@@ -38,8 +38,8 @@ from .errors import (
     UnknownModel,
 )
 from .events import parse_usage_event
-from .models import (ApiKeySpendLimit, BillingAccount, LedgerEntry, RefusedUsageEvent, SpendLimit, StripeEvent, TopUp,
-                     UsageRecord)
+from .models import (LIMIT_MAX, ApiKeySpendLimit, BillingAccount, LedgerEntry, RefusedUsageEvent, SpendLimit,
+                     StripeEvent, TopUp, UsageRecord)
 from .pricing import COST_QUANTUM, Prices, is_billed, request_cost
 from .stripe_api import stripe_client
 
@@ -289,19 +289,16 @@ def replay_refused_events() -> Replayed:
 # --- spend limits and the quota check ---------------------------------------------------------------
 
 
-# What a USD column holds: 12 digits before the point (``billing.models.MONEY``).
-_MAX_LIMIT = Decimal(10) ** 12
-
-
 def _limit(name: str, value) -> Decimal | None:
-    """A limit as given, exactly: a Decimal >= 0, below 10^12, in micro-dollars at the finest
-    (never rounded: a limit is what its setter wrote)."""
+    """A limit as given, exactly: a Decimal >= 0, at most ``LIMIT_MAX``, in micro-dollars at the
+    finest (never rounded: a limit is what its setter wrote). The one check of every limit (the API,
+    the billing page's form, a key's limit from the dashboard)."""
     if value is None:
         return None
     if isinstance(value, float) or not isinstance(value, Decimal) or not value.is_finite() or value < 0:
         raise InvalidParameter(name, f"{name} must be a Decimal >= 0 or None")
-    if value >= _MAX_LIMIT:
-        raise InvalidParameter(name, f"{name} must be below {_MAX_LIMIT:,f} USD")
+    if value > LIMIT_MAX:
+        raise InvalidParameter(name, f"{name} must be at most {LIMIT_MAX:,f} USD")
     if value != value.quantize(COST_QUANTUM):
         raise InvalidParameter(name, f"{name} must have at most {-COST_QUANTUM.as_tuple().exponent} decimal places")
     return value.quantize(COST_QUANTUM)
@@ -384,9 +381,11 @@ def _topup_amount(amount) -> Decimal:
             raise InvalidParameter("amount", "amount must be in USD with at most 2 decimal places")
     except InvalidOperation:
         raise InvalidParameter("amount", f"amount must be a decimal amount in USD, not {amount!r}") from None
-    if not settings.TOPUP_MIN <= value <= settings.TOPUP_MAX:
+    # Never above LIMIT_MAX, whatever TOPUP_MAX says: a larger amount would not round-trip on SQLite.
+    highest = min(settings.TOPUP_MAX, LIMIT_MAX.quantize(CENTS, rounding=ROUND_DOWN))
+    if not settings.TOPUP_MIN <= value <= highest:
         raise InvalidParameter(
-            "amount", f"amount must be between {settings.TOPUP_MIN} and {settings.TOPUP_MAX} USD, not {value}"
+            "amount", f"amount must be between {settings.TOPUP_MIN} and {highest} USD, not {value}"
         )
     return value.quantize(CENTS)
 

@@ -10,7 +10,7 @@ from django.contrib.auth.forms import AuthenticationForm
 from django.utils import timezone
 
 from accounts.models import SCOPES, Membership
-from billing.models import MONEY
+from billing.models import LIMIT_MAX, MONEY
 from billing.selectors import REPORT_DATES
 from models_catalog.models import CatalogModel, Deployment
 from models_catalog.services import INT_SETTINGS
@@ -24,9 +24,8 @@ SCOPE_CHOICES = [
 ]
 assert {value for value, _ in SCOPE_CHOICES} == set(SCOPES)
 
-# The largest limit a USD column holds: 12 digits before the point, the rest after it.
-SPEND_LIMIT_MAX = (Decimal(10) ** (MONEY["max_digits"] - MONEY["decimal_places"])
-                   - Decimal(1).scaleb(-MONEY["decimal_places"]))
+# The largest limit billing accepts (its service checks it again, for the API too).
+SPEND_LIMIT_MAX = LIMIT_MAX
 
 EXPIRY_CHOICES = [("", "Never"), ("30", "In 30 days"), ("90", "In 90 days"), ("365", "In one year")]
 
@@ -169,14 +168,14 @@ class ApiKeyForm(forms.Form):
     scopes = forms.MultipleChoiceField(label="Permissions", choices=SCOPE_CHOICES, initial=["inference"],
                                        widget=forms.CheckboxSelectMultiple)
     expires_in_days = forms.ChoiceField(label="Expires", choices=EXPIRY_CHOICES, required=False)
-    # What billing stores and accepts for a limit (billing.models.MONEY): >= 0, below 10^12 USD, to
-    # the micro-dollar; the step follows decimal_places (0.000001).
+    # What billing stores and accepts for a limit (billing.models): >= 0, at most LIMIT_MAX USD,
+    # to the micro-dollar; the step follows decimal_places (0.000001).
     spend_limit = forms.DecimalField(
         label="Spend limit (USD)", required=False, min_value=Decimal("0"), max_value=SPEND_LIMIT_MAX,
         decimal_places=MONEY["decimal_places"], widget=forms.NumberInput(attrs={"placeholder": "No limit"}),
         error_messages={
             "max_decimal_places": "Enter the limit to the micro-dollar at most: up to %(max)s decimal places.",
-            "max_value": "Enter a limit below $1,000,000,000,000.",
+            "max_value": f"Enter a limit of at most ${SPEND_LIMIT_MAX:,f}.",
         },
         help_text="Requests are refused once the key has spent this much.",
     )

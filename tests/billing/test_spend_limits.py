@@ -88,7 +88,8 @@ def test_the_limit_set_through_the_api_is_what_the_quota_check_refuses_at(client
 @pytest.mark.parametrize("raw", [
     '{"monthly_limit": 100}', '{"monthly_limit": 100.5}', '{"monthly_limit": 1e2}', '{"monthly_limit": "abc"}',
     '{"monthly_limit": "-1"}', '{"monthly_limit": "1e3"}', '{"monthly_limit": "1.0000001"}',
-    '{"monthly_limit": "1000000000000"}', '{"monthly_limit": ""}', '{"monthly_limit": true}',
+    '{"monthly_limit": "1000000000000"}', '{"monthly_limit": "999999999999.999999"}',
+    '{"monthly_limit": "1000000000"}', '{"monthly_limit": ""}', '{"monthly_limit": true}',
     '{"monthly_limit": ["1"]}', '{"monthly_limit": {"amount": "1"}}', "{}", '{"monthly_limt": "5"}',
 ])
 def test_bad_input_is_400_naming_monthly_limit_and_changes_nothing(client, acme, raw):
@@ -100,6 +101,81 @@ def test_bad_input_is_400_naming_monthly_limit_and_changes_nothing(client, acme,
     assert error["param"] == "monthly_limit" and error["type"] == "invalid_request_error"
     assert set(error) == {"message", "type", "param", "code"}
     assert limit_of(organization) == Decimal("42")
+
+
+def test_the_largest_limit_is_accepted_and_one_above_is_refused_naming_the_maximum(client, acme):
+    organization, manager, reader = acme
+    response = put(client, {"monthly_limit": "999999999.999999"}, key=manager)
+    assert response.status_code == 200 and response.json()["monthly_limit"] == "999999999.999999"
+    assert client.get("/v1/billing/balance", headers=bearer(reader)).json()["monthly_limit"] == "999999999.999999"
+    response = put(client, {"monthly_limit": "999999999999.999999"}, key=manager)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "monthly_limit" and "at most 999,999,999.999999 USD" in error["message"]
+    assert limit_of(organization) == Decimal("999999999.999999")
+
+
+def _sqlite_round_trip(value: Decimal) -> Decimal:
+    """``value`` written to and read back from a SpendLimit-like column of a real SQLite database,
+    through Django's own SQLite adapter and converter (the suite's database is PostgreSQL)."""
+    from django.db.models.expressions import Col
+    from django.db.utils import ConnectionHandler
+
+    connection = ConnectionHandler({"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}})["default"]
+    field = SpendLimit._meta.get_field("monthly_limit")
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("CREATE TABLE limits (monthly_limit decimal)")
+            cursor.execute("INSERT INTO limits VALUES (%s)", [connection.ops.adapt_decimalfield_value(
+                value, field.max_digits, field.decimal_places)])
+            cursor.execute("SELECT monthly_limit FROM limits")
+            stored = cursor.fetchone()[0]
+        column = Col("limits", field)
+        return connection.ops.get_decimalfield_converter(column)(stored, column, connection)
+    finally:
+        connection.close()
+
+
+def test_every_limit_billing_accepts_round_trips_exactly_on_sqlite():
+    from decimal import InvalidOperation
+
+    from billing.models import LIMIT_MAX
+
+    for value in (LIMIT_MAX, Decimal("123456789.123456"), Decimal("0.000001")):
+        services._limit("monthly_limit", value)  # accepted
+        assert _sqlite_round_trip(value) == value
+    # What the old bound let through: read back rounded, or not at all.
+    assert _sqlite_round_trip(Decimal("123456789012.123456")) != Decimal("123456789012.123456")
+    with pytest.raises(InvalidOperation):
+        _sqlite_round_trip(Decimal("999999999999.999999"))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_migration_brings_stored_limits_down_to_the_maximum():
+    from django.db import connection
+    from django.db.migrations.executor import MigrationExecutor
+
+    from billing.models import LIMIT_MAX, ApiKeySpendLimit
+
+    organization, small = make_organization("Big"), make_organization("Small")
+    big_key, _ = make_key(organization)
+    small_key, _ = make_key(small)
+    before = [("billing", "0006_refused_usage_events")]
+    executor = MigrationExecutor(connection)
+    executor.migrate(before)
+    try:  # what the old bound (below 10^12) let through
+        apps = executor.loader.project_state(before).apps
+        old_limit, old_key_limit = apps.get_model("billing", "SpendLimit"), apps.get_model("billing", "ApiKeySpendLimit")
+        old_limit.objects.create(organization_id=organization.pk, monthly_limit=Decimal("999999999999.999999"))
+        old_limit.objects.create(organization_id=small.pk, monthly_limit=Decimal("100"))
+        old_key_limit.objects.create(api_key_id=big_key.pk, amount_limit=Decimal("1000000000"))
+        old_key_limit.objects.create(api_key_id=small_key.pk, amount_limit=None, token_limit=5)
+    finally:  # to the latest again: later tests need every migration
+        executor = MigrationExecutor(connection)
+        executor.migrate(executor.loader.graph.leaf_nodes())
+    assert limit_of(organization) == LIMIT_MAX and limit_of(small) == Decimal("100")
+    assert ApiKeySpendLimit.objects.get(api_key=big_key).amount_limit == LIMIT_MAX
+    assert ApiKeySpendLimit.objects.get(api_key=small_key).amount_limit is None
 
 
 def test_a_json_number_is_refused_asking_for_a_string(client, acme):
@@ -259,7 +335,7 @@ def test_the_form_sets_shows_and_removes_the_limit(owner):
     assert limit_of(organization) is None
 
 
-@pytest.mark.parametrize("value", ["abc", "-5", "1e3", "12,50", "1.0000001", "1000000000000"])
+@pytest.mark.parametrize("value", ["abc", "-5", "1e3", "12,50", "1.0000001", "1000000000000", "999999999999.999999"])
 def test_the_form_refuses_bad_amounts_and_says_why(owner, value):
     client, organization = owner
     services.set_spend_limit(organization=organization, monthly_limit=Decimal("42"))

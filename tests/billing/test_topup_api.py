@@ -64,6 +64,17 @@ def test_exact_amounts_out_of_bounds_or_finer_than_cents_are_refused(client, man
     assert not TopUp.objects.filter(organization=organization).exists()
 
 
+def test_a_top_up_above_what_sqlite_holds_exactly_is_refused_whatever_topup_max_says(client, manager, settings):
+    settings.STRIPE_SECRET_KEY = ""
+    settings.TOPUP_MAX = Decimal("10000000000000")
+    organization, plaintext = manager
+    response = _post(client, plaintext, json.dumps({"amount": "999999999999.99"}))
+    assert response.status_code == 400, response.content
+    error = response.json()["error"]
+    assert error["param"] == "amount" and "999999999.99 USD" in error["message"]
+    assert not TopUp.objects.filter(organization=organization).exists()
+
+
 @pytest.mark.parametrize("raw, amount", [
     ('"25.00"', Decimal("25.00")),
     ('"25.5"', Decimal("25.50")),
