@@ -8,9 +8,11 @@ The visible ``prefix`` finds the row; the hash is then compared in constant time
 from __future__ import annotations
 
 import hashlib
+import re
 
 from django.contrib.auth.base_user import AbstractBaseUser, BaseUserManager
 from django.contrib.auth.models import PermissionsMixin
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.db.models.functions import Lower
 from django.utils import timezone
@@ -23,6 +25,18 @@ SCOPES = (SCOPE_INFERENCE, SCOPE_READ_USAGE, SCOPE_MANAGE)
 
 KEY_PREFIX = "sk-"
 KEY_PREFIX_LENGTH = 12  # the visible part after "sk-"
+
+
+# Control characters (C0, DEL, C1) and Unicode's line and paragraph separators. A name holding one
+# breaks what it is written into: an email subject (a header: CR/LF there is a 500), a log line.
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+NO_CONTROL_CHARACTERS = "The name cannot contain line breaks, tabs or other control characters."
+
+
+def validate_no_control_characters(value: str) -> None:
+    """A model field validator (the admin site's forms run it); the services check the same."""
+    if CONTROL_CHARACTERS.search(value or ""):
+        raise ValidationError(NO_CONTROL_CHARACTERS, code="control_characters")
 
 
 def hash_api_key(raw: str) -> str:
@@ -62,7 +76,7 @@ class User(AbstractBaseUser, PermissionsMixin):
     """A person who logs in with an email address and a password."""
 
     email = models.EmailField("email address", max_length=254, unique=True)
-    name = models.CharField(max_length=150, blank=True)
+    name = models.CharField(max_length=150, blank=True, validators=[validate_no_control_characters])
     is_staff = models.BooleanField(default=False, help_text="May log in to the operator's admin site.")
     is_active = models.BooleanField(default=True)
     date_joined = models.DateTimeField(default=timezone.now)
@@ -89,7 +103,7 @@ class User(AbstractBaseUser, PermissionsMixin):
 class Organization(models.Model):
     """The unit that owns deployments, API keys, credits and usage."""
 
-    name = models.CharField(max_length=150)
+    name = models.CharField(max_length=150, validators=[validate_no_control_characters])
     slug = models.SlugField(max_length=160, unique=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -142,7 +156,7 @@ class ApiKey(models.Model):
     organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="api_keys")
     created_by = models.ForeignKey(User, null=True, blank=True, on_delete=models.SET_NULL, related_name="api_keys")
     origin = models.CharField(max_length=16, choices=Origin.choices, default=Origin.MEMBER, editable=False)
-    name = models.CharField(max_length=100)
+    name = models.CharField(max_length=100, validators=[validate_no_control_characters])
     prefix = models.CharField(max_length=KEY_PREFIX_LENGTH, unique=True, editable=False)
     secret_hash = models.CharField(max_length=64, unique=True, editable=False)
     scopes = models.JSONField(default=list)

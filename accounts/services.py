@@ -17,7 +17,8 @@ from django.utils.text import slugify
 from inference_platform import read_cache
 
 from .errors import InvalidInput
-from .models import KEY_PREFIX, KEY_PREFIX_LENGTH, SCOPES, ApiKey, Membership, Organization, User, hash_api_key
+from .models import (CONTROL_CHARACTERS, KEY_PREFIX, KEY_PREFIX_LENGTH, NO_CONTROL_CHARACTERS, SCOPES, ApiKey,
+                     Membership, Organization, User, hash_api_key)
 from .signals import organization_created
 
 # last_used_at is written at most this often per key.
@@ -25,8 +26,24 @@ TOUCH_INTERVAL = timedelta(seconds=60)
 _PREFIX_ALPHABET = string.ascii_letters + string.digits
 
 
+def _clean_name(model, name: str | None, *, missing: str | None) -> str:
+    """``name`` stripped, for ``model``'s ``name`` field: refused (InvalidInput "name") when empty
+    (with ``missing`` as the message; None: empty is allowed), too long, or holding a control
+    character (a CR/LF in a name broke the invitation email's subject)."""
+    name = (name or "").strip()
+    if not name and missing is not None:
+        raise InvalidInput("name", missing)
+    max_length = model._meta.get_field("name").max_length
+    if len(name) > max_length:
+        raise InvalidInput("name", f"The name is too long ({max_length} characters at most).")
+    if CONTROL_CHARACTERS.search(name):
+        raise InvalidInput("name", NO_CONTROL_CHARACTERS)
+    return name
+
+
 def create_user(*, email: str, password: str | None, name: str = "", validate: bool = True) -> User:
     """A new user. ``password=None`` gives an unusable password (set later through a reset)."""
+    name = _clean_name(User, name, missing=None)
     email = (email or "").strip().lower()
     try:
         validate_email(email)
@@ -58,11 +75,7 @@ def _unique_slug(name: str) -> str:
 @transaction.atomic
 def create_organization(*, name: str, owner: User) -> Organization:
     """A new organization with ``owner`` as its owner; sends ``organization_created``."""
-    name = (name or "").strip()
-    if not name:
-        raise InvalidInput("name", "An organization needs a name.")
-    if len(name) > Organization._meta.get_field("name").max_length:
-        raise InvalidInput("name", "The name is too long (150 characters at most).")
+    name = _clean_name(Organization, name, missing="An organization needs a name.")
     for attempt in range(5):
         try:
             with transaction.atomic():
@@ -153,11 +166,7 @@ def create_api_key(
 
     ``origin``: ``ApiKey.Origin.COMMAND_LINE`` only from the operator's command line; with no
     ``created_by`` such a key acts as the organization (any other creator-less key has no role)."""
-    name = (name or "").strip()
-    if not name:
-        raise InvalidInput("name", "A key needs a name.")
-    if len(name) > ApiKey._meta.get_field("name").max_length:
-        raise InvalidInput("name", "The name is too long (100 characters at most).")
+    name = _clean_name(ApiKey, name, missing="A key needs a name.")
     scopes = validate_scopes(scopes)
     if origin not in ApiKey.Origin.values:
         raise InvalidInput("origin", f"The origin must be one of {', '.join(ApiKey.Origin.values)}.")

@@ -13,14 +13,14 @@ from typing import Callable
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.core.mail import send_mail
+from django.core.mail import BadHeaderError, send_mail
 from django.core.validators import validate_email
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from accounts import services as account_services
 from accounts.errors import InvalidInput
-from accounts.models import MANAGER_ROLES, Membership, Organization, User
+from accounts.models import CONTROL_CHARACTERS, MANAGER_ROLES, Membership, Organization, User
 
 from .errors import DashboardError, InvalidInvitation, NotAllowed, SignUpClosed
 from .models import Invitation, hash_token
@@ -56,10 +56,13 @@ def sign_up(*, email: str, password: str, name: str = "", organization_name: str
         if invitation is not None:
             accept_invitation(raw_token=invitation_token, user=user)
         else:
-            account_services.create_organization(
-                name=(organization_name or "").strip() or default_organization_name(name=name, email=user.email),
-                owner=user,
-            )
+            try:
+                account_services.create_organization(
+                    name=(organization_name or "").strip() or default_organization_name(name=name, email=user.email),
+                    owner=user,
+                )
+            except InvalidInput as exc:  # the organization's name is the form's organization_name
+                raise InvalidInput("organization_name" if exc.field == "name" else exc.field, exc.message) from None
     except InvalidInput as exc:
         raise _from_accounts(exc) from None
     return user
@@ -183,7 +186,7 @@ def invite_member(*, organization: Organization, invited_by: User, email: str, r
         raise DashboardError(f"{email} already has a pending invitation.", field="email") from None
     try:  # after the commit: a slow mail server must not hold the database's write lock (SQLite)
         send_mail(
-            subject=f"{inviter} invited you to {organization.name}",
+            subject=_one_line(f"{inviter} invited you to {organization.name}"),
             message=(
                 f"{inviter} invited you to join {organization.name} as {invitation.role_label}.\n\n"
                 f"Accept the invitation: {link_for(raw)}\n\n"
@@ -192,11 +195,20 @@ def invite_member(*, organization: Organization, invited_by: User, email: str, r
             from_email=None,
             recipient_list=[email],
         )
-    except OSError as exc:  # the mail server refused or cannot be reached (SMTPException is one)
+    except (OSError, BadHeaderError) as exc:  # refused, unreachable (SMTPException is one), or a bad header
         invitation.delete()  # not kept: a retry must not find it "already pending"
         raise DashboardError(f"The invitation email could not be sent ({exc}); nothing was saved, try again "
                              "later.", field="email") from None
+    except BaseException:
+        invitation.delete()  # whatever failed, no invitation is left that nobody was told about
+        raise
     return invitation
+
+
+def _one_line(text: str) -> str:
+    """``text`` fit for an email header: a name saved before control characters were refused
+    (or by other means) may still hold a line break, which Django refuses in a header."""
+    return " ".join(CONTROL_CHARACTERS.sub(" ", text).split())
 
 
 

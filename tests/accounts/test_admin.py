@@ -79,3 +79,21 @@ def test_deleting_a_user_in_the_admin_revokes_their_keys(client, member_key):
     with pytest.raises(RevokedApiKey):
         authenticate_api_key(raw)
     assert ApiKey.objects.get(prefix=raw[3:15]).created_by is None
+
+
+def test_the_admin_refuses_a_user_or_organization_name_with_a_line_break(client, operator):
+    org = create_organization(name="Acme", owner=operator)
+    response = client.post(f"/admin/accounts/organization/{org.pk}/change/", {
+        "name": "Acme\r\nBcc: victim@example.com", "slug": org.slug,
+        "memberships-TOTAL_FORMS": "0", "memberships-INITIAL_FORMS": "0",
+    })
+    assert response.status_code == 200 and "control characters" in response.content.decode()
+    org.refresh_from_db()
+    assert org.name == "Acme"
+    response = client.post(f"/admin/accounts/user/{operator.pk}/change/", {
+        "email": operator.email, "name": "Root\nAdmin", "is_active": "on", "is_staff": "on", "is_superuser": "on",
+        "date_joined_0": "2026-01-01", "date_joined_1": "00:00:00",
+    })
+    assert response.status_code == 200 and "control characters" in response.content.decode()
+    operator.refresh_from_db()
+    assert operator.name == ""

@@ -82,6 +82,50 @@ def test_a_failing_receiver_rolls_the_organization_back():
     assert not Organization.objects.exists() and not Membership.objects.exists()
 
 
+CONTROL = ["a\r\nb", "a\nb", "a\rb", "a\tb", "a\x00b", "a\x1bb", "a\x7fb", "a\x85b", "a\u2028b", "a\u2029b"]
+
+
+@pytest.mark.parametrize("name", CONTROL)
+def test_names_with_control_characters_are_refused_by_every_service(name):
+    from accounts.models import ApiKey
+    from accounts.services import create_api_key
+
+    with pytest.raises(InvalidInput) as caught:
+        create_user(email="ada@example.com", password=PASSWORD, name=name)
+    assert caught.value.field == "name" and "control characters" in caught.value.message
+    owner = create_user(email="ada@example.com", password=PASSWORD, name="Ada Lovelace")
+    with pytest.raises(InvalidInput) as caught:
+        create_organization(name=name, owner=owner)
+    assert caught.value.field == "name" and "control characters" in caught.value.message
+    org = create_organization(name="Acme", owner=owner)
+    with pytest.raises(InvalidInput) as caught:
+        create_api_key(organization=org, name=name, scopes=["inference"])
+    assert caught.value.field == "name" and "control characters" in caught.value.message
+    assert Organization.objects.count() == 1 and not ApiKey.objects.exists()
+
+
+def test_names_in_any_script_with_spaces_and_punctuation_are_fine():
+    owner = create_user(email="ada@example.com", password=PASSWORD, name="  Ada Lovelace-Byron  ")
+    assert owner.name == "Ada Lovelace-Byron"
+    assert create_organization(name="Société Générale · 研究所 (R&D)", owner=owner).name == "Société Générale · 研究所 (R&D)"
+
+
+@pytest.mark.parametrize("model", ["user", "organization", "apikey"])
+def test_the_models_validate_names_too_for_the_admin_sites_forms(model):
+    from django.core.exceptions import ValidationError
+
+    from accounts.models import ApiKey
+
+    owner = create_user(email="ada@example.com", password=PASSWORD)
+    org = create_organization(name="Acme", owner=owner)
+    instance = {"user": owner, "organization": org,
+                "apikey": ApiKey(organization=org, name="k", prefix="p" * 12, secret_hash="h" * 64)}[model]
+    instance.name = "x\r\ny"
+    with pytest.raises(ValidationError) as caught:
+        instance.full_clean()
+    assert "name" in caught.value.message_dict
+
+
 def test_membership_is_unique_per_pair_and_roles_are_checked():
     owner = create_user(email="ada@example.com", password=PASSWORD)
     bob = create_user(email="bob@example.com", password=PASSWORD)
