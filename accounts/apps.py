@@ -8,7 +8,8 @@ class AccountsConfig(AppConfig):
     def ready(self):
         from inference_platform.read_cache import invalidate_on_change
 
-        from . import receivers, schema  # noqa: F401  (keys follow memberships; the OpenAPI key scheme)
+        # Keys follow memberships; the OpenAPI key scheme; failed sign-ins counted.
+        from . import login_throttle, receivers, schema  # noqa: F401
         from .models import ApiKey, Organization, User
 
         invalidate_on_change(ApiKey, Organization, User)  # authenticated keys are cached (``selectors``)

@@ -7,8 +7,10 @@ from decimal import Decimal
 
 from django import forms
 from django.contrib.auth.forms import AuthenticationForm
+from django.core.exceptions import ValidationError
 from django.utils import timezone
 
+from accounts import login_throttle
 from accounts.models import SCOPES, Membership
 from billing.models import LIMIT_MAX, MONEY
 from billing.selectors import REPORT_DATES
@@ -41,6 +43,15 @@ class EmailLoginForm(AuthenticationForm):
         **AuthenticationForm.error_messages,
         "invalid_login": "That email and password don't match an account. Check them and try again.",
     }
+
+    def clean(self):
+        email = self.cleaned_data.get("username")
+        wait = login_throttle.seconds_locked(email) if email else 0
+        if wait:  # refused before the password is even checked
+            raise ValidationError(
+                f"Too many failed sign-ins to this account: try again in {-(-wait // 60)} minutes, or reset "
+                "your password.", code="throttled")
+        return super().clean()
 
 
 class SignUpForm(forms.Form):

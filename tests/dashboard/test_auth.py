@@ -106,3 +106,24 @@ def test_the_sign_up_service_refuses_too_where_it_is_closed(client, db, settings
     with pytest.raises(SignUpClosed, match="invitation only"):
         sign_up(email="mallory@example.com", password=PASSWORD, organization_name="M")
     assert not User.objects.filter(email="mallory@example.com").exists()
+
+
+def test_sign_ins_to_an_account_stop_after_repeated_failures_even_with_the_right_password(client, acme, django_user_model):
+    from accounts import login_throttle
+
+    user, _ = acme
+    other = django_user_model.objects.create_user(email="bystander@example.com", password=PASSWORD)
+    try:
+        for _ in range(login_throttle.MAX_FAILURES):
+            assert client.post("/login/", {"username": user.email, "password": "wrong"}).status_code == 200
+        response = client.post("/login/", {"username": user.email.upper(), "password": PASSWORD})
+        assert response.status_code == 200 and "Too many failed sign-ins" in response.content.decode()
+        assert client.get("/usage/").status_code == 302  # not signed in
+        assert client.post("/password-reset/", {"email": user.email}).status_code == 302  # a reset still works
+        # Another account is not locked with it.
+        assert client.post("/login/", {"username": other.email, "password": PASSWORD}).status_code == 302
+        client.post("/logout/")
+        login_throttle.clear(user.email)  # the window ended
+        assert client.post("/login/", {"username": user.email, "password": PASSWORD}).status_code == 302
+    finally:
+        login_throttle.clear(user.email)
