@@ -34,6 +34,7 @@ FLEET_SETTINGS = {
     "FLEET_TICK_SECONDS": "1",
     "FLEET_COLD_START_TIMEOUT": "150",
     "FLEET_SCALE_UP_QUEUE_DEPTH": "4",
+    "OMP_NUM_THREADS": "1",  # two workers share the machine's cores: more threads spin against each other
     "CELERY_VISIBILITY_TIMEOUT": "20",
     "CELERY_UNACKED_RESTORE_INTERVAL": "1",
     "CELERY_UNACKED_RESTORE_THROTTLE": "1",
