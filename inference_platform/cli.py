@@ -598,7 +598,7 @@ def build_parser() -> argparse.ArgumentParser:
     web.add_argument("--workers", type=counting(1), default=1, help="web server processes (default 1)")
     web.set_defaults(func=cmd_web)
 
-    worker = sub.add_parser("worker", help="start one Celery worker", description="Start one Celery worker process (thread pool, prefetch 1, late acks).")
+    worker = sub.add_parser("worker", help="start one Celery worker", description="Start one Celery worker process (thread pool, late acks; it takes from the queue what the engines it hosts can run).")
     worker.add_argument("--queues", type=lambda s: [q for q in s.split(",") if q], default=DEFAULT_QUEUES,
                         help="comma-separated queues to consume (default: default,billing)")
     worker.add_argument("--deployments", type=lambda s: [d for d in s.split(",") if d], default=[],
