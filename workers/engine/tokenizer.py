@@ -164,10 +164,15 @@ class Tokenizer:
         """Token ids of the chat prompt, with the model's own additions (e.g. BOS). Only the
         template writes control tokens: a message that spells one (``<|im_end|>``) gets it as
         text, as OpenAI treats message content, so that a user cannot end their turn or forge
-        another role's. Without such text the ids are those of encoding the rendered prompt."""
-        if self._control is None:
+        another role's. Without such text the ids are exactly those of the rendered prompt."""
+        if self._control is None or not any(isinstance(m.get("content"), str) and self._control.search(m["content"])
+                                            for m in messages):
+            # The usual case, encoded whole: the tokenizer's own rules around control tokens (the
+            # whitespace some strip, sentencepiece's first-word space) apply as they always did.
             return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt),
                                add_special_tokens=True)
+        # A message spells a control token: encode the text between the template's own ones as
+        # text, piece by piece (around those, a tokenizer's whitespace rules may differ slightly).
         escaped = [{**m, "content": self._escape(m["content"])} if isinstance(m.get("content"), str) else m
                    for m in messages]
         prompt = self.apply_chat_template(escaped, add_generation_prompt=add_generation_prompt)
