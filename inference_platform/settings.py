@@ -126,6 +126,9 @@ CELERY_RESULT_BACKEND = None
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# A worker serving inference sizes its prefetch itself (workers.reservations). Celery's own
+# reduction after a reconnection would restart it from the thread count and grow it back there.
+CELERY_WORKER_ENABLE_PREFETCH_COUNT_REDUCTION = False
 CELERY_TASK_DEFAULT_QUEUE = "default"
 # Celery's Django fixup closes every database connection around every task unless this is set;
 # ``inference_platform.celery`` applies Django's own rule (CONN_MAX_AGE, broken ones) instead.

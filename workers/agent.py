@@ -204,10 +204,13 @@ class Agent:
         self.consumer = consumer
         self.hostname = consumer.hostname
         self.slots = int(settings.WORKER_SLOTS)
+        preloads = [n for n in os.environ.get("INFERENCE_PRELOAD", "").split(",") if n]
+        for name in preloads:  # their queues are consumed from the start: reserve little until their specs are read
+            reservations.serve(name, 1)
         reservations.attach(consumer)
         threading.Thread(target=self._beat_forever, name="fleet-heartbeat", daemon=True).start()
         if self.slots > 0:
-            for name in [n for n in os.environ.get("INFERENCE_PRELOAD", "").split(",") if n]:
+            for name in preloads:
                 self.serial.submit(name, lambda name=name: self._preload(name))
 
     def stop(self) -> None:
@@ -235,6 +238,7 @@ class Agent:
                     self.check_tickets(tickets)
                 fleet.set_alive(INSTANCE, self.hostname)
                 self._alive_since = started  # the key was set after this: it expires after started + TTL
+                fleet.mark_serving(host.loaded())
                 reservations.apply()  # again after a reconnection, which resets Celery's prefetch
                 if self.slots > 0:
                     device = device or detect_device()
