@@ -295,31 +295,34 @@ class Call:
                 return
 
     async def _wait_in_queue(self) -> dict:
-        """The first event of a worker that took the request. While the deployment's queue moves
-        (a worker took one of its requests within the last period), it waits behind busy replicas,
-        up to GATEWAY_STALL_TIMEOUT in all; a queue that stops moving for a whole period has no
-        worker consuming it: 503."""
-        period = self.queue_timeout or settings.GATEWAY_QUEUE_TIMEOUT
+        """The first event of a worker that took the request. After its first wait (the queue
+        timeout, or a cold start's), it waits on for busy replicas while a live worker hosts the
+        deployment (``dispatch.serving_key``), checked every GATEWAY_QUEUE_TIMEOUT, up to
+        GATEWAY_STALL_TIMEOUT more; with none, 503 at once."""
+        name = self.spec["name"]
         loop = asyncio.get_running_loop()
-        started = loop.time()
+        wait, deadline = self.queue_timeout or settings.GATEWAY_QUEUE_TIMEOUT, None
         while True:
             try:
-                return await self._receive(period)
+                return await self._receive(wait)
             except asyncio.TimeoutError:
                 pass
-            waited = loop.time() - started
+            now = loop.time()
+            if deadline is not None and now >= deadline:
+                await self.cancel()
+                raise ApiError(503, f"'{name}' is busy: this request waited too long for a replica; try again "
+                                    "shortly.", code="model_overloaded") from None
             try:
-                moved_ms_ago = await dispatch.last_taken_ms_ago(ratelimit.client(), self.spec["name"])
-            except REDIS_FAILURES:
-                moved_ms_ago = None
-            if moved_ms_ago is None or moved_ms_ago > period * 1000:
+                served = await dispatch.served(ratelimit.client(), name)
+            except REDIS_FAILURES as exc:
                 await self.cancel()
-                raise ApiError(503, f"No worker took a request for '{self.spec['name']}' in {period:g}s: none is "
-                                    "running it right now; try again shortly.", code="model_unavailable") from None
-            if waited + period > max(settings.GATEWAY_STALL_TIMEOUT, period):
+                raise unavailable(exc) from None
+            if not served:
                 await self.cancel()
-                raise ApiError(503, f"'{self.spec['name']}' is busy: this request waited {waited:.0f}s for a "
-                                    "replica; try again shortly.", code="model_overloaded") from None
+                raise ApiError(503, f"No worker took this request for '{name}': none is running it right now; "
+                                    "try again shortly.", code="model_unavailable") from None
+            deadline = deadline or now + settings.GATEWAY_STALL_TIMEOUT
+            wait = max(0.01, min(settings.GATEWAY_QUEUE_TIMEOUT, deadline - now))
 
     async def cancel(self) -> None:
         """Abort the request wherever it is (queued or running); the worker bills what it produced."""

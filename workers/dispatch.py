@@ -57,21 +57,15 @@ def queue_lists(name: str) -> list[str]:
     return lists(deployment_queue(name))
 
 
-# A worker marks its deployment's queue as moving each time it takes a request from it; the key
-# expires this long after the last one, so its remaining TTL (Redis's clock, not a host's) tells
-# how long ago that was.
-TAKEN_TTL_MS = 3_600_000
+def serving_key(name: str) -> str:
+    """Set by the heartbeat of each live worker hosting the deployment's engine (expiring with
+    its liveness): while it exists, the deployment's waiting requests wait for a busy replica,
+    not for none."""
+    return f"fleet:serving:{name}"
 
 
-def taken_key(name: str) -> str:
-    return f"fleet:taken:{name}"
-
-
-async def last_taken_ms_ago(client: aioredis.Redis, name: str) -> int | None:
-    """How long ago a worker last took a request of the deployment ``name``; None: not within the
-    hour."""
-    ttl = await client.pttl(taken_key(name))
-    return TAKEN_TTL_MS - ttl if ttl > 0 else None
+async def served(client: aioredis.Redis, name: str) -> bool:
+    return bool(await client.exists(serving_key(name)))
 
 
 def enqueue(payload: dict) -> None:

@@ -27,7 +27,7 @@ from django.conf import settings
 from inference_platform.celery import app, deployment_queue
 
 from .cancellation import MARK_TTL_S, mark_key
-from .dispatch import TAKEN_TTL_MS, taken_key
+from .dispatch import serving_key
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +153,16 @@ def set_alive(instance: str, hostname: str) -> None:
     client().set(_alive_key(instance), hostname, ex=liveness_ttl())
 
 
+def mark_serving(names) -> None:
+    """This live process hosts these deployments' engines (see ``dispatch.serving_key``)."""
+    names = list(names)
+    if names:
+        pipe = client().pipeline(transaction=False)
+        for name in names:
+            pipe.set(serving_key(name), "1", ex=liveness_ttl())
+        pipe.execute()
+
+
 def clear_alive(instance: str) -> None:
     client().delete(_alive_key(instance))
 
@@ -217,8 +227,6 @@ def claim(payload: dict, *, instance: str, hostname: str) -> dict:
     pipe = r.pipeline(transaction=False)
     pipe.hset(key, mapping=record)
     pipe.expire(key, progress_ttl())
-    if record["deployment"]:  # the queue moves: its waiting requests wait for a busy replica, not for none
-        pipe.set(taken_key(record["deployment"]), "1", px=TAKEN_TTL_MS)
     pipe.execute()
     return previous
 

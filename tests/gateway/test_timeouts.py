@@ -89,7 +89,7 @@ def _spec(call: Call) -> str:
     return call.spec["name"]
 
 
-def test_a_queue_nobody_takes_from_is_503_after_one_period(settings):
+def test_a_deployment_no_worker_serves_is_503_after_its_first_wait(settings):
     async def scenario():
         call = new_call(await get_channel_layer().new_channel())
         call.queue_timeout = 0.3
@@ -103,29 +103,22 @@ def test_a_queue_nobody_takes_from_is_503_after_one_period(settings):
     assert call.cancelled and cancel_marked(call.request_id)
 
 
-def test_a_request_behind_busy_replicas_waits_while_its_queue_moves_and_up_to_the_stall_timeout(settings):
-    """A worker takes only what its engine can run, so a burst waits on the queue: the period of
-    GATEWAY_QUEUE_TIMEOUT without a take means nobody serves the deployment, but while workers keep
-    taking its requests this one waits, up to GATEWAY_STALL_TIMEOUT."""
+def test_a_request_behind_busy_replicas_waits_while_a_worker_serves_its_deployment(settings):
+    """A worker takes only what its engine can run, so a burst waits on the queue: past its first
+    wait (GATEWAY_QUEUE_TIMEOUT) a request waits on while a live worker hosts the deployment, up to
+    GATEWAY_STALL_TIMEOUT more, and no longer once none does."""
     from workers import dispatch, fleet
 
-    settings.GATEWAY_STALL_TIMEOUT = 1.5
+    settings.GATEWAY_QUEUE_TIMEOUT = 0.3
+    settings.GATEWAY_STALL_TIMEOUT = 1.2
 
-    async def take_every(seconds: float, name: str, stop: asyncio.Event) -> None:
-        while not stop.is_set():  # what fleet.claim does each time a worker takes one of its requests
-            fleet.client().set(dispatch.taken_key(name), "1", px=dispatch.TAKEN_TTL_MS)
-            try:
-                await asyncio.wait_for(stop.wait(), seconds)
-            except asyncio.TimeoutError:
-                pass
-
-    async def scenario(*, served_after: float | None):
+    async def scenario(*, served_after: float | None, hosted_for: float):
         layer = get_channel_layer()
         call = new_call(await layer.new_channel())
-        call.queue_timeout = 0.3
+        call.queue_timeout = None
         name = _spec(call)
-        stop = asyncio.Event()
-        workers = asyncio.create_task(take_every(0.1, name, stop))
+        # What each live worker hosting the engine does with every heartbeat (fleet.mark_serving).
+        fleet.client().set(dispatch.serving_key(name), "1", px=int(hosted_for * 1000))
         loop = asyncio.get_running_loop()
         if served_after is not None:  # its turn comes: a worker takes it and starts it
             loop.call_later(served_after, lambda: asyncio.ensure_future(
@@ -137,12 +130,12 @@ def test_a_request_behind_busy_replicas_waits_while_its_queue_moves_and_up_to_th
         except ApiError as error:
             return call, error, loop.time() - started
         finally:
-            stop.set()
-            await workers
-            fleet.client().delete(dispatch.taken_key(name))
+            fleet.client().delete(dispatch.serving_key(name))
 
-    call, error, waited = asyncio.run(scenario(served_after=0.9))  # three periods: served, not refused
-    assert error is None and call.prompt_tokens == 3 and waited >= 0.9
-    call, error, waited = asyncio.run(scenario(served_after=None))
+    call, error, waited = asyncio.run(scenario(served_after=1.0, hosted_for=60))  # served, not refused
+    assert error is None and call.prompt_tokens == 3 and waited >= 1.0
+    call, error, waited = asyncio.run(scenario(served_after=None, hosted_for=60))
     assert (error.status, error.code) == (503, "model_overloaded") and "busy" in error.message
-    assert waited >= 1.2 and call.cancelled and cancel_marked(call.request_id)  # several periods, not one
+    assert waited >= 0.3 + 1.2 and call.cancelled and cancel_marked(call.request_id)
+    call, error, waited = asyncio.run(scenario(served_after=None, hosted_for=0.5))  # its worker went away
+    assert (error.status, error.code) == (503, "model_unavailable")  # before its deadline: not "busy"
