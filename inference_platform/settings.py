@@ -249,8 +249,8 @@ FLEET_HEARTBEAT_SECONDS = env_seconds("FLEET_HEARTBEAT_SECONDS", "5", minimum=0.
 FLEET_MISSED_HEARTBEATS = env_int("FLEET_MISSED_HEARTBEATS", 3, minimum=2)
 FLEET_TICK_SECONDS = env_seconds("FLEET_TICK_SECONDS", "2", minimum=0.2)
 FLEET_SCALE_UP_QUEUE_DEPTH = env_int("FLEET_SCALE_UP_QUEUE_DEPTH", 8, minimum=1)  # waiting per ready replica
-# A replica above its deployment's min_replicas, idle this long, gives its slot to a deployment
-# that has no replica and finds no free slot.
+# A replica above what its deployment reserves (models_catalog.services.reserved_replicas), idle
+# this long, gives its slot to a deployment that has no replica and finds no free slot.
 FLEET_EVICT_IDLE_SECONDS = env_seconds("FLEET_EVICT_IDLE_SECONDS", "60", minimum=0)
 FLEET_LOAD_TIMEOUT = env_seconds("FLEET_LOAD_TIMEOUT", "600", minimum=1)  # a load taking longer fails
 FLEET_DRAIN_TIMEOUT = env_seconds("FLEET_DRAIN_TIMEOUT", "600", minimum=0)  # unload waits for requests

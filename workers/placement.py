@@ -20,15 +20,15 @@ Per pass:
 3. new replicas go to the alive workers with a free slot, least busy first; a replica loaded with
    other settings than the deployment's current ones is replaced;
 4. a deployment with no replica and no free slot anywhere takes one from the replica idle longest
-   (for FLEET_EVICT_IDLE_SECONDS at least) among those above their deployment's ``min_replicas``
-   and with no request waiting: only ``min_replicas`` are reserved, so no organization keeps the
-   fleet's slots from others by idling (its deployment cold-starts again when next called).
+   (for FLEET_EVICT_IDLE_SECONDS at least) among those above what their deployment reserves (what
+   the organization's quota counts) and with no request waiting: no organization keeps the fleet's
+   slots from others by idling (its deployment cold-starts again when next called).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -38,7 +38,7 @@ from django.utils import timezone
 from models_catalog.errors import CatalogError
 from models_catalog.models import Deployment
 
-from . import fleet, services
+from . import fleet, selectors, services
 from .dispatch import engine_spec
 from .models import Replica, Worker
 
@@ -121,28 +121,22 @@ def _tick_once(*, now: datetime | None) -> TickReport:
 
 def _evict_idle(report: TickReport, *, busy: set[str], now: datetime) -> None:
     """Free a slot for each deployment waiting for one: release the replica idle longest among
-    those that may go (its slot frees once its worker has unloaded it, for a later pass)."""
-    idle_since = now - timedelta(seconds=settings.FLEET_EVICT_IDLE_SECONDS)
-    placed = list(Replica.objects.filter(worker__status=Worker.Status.ALIVE, deployment__isnull=False)
-                  .select_related("worker", "deployment"))
-    count = defaultdict(int)
-    for replica in placed:
-        count[replica.deployment_id] += 1
-    candidates = sorted(
-        (r for r in placed if r.status == Replica.Status.READY and r.in_flight == 0
-         and r.deployment_name not in busy and r.deployment_name not in report.waiting_for_capacity
-         and (r.last_active_at or r.assigned_at) <= idle_since),
-        key=lambda r: r.last_active_at or r.assigned_at)
-    for needing in report.waiting_for_capacity:
-        replica = next((r for r in candidates if count[r.deployment_id] > r.deployment.min_replicas), None)
-        if replica is None:
-            return
-        candidates.remove(replica)
-        count[replica.deployment_id] -= 1
+    those that may go. Its slot frees once its worker has unloaded it, for a later pass: slots
+    being freed so (engines still reported without a replica) count, so as not to evict again."""
+    alive = list(Worker.objects.filter(status=Worker.Status.ALIVE))
+    owned = set(Replica.objects.filter(worker__in=alive).values_list("worker_id", "deployment_name"))
+    freeing = sum(1 for worker in alive for name, hosted in (worker.engine_stats or {}).items()
+                  if hosted.get("state") in ("loading", "ready", "unloading") and (worker.pk, name) not in owned)
+    needing = report.waiting_for_capacity[freeing:]
+    candidates = [r for r in selectors.evictable_replicas(now=now)
+                  if r.deployment_name not in busy and r.deployment_name not in report.waiting_for_capacity]
+    left = Counter(r.deployment_id for r in Replica.objects.filter(worker__in=alive, deployment__isnull=False))
+    for name, replica in zip(needing, candidates):
+        left[replica.deployment_id] -= 1
         idle = int((now - (replica.last_active_at or replica.assigned_at)).total_seconds())
         services.release_replica(
-            replica=replica, reason=f"evicted after {idle}s idle: {needing} needed its slot",
-            idle_status=Status.SCALED_TO_ZERO if count[replica.deployment_id] == 0 else None)
+            replica=replica, reason=f"evicted after {idle}s idle: {name} needed its slot",
+            idle_status=Status.SCALED_TO_ZERO if left[replica.deployment_id] == 0 else None)
         report.evicted.append((replica.deployment_name, replica.worker.hostname))
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from django.conf import settings
 from django.db.models import Count, F, QuerySet
 from django.utils import timezone
 from redis.exceptions import RedisError
@@ -33,11 +35,32 @@ def workers(*, include_gone: bool = True) -> QuerySet[Worker]:
 
 def can_host(*, deployment_id: int) -> bool:
     """Whether the fleet can serve the deployment soon: a replica of it exists, or an alive worker
-    has a free slot."""
+    has a free slot, or an idle replica may give it its slot."""
     if Replica.objects.filter(deployment_id=deployment_id, worker__status=Worker.Status.ALIVE).exists():
         return True
     return (Worker.objects.filter(status=Worker.Status.ALIVE)
-            .annotate(used=Count("replicas")).filter(used__lt=F("slots")).exists())
+            .annotate(used=Count("replicas")).filter(used__lt=F("slots")).exists()
+            or bool(evictable_replicas(now=timezone.now())))
+
+
+def evictable_replicas(*, now: datetime) -> list[Replica]:
+    """Replicas that may give their slot to a deployment that has none, idle longest first: ready,
+    nothing in flight for FLEET_EVICT_IDLE_SECONDS, and above what their deployment reserves
+    (``reserved_replicas``: an organization's quota counts those, so they stay)."""
+    from models_catalog.services import reserved_replicas
+
+    placed = list(Replica.objects.filter(worker__status=Worker.Status.ALIVE, deployment__isnull=False)
+                  .select_related("worker", "deployment"))
+    left = Counter(r.deployment_id for r in placed)
+    idle_since = now - timedelta(seconds=settings.FLEET_EVICT_IDLE_SECONDS)
+    evictable = []
+    for replica in sorted(placed, key=lambda r: r.last_active_at or r.assigned_at):
+        if (replica.status == Replica.Status.READY and replica.in_flight == 0
+                and (replica.last_active_at or replica.assigned_at) <= idle_since
+                and left[replica.deployment_id] > reserved_replicas(replica.deployment)):
+            evictable.append(replica)
+            left[replica.deployment_id] -= 1
+    return evictable
 
 
 def percentile(values: list[float], fraction: float) -> float | None:

@@ -20,7 +20,7 @@ from models_catalog.services import (
     set_deployment_status,
     update_deployment,
 )
-from workers import dispatch, fleet, placement, services
+from workers import dispatch, fleet, placement, selectors, services
 from workers.models import FleetEvent, Replica, Worker
 from workers.selectors import status_history
 
@@ -335,32 +335,43 @@ def test_a_stop_that_lands_between_the_loops_read_and_write_is_kept(model, monke
 
 
 def test_a_deployment_without_a_slot_takes_the_one_of_the_replica_idle_longest(model, queued, settings):
-    """Only min_replicas are reserved: a replica kept up by a long scale-to-zero time gives its slot
-    to a deployment that has none, once idle for FLEET_EVICT_IDLE_SECONDS, and not while a request
-    waits for it."""
+    """Only what an organization's quota reserves stays: a replica kept up by a long scale-to-zero
+    time gives its slot to a deployment that has none, once idle for FLEET_EVICT_IDLE_SECONDS, and
+    not while a request waits for it; one eviction per slot needed, however many passes it takes
+    its worker to unload the model."""
     settings.FLEET_EVICT_IDLE_SECONDS = 60
-    worker = register("alpha", slots=2)
-    reserved = deploy(model, kind="dedicated", min_replicas=1, scale_to_zero_seconds=0)
+    worker = register("alpha", slots=3)
+    reserved = deploy(model, kind="dedicated", min_replicas=1, scale_to_zero_seconds=7 * 24 * 3600)
+    never_idle = deploy(model, scale_to_zero_seconds=0)  # reserves its max_replicas (1)
     idler = deploy(model, scale_to_zero_seconds=7 * 24 * 3600)
     placement._tick_once(now=None)
-    for deployment in (reserved, idler):
+    hosted = {}
+    for deployment in (reserved, never_idle, idler):
         loaded(worker, deployment)
+        hosted[deployment.name] = {"state": "ready", "origin": "initial"}
+    beat(worker, hosted)
     newcomer = deploy(model)
+    assert selectors.can_host(deployment_id=newcomer.pk) is False  # nothing idle long enough yet
 
     Replica.objects.update(last_active_at=timezone.now() - timedelta(seconds=30))
     report = placement._tick_once(now=None)
     assert report.waiting_for_capacity == [newcomer.name] and report.evicted == []  # idle 30 s < 60 s
 
     Replica.objects.update(last_active_at=timezone.now() - timedelta(hours=1))
+    assert selectors.can_host(deployment_id=newcomer.pk)  # a request to it waits for a cold start
     queued(idler)  # a request waits for it: it stays
     assert placement._tick_once(now=None).evicted == []
     fleet.client().delete(*dispatch.queue_lists(idler.name))
 
     report = placement._tick_once(now=None)
-    assert report.evicted == [(idler.name, worker.hostname)]  # not the reserved one, idle as long
-    assert replicas(idler) == [] and len(replicas(reserved)) == 1
+    assert report.evicted == [(idler.name, worker.hostname)]  # not those the quota reserves, idle as long
+    assert replicas(idler) == [] and len(replicas(reserved)) == 1 and len(replicas(never_idle)) == 1
     deployment_status, reason = status(idler)
     assert deployment_status == "scaled_to_zero" and reason.endswith(f"{newcomer.name} needed its slot")
+    # Its worker still holds the model (unloading): the slot is on its way, nothing else goes.
+    beat(worker, {**hosted, idler.name: {"state": "unloading", "origin": "initial"}})
+    assert placement._tick_once(now=None).evicted == [] and replicas(newcomer) == []
+    beat(worker, {name: state for name, state in hosted.items() if name != idler.name})
     placement._tick_once(now=None)
     assert replicas(newcomer) == [(worker.hostname, "loading", "initial")]
 
