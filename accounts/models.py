@@ -155,7 +155,9 @@ class ApiKey(models.Model):
 
     organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="api_keys")
     created_by = models.ForeignKey(User, null=True, blank=True, on_delete=models.SET_NULL, related_name="api_keys")
-    origin = models.CharField(max_length=16, choices=Origin.choices, default=Origin.MEMBER, editable=False)
+    # db_default too: code older than this field, still running during an upgrade, inserts keys without it.
+    origin = models.CharField(max_length=16, choices=Origin.choices, default=Origin.MEMBER,
+                              db_default=Origin.MEMBER, editable=False)
     name = models.CharField(max_length=100, validators=[validate_no_control_characters])
     prefix = models.CharField(max_length=KEY_PREFIX_LENGTH, unique=True, editable=False)
     secret_hash = models.CharField(max_length=64, unique=True, editable=False)

@@ -26,7 +26,7 @@ class Migration(migrations.Migration):
             name="origin",
             field=models.CharField(choices=[("member", "A member (dashboard or code)"),
                                             ("command_line", "The operator's command line")],
-                                   default="member", editable=False, max_length=16),
+                                   default="member", db_default="member", editable=False, max_length=16),
         ),
         migrations.AddConstraint(
             model_name="apikey",
