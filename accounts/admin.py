@@ -1,10 +1,19 @@
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin.forms import AdminAuthenticationForm
 from django.contrib.auth.admin import UserAdmin as DjangoUserAdmin
 from django.contrib.auth.forms import AdminUserCreationForm, UserChangeForm
 
+from .login_throttle import ThrottledLogin
 from .models import ApiKey, Membership, Organization, User
 from .services import revoke_api_key
+
+
+class AdminLoginForm(ThrottledLogin, AdminAuthenticationForm):
+    """The admin site's sign-in, throttled as the dashboard's (staff accounts are the ones worth guessing)."""
+
+
+admin.site.login_form = AdminLoginForm
 
 
 class UserCreationForm(AdminUserCreationForm):

@@ -7,7 +7,6 @@ from decimal import Decimal
 
 from django import forms
 from django.contrib.auth.forms import AuthenticationForm
-from django.core.exceptions import ValidationError
 from django.utils import timezone
 
 from accounts import login_throttle
@@ -32,7 +31,7 @@ SPEND_LIMIT_MAX = LIMIT_MAX
 EXPIRY_CHOICES = [("", "Never"), ("30", "In 30 days"), ("90", "In 90 days"), ("365", "In one year")]
 
 
-class EmailLoginForm(AuthenticationForm):
+class EmailLoginForm(login_throttle.ThrottledLogin, AuthenticationForm):
     """Django's login form, labelled for an email address."""
 
     username = forms.EmailField(label="Email", widget=forms.EmailInput(attrs={"autofocus": True, "autocomplete": "email"}))
@@ -43,15 +42,6 @@ class EmailLoginForm(AuthenticationForm):
         **AuthenticationForm.error_messages,
         "invalid_login": "That email and password don't match an account. Check them and try again.",
     }
-
-    def clean(self):
-        email = self.cleaned_data.get("username")
-        wait = login_throttle.seconds_locked(email) if email else 0
-        if wait:  # refused before the password is even checked
-            raise ValidationError(
-                f"Too many failed sign-ins to this account: try again in {-(-wait // 60)} minutes, or reset "
-                "your password.", code="throttled")
-        return super().clean()
 
 
 class SignUpForm(forms.Form):
