@@ -38,7 +38,7 @@ from inference_platform.celery import app, deployment_queue
 from . import fleet
 from .inference import send_quietly
 from .reservations import reservations
-from .runtime import host
+from .runtime import host, preload_names
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class Agent:
         self.consumer = consumer
         self.hostname = consumer.hostname
         self.slots = int(settings.WORKER_SLOTS)
-        preloads = [n for n in os.environ.get("INFERENCE_PRELOAD", "").split(",") if n]
+        preloads = preload_names()
         for name in preloads:  # their queues are consumed from the start: reserve little until their specs are read
             reservations.serve(name, 1)
         reservations.attach(consumer)
@@ -239,7 +239,7 @@ class Agent:
                 fleet.set_alive(INSTANCE, self.hostname)
                 self._alive_since = started  # the key was set after this: it expires after started + TTL
                 fleet.mark_serving(host.loaded())
-                reservations.apply()  # again after a reconnection, which resets Celery's prefetch
+                reservations.apply()  # a safety net: serve/forget apply it, and a reconnection starts from it
                 if self.slots > 0:
                     device = device or detect_device()
                     self._beat(device)

@@ -124,13 +124,11 @@ def _evict_idle(report: TickReport, *, busy: set[str], now: datetime) -> None:
     those that may go. Its slot frees once its worker has unloaded it, for a later pass: slots
     being freed so (engines still reported without a replica) count, so as not to evict again."""
     alive = list(Worker.objects.filter(status=Worker.Status.ALIVE))
-    owned = set(Replica.objects.filter(worker__in=alive).values_list("worker_id", "deployment_name"))
-    freeing = sum(1 for worker in alive for name, hosted in (worker.engine_stats or {}).items()
-                  if hosted.get("state") in ("loading", "ready", "unloading") and (worker.pk, name) not in owned)
-    needing = report.waiting_for_capacity[freeing:]
+    placed = list(Replica.objects.filter(worker__in=alive))
+    needing = report.waiting_for_capacity[len(_unowned(alive, placed)):]
     candidates = [r for r in selectors.evictable_replicas(now=now)
                   if r.deployment_name not in busy and r.deployment_name not in report.waiting_for_capacity]
-    left = Counter(r.deployment_id for r in Replica.objects.filter(worker__in=alive, deployment__isnull=False))
+    left = Counter(r.deployment_id for r in placed if r.deployment_id is not None)
     for name, replica in zip(needing, candidates):
         left[replica.deployment_id] -= 1
         idle = int((now - (replica.last_active_at or replica.assigned_at)).total_seconds())
@@ -140,33 +138,37 @@ def _evict_idle(report: TickReport, *, busy: set[str], now: datetime) -> None:
         report.evicted.append((replica.deployment_name, replica.worker.hostname))
 
 
+HOLDING = ("loading", "ready", "unloading")  # an engine in these states holds its worker's memory
+
+
+def _unowned(workers, replicas, states=HOLDING) -> list[tuple[Worker, str]]:
+    """(worker, deployment name) of the engines the workers report in ``states`` that no replica
+    stands for: released (still draining or unloading), or a preload nobody adopted."""
+    owned = {(r.worker_id, r.deployment_name) for r in replicas}
+    return [(worker, name) for worker in workers for name, hosted in (worker.engine_stats or {}).items()
+            if hosted.get("state") in states and (worker.pk, name) not in owned]
+
+
 def _slots_used(workers, replicas) -> dict[int, int]:
     """Slots taken per worker: its replicas, and what it still reports hosting without one (a
     released deployment that is still draining or unloading holds its memory until it is gone, so
     its slot frees only once the worker says so; a release in this pass frees nothing either)."""
     used = defaultdict(int)
-    owned = set()
     for replica in replicas:
         used[replica.worker_id] += 1
-        owned.add((replica.worker_id, replica.deployment_name))
-    for worker in workers:
-        for name, hosted in (worker.engine_stats or {}).items():
-            if hosted.get("state") in ("loading", "ready", "unloading") and (worker.pk, name) not in owned:
-                used[worker.pk] += 1
+    for worker, _ in _unowned(workers, replicas):
+        used[worker.pk] += 1
     return used
 
 
 def _release_unowned(workers, replicas) -> None:
     """A worker hosting a deployment that no replica of it stands for (released while a heartbeat
     was on its way, or a preload nobody adopted): tell it again to let go."""
-    owned = {(r.worker_id, r.deployment_name) for r in replicas}
-    for worker in workers:
-        for name, hosted in (worker.engine_stats or {}).items():
-            if hosted.get("state") in ("loading", "ready") and (worker.pk, name) not in owned:
-                try:
-                    fleet.send_release(hostname=worker.hostname, name=name)
-                except Exception:
-                    log.exception("could not tell %s to release %s", worker.hostname, name)
+    for worker, name in _unowned(workers, replicas, states=("loading", "ready")):
+        try:
+            fleet.send_release(hostname=worker.hostname, name=name)
+        except Exception:
+            log.exception("could not tell %s to release %s", worker.hostname, name)
 
 
 def _wanted(deployment: Deployment, mine: list[Replica], depth: int, *, replaced: bool) -> tuple[int, str]:

@@ -70,8 +70,8 @@ class Reservations:
             return self._wanted()
 
     def apply(self) -> None:
-        """Set the consumer's prefetch to what the hosted deployments need (again after Celery
-        rebuilt it on a reconnection: the heartbeat calls this)."""
+        """Set the consumer's prefetch to what the hosted deployments need. A reconnection starts
+        from it (``initial_prefetch_count``; Celery's own reduction is off in the settings)."""
         with self._lock:  # two threads applying at once must not leave the older figure
             consumer = self._consumer
             qos = getattr(consumer, "qos", None)

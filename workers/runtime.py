@@ -4,6 +4,7 @@ every task thread (the engine's own loop does the batching)."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -80,6 +81,11 @@ def _worker_engine_options() -> dict:
         return {}
     return {"kv_memory_fraction": getattr(settings, "ENGINE_KV_MEMORY_FRACTION", None),
             "cuda_graphs": getattr(settings, "ENGINE_CUDA_GRAPHS", True)}
+
+
+def preload_names() -> list[str]:
+    """The deployments INFERENCE_PRELOAD asks this worker process to load as it starts."""
+    return [name for name in os.environ.get("INFERENCE_PRELOAD", "").split(",") if name]
 
 
 host = EngineHost()

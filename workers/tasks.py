@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 from celery import shared_task
@@ -14,7 +13,7 @@ from . import inference
 from .agent import agent  # also registers the fleet's worker signals and remote control commands
 from .cancellation import listener
 from .relay import relay, sender
-from .runtime import host
+from .runtime import host, preload_names
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +38,7 @@ def fleet_tick() -> None:
 def preload_engines(sender=None, **kwargs) -> None:
     """Load the deployments named in INFERENCE_PRELOAD in the background as the worker starts, so
     the first request does not pay for it (requests arriving meanwhile wait for the load)."""
-    names = [n for n in os.environ.get("INFERENCE_PRELOAD", "").split(",") if n]
+    names = preload_names()
     if names:
         threading.Thread(target=_preload, args=(names,), name="engine-preload", daemon=True).start()
 
