@@ -57,8 +57,22 @@ CHAT_REQUEST = {
         "max_completion_tokens": {"type": "integer", "minimum": 1},
         "logprobs": {"type": "boolean"},
         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
-        # OpenAI's, accepted at the values that ask for nothing (this platform has no tools or
-        # structured output yet); any other value is a 400 unsupported_value.
+        "response_format": {"oneOf": [
+            {"type": "object", "required": ["type"], "additionalProperties": False,
+             "properties": {"type": {"type": "string", "enum": ["text", "json_object"]}}},
+            {"type": "object", "required": ["type", "json_schema"], "additionalProperties": False,
+             "properties": {"type": {"type": "string", "enum": ["json_schema"]},
+                            "json_schema": {"type": "object", "required": ["name"], "additionalProperties": False,
+                                            "properties": {
+                                                "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                                                "description": {"type": "string"},
+                                                "schema": {"type": "object"},
+                                                "strict": {"type": ["boolean", "null"]}}}}}],
+            "description": "json_object: the reply is a JSON object; json_schema: a JSON value of the schema "
+                           "(type, properties, required, additionalProperties, items, minItems, maxItems, enum, "
+                           "const, anyOf, oneOf, $ref, $defs). Decoding is constrained token by token."},
+        # OpenAI's, accepted at the values that ask for nothing (this platform has no tools
+        # yet); any other value is a 400 unsupported_value.
         **{name: {"enum": list(accepted), "description": "Accepted, and ignored, at these values only."}
            for name, accepted in CHAT_NO_OPS.items()},
         "metadata": {"type": "object", "maxProperties": 16, "additionalProperties": {"type": "string"},

@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.dispatch import response_format_problem
+
 from .errors import invalid
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -34,7 +36,6 @@ COMMON_FIELDS = {
 # nothing (SDKs and frameworks send them so), any other value refused as unsupported (the client
 # is not wrong, the platform lacks the feature), with what it does accept.
 CHAT_NO_OPS = {
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "functions": ([],),
     "tool_choice": ("none", "auto"),  # "auto" with no tools: nothing to choose from
@@ -44,8 +45,9 @@ CHAT_NO_OPS = {
     "service_tier": ("auto", "default"),
     "modalities": (["text"],),
 }
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "metadata"} | \
-    set(CHAT_NO_OPS)
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "metadata",
+                               "response_format"} | set(CHAT_NO_OPS)
+SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
 
 
@@ -93,6 +95,9 @@ def parse_chat(body: Any) -> InferenceRequest:
             raise invalid("top_logprobs", "top_logprobs requires logprobs to be true")
     sampling["logprobs"] = bool(logprobs)
     sampling["top_logprobs"] = top or 0
+    response_format = _response_format(body.get("response_format"))
+    if response_format is not None:
+        sampling["response_format"] = response_format
     request = _request("chat", body, sampling, messages=messages)
     if body.get("max_completion_tokens") is not None:
         request.max_tokens_param = "max_completion_tokens"
@@ -267,6 +272,42 @@ def _object(body: Any) -> dict:
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
     return body
+
+
+def _response_format(value: Any) -> dict | None:
+    """OpenAI's response_format: None for text; a JSON one is checked whole here (its schema
+    compiled as the worker will), so that a schema the engine cannot follow is a 400 at once."""
+    if value is None:
+        return None
+    kinds = ("text", "json_object", "json_schema")
+    if not isinstance(value, dict) or value.get("type") not in kinds:
+        raise invalid("response_format", 'response_format must be {"type": "text"}, {"type": "json_object"} or '
+                                         '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}')
+    extra = set(value) - ({"type", "json_schema"} if value["type"] == "json_schema" else {"type"})
+    if extra:
+        raise invalid("response_format", f"response_format of type {value['type']} takes no {sorted(extra)[0]!r}")
+    if value["type"] == "text":
+        return None
+    if value["type"] == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise invalid("response_format", "response_format.json_schema is required: an object with a name "
+                                             "and a schema", code="missing_required_parameter" if spec is None else None)
+        extra = set(spec) - {"name", "description", "schema", "strict"}
+        if extra:
+            raise invalid("response_format", f"response_format.json_schema takes no {sorted(extra)[0]!r}")
+        name = spec.get("name")
+        if not isinstance(name, str) or not SCHEMA_NAME.fullmatch(name):
+            raise invalid("response_format", "response_format.json_schema.name must be 1 to 64 letters, digits, "
+                                             "underscores or dashes")
+        if spec.get("description") is not None and not isinstance(spec["description"], str):
+            raise invalid("response_format", "response_format.json_schema.description must be a string")
+        if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+            raise invalid("response_format", "response_format.json_schema.strict must be a boolean")
+    problem = response_format_problem(value)
+    if problem:
+        raise invalid("response_format", f"response_format: {problem}")
+    return value
 
 
 def _no_ops(body: dict) -> None:

@@ -57,6 +57,18 @@ def queue_lists(name: str) -> list[str]:
     return lists(deployment_queue(name))
 
 
+def response_format_problem(response_format: dict) -> str | None:
+    """Why the engine cannot follow this response_format (None when it can). The grammar module
+    is plain Python (no torch): the gateway refuses a schema at once, as the worker would."""
+    from workers.engine.json_grammar import JsonGrammar, SchemaError
+
+    try:
+        JsonGrammar.from_response_format(response_format)
+    except SchemaError as exc:
+        return str(exc)
+    return None
+
+
 def serving_key(name: str) -> str:
     """Set by the heartbeat of each live worker hosting the deployment's engine (expiring with
     its liveness): while it exists, the deployment's waiting requests wait for a busy replica,

@@ -193,7 +193,16 @@ def test_another_organizations_dedicated_deployment_cannot_be_called_over_the_we
     (CHAT, chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     (CHAT, chat(stream_options={"include_usage": True}), "stream_options"),
     (CHAT, chat(tools=[{"type": "function"}]), "tools"),
-    (CHAT, chat(response_format={"type": "json_object"}), "response_format"),
+    (CHAT, chat(response_format={"type": "xml"}), "response_format"),
+    (CHAT, chat(response_format={"type": "json_schema"}), "response_format"),
+    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}),
+     "response_format"),
+    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "object", "properties": {"e": {"type": "string", "format": "email"}}}}}),
+     "response_format"),
+    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "object", "required": ["a"]}}}), "response_format"),
+    (CHAT, chat(response_format={"type": "json_object", "schema": {}}), "response_format"),
     (CHAT, chat(tool_choice="required"), "tool_choice"),
     (CHAT, chat(metadata={"a": 1}), "metadata"),
     (CHAT, chat(logit_bias={"²": 1}), "logit_bias"),  # a digit to str.isdigit, no token id to int()
@@ -236,9 +245,9 @@ def test_openais_parameters_that_ask_for_nothing_are_accepted():
 
 def test_an_unsupported_value_says_so_and_what_is_accepted(client, seeded, org_key):
     _, _, plaintext = org_key()
-    response = post(client, CHAT, chat(response_format={"type": "json_schema"}), key=plaintext)
+    response = post(client, CHAT, chat(tool_choice="required"), key=plaintext)
     error = response.json()["error"]
-    assert error["code"] == "unsupported_value" and '{"type": "text"}' in error["message"]
+    assert error["code"] == "unsupported_value" and '"none" or "auto"' in error["message"], error
     response = post(client, COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "x", "echo": True}, key=plaintext)
     assert response.json()["error"]["code"] == "unsupported_value"
 

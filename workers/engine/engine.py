@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .guided import Guide, VocabBytes
 from .kv_cache import BlockManager
 from .model_runner import (
     ModelRunner,
@@ -374,6 +375,8 @@ class Engine:
             raise InvalidRequestError("request_id: must be a non-empty string", param="request_id")
         seq = Sequence(request_id, prompt_ids, params, max_tokens=max_tokens,
                        arrival_time=time.monotonic(), detokenizer=self._detokenizer())
+        if params.grammar is not None:
+            seq.guide = self._guide(params)
         handle = RequestHandle(self, request_id, len(prompt_ids), listener)
         self.start()
         with self._wake:
@@ -500,6 +503,16 @@ class Engine:
                 f"{n + params.max_tokens} were asked for ({n} in the prompt, {params.max_tokens} "
                 f"to generate); shorten the prompt or lower max_tokens", param="prompt")
         return room if params.max_tokens is None else params.max_tokens
+
+    def _guide(self, params: SamplingParams) -> Guide:
+        """The grammar state of a request whose output must be JSON, ended by its end tokens."""
+        ends = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids)
+        if not ends:
+            raise InvalidRequestError("response_format: this model has no end-of-sequence token to end "
+                                      "JSON output with", param="response_format")
+        if self.runner.vocab_bytes is None:  # once per engine; before the loop can see the request
+            self.runner.vocab_bytes = VocabBytes(self.tokenizer.byte_table(), self.config.vocab_size)
+        return Guide(params.grammar.matcher(), ends)
 
     def _detokenizer(self):
         from .tokenizer import IncrementalDetokenizer
@@ -639,6 +652,8 @@ class Engine:
         if live is None or live.seq is not seq:
             return  # aborted, or ended by a stop string while this step ran: token dropped
         seq.token_ids.append(token)
+        if seq.guide is not None:
+            seq.guide.advance(token, self.runner.vocab_bytes)
         if seq.first_token_time is None:
             seq.first_token_time = now
             seq.timings.time_to_first_token = now - seq.timings.arrival_time

@@ -24,6 +24,7 @@ import torch
 from .attention.base import AttentionMetadata
 from .cpuinfo import cpuinfo_field
 from .cuda_graphs import DecodeGraphs, DecodeStep
+from .guided import VocabBytes
 from .sampling import HostCopy, Sampler, SamplerOutput, SamplingBatch
 from .sequence import SamplingParams, Sequence
 
@@ -269,6 +270,7 @@ class ModelRunner:
             k_cache[self.pad_block].zero_()
             v_cache[self.pad_block].zero_()
         self.sampler = Sampler(self.device, seed=seed)
+        self.vocab_bytes: VocabBytes | None = None  # set by the engine once a request is guided
         self.threads = SmallStepThreads() if self.device.type == "cpu" else None
         self.decode_graphs: DecodeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda":
@@ -323,7 +325,7 @@ class ModelRunner:
         batch = SamplingBatch.build(
             [s.params for s in sampled], [s.token_ids for s in sampled],
             [s.num_prompt_tokens for s in sampled], vocab_size=logits.shape[-1],
-            device=self.device)
+            device=self.device, guides=[s.guide for s in sampled], vocab=self.vocab_bytes)
         out: SamplerOutput = self.sampler(logits, batch)
         return PendingStep(sampled, out.to_host_async())
 

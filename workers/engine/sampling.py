@@ -21,6 +21,7 @@ from typing import Sequence as Seq
 import numpy as np
 import torch
 
+from .guided import Guide, VocabBytes, pick
 from .sequence import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step) pairs over the generator's seed space
@@ -37,6 +38,7 @@ class SamplingBatch:
     num_rows: int
     all_greedy: bool
     sampled_rows: torch.Tensor | None  # long [S]: rows that draw at random
+    sampled_index: list[int]  # the same rows, on the host
     temperature: torch.Tensor | None  # float [S] for the sampled rows
     top_k: torch.Tensor | None  # long [S], vocab size where disabled
     top_k_max: int  # the largest of top_k, kept on the host (the width of one topk over the rows)
@@ -55,12 +57,17 @@ class SamplingBatch:
     bias_values: torch.Tensor | None
     max_top_logprobs: int
     want_logprobs: bool
+    # Rows whose output follows a grammar (JSON mode): (row, its guide); empty when none does.
+    guided: list[tuple[int, Guide]] = ()
+    vocab: VocabBytes | None = None
 
     @classmethod
     def build(cls, params: Seq[SamplingParams], token_ids: Seq[list[int]],
               num_prompt_tokens: Seq[int], *, vocab_size: int,
-              device: torch.device | str = "cpu") -> "SamplingBatch":
-        """``token_ids[i]`` is row i's prompt + output so far; only read when penalties apply."""
+              device: torch.device | str = "cpu", guides: Seq[Guide | None] = (),
+              vocab: VocabBytes | None = None) -> "SamplingBatch":
+        """``token_ids[i]`` is row i's prompt + output so far; only read when penalties apply.
+        ``guides[i]`` (with ``vocab``, the tokens' bytes) constrains row i's output."""
         n = len(params)
         sampled = [i for i, p in enumerate(params) if p.temperature > 0]
         sp = [params[i] for i in sampled]
@@ -104,8 +111,11 @@ class SamplingBatch:
             bias_cols = rows_tensor(cols, torch.long)
             bias_values = rows_tensor(values, torch.float32)
 
+        guided = [(i, g) for i, g in enumerate(guides) if g is not None]
+        if guided and vocab is None:
+            raise ValueError("guided rows need the vocabulary's bytes")
         return cls(
-            num_rows=n, all_greedy=not sampled, sampled_rows=sampled_rows,
+            num_rows=n, all_greedy=not sampled, sampled_rows=sampled_rows, sampled_index=sampled,
             temperature=temperature, top_k=top_k, top_k_max=top_k_max, top_p=top_p, min_p=min_p,
             seeds=[p.seed for p in sp],
             steps=[len(token_ids[i]) - num_prompt_tokens[i] for i in sampled],
@@ -114,6 +124,7 @@ class SamplingBatch:
             bias_rows=bias_rows, bias_cols=bias_cols, bias_values=bias_values,
             max_top_logprobs=max((p.top_logprobs for p in params), default=0),
             want_logprobs=any(p.logprobs for p in params),
+            guided=guided, vocab=vocab,
         )
 
 
@@ -228,9 +239,12 @@ class Sampler:
         log_probs = torch.log_softmax(logits, dim=-1) if batch.want_logprobs else None
 
         token_ids = argmax_rows(logits)
+        race = None
         if not batch.all_greedy:
-            rows = batch.sampled_rows
-            token_ids[rows] = self._draw(logits[rows], batch)
+            race = self._race_keys(logits[batch.sampled_rows], batch)
+            token_ids[batch.sampled_rows] = race.argmax(dim=-1)
+        if batch.guided:
+            self._guide(token_ids, logits, race, batch)
 
         if log_probs is not None:
             logprobs = log_probs.gather(1, token_ids[:, None]).squeeze(1)
@@ -261,8 +275,23 @@ class Sampler:
                                       accumulate=True)
         return logits
 
-    def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Random tokens for the sampled rows: temperature, top-k, top-p, min-p, then the race."""
+    @staticmethod
+    def _guide(token_ids: torch.Tensor, logits: torch.Tensor, race: torch.Tensor | None,
+               batch: SamplingBatch) -> None:
+        """Replace the guided rows' tokens by the best their grammars allow: a greedy row ranks by
+        logit, a random one by its race key (the same draw, restricted to the allowed tokens)."""
+        rows = [row for row, _ in batch.guided]
+        keys = logits[rows]
+        position = {row: i for i, row in enumerate(batch.sampled_index)}
+        for i, row in enumerate(rows):
+            if row in position:  # a key of 0: a token the filters dropped
+                keys[i] = race[position[row]].masked_fill(race[position[row]] == 0, float("-inf"))
+        chosen = pick(keys, logits[rows], [g for _, g in batch.guided], batch.vocab)
+        token_ids[torch.tensor(rows, device=token_ids.device)] = torch.tensor(chosen, device=token_ids.device)
+
+    def _race_keys(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The sampled rows' race keys, whose argmax is the random token: temperature, top-k,
+        top-p, min-p, then ``p / q`` (0 for the tokens a filter dropped)."""
         logits = logits / batch.temperature[:, None]
         if batch.top_k is not None:
             k_max = batch.top_k_max
@@ -281,7 +310,7 @@ class Sampler:
         if batch.min_p is not None:
             floor = probs.max(dim=-1, keepdim=True).values * batch.min_p[:, None]
             probs = probs.masked_fill(probs < floor, 0.0)
-        return (probs / self._noise(probs.shape, batch)).argmax(dim=-1)
+        return probs / self._noise(probs.shape, batch)
 
     def _noise(self, shape: torch.Size, batch: SamplingBatch) -> torch.Tensor:
         noise = torch.empty(shape, device=self.device)

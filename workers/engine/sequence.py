@@ -10,9 +10,13 @@ preemption are all that one rule.
 from __future__ import annotations
 
 import enum
+import functools
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from .json_grammar import JsonGrammar, SchemaError
 
 
 class InvalidRequestError(ValueError):
@@ -64,6 +68,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    # OpenAI's response_format: {"type": "text" | "json_object" | "json_schema", ...}; the JSON
+    # ones constrain the output to JSON text (see json_grammar and ``grammar``).
+    response_format: dict | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
@@ -103,6 +110,12 @@ class SamplingParams:
                                   f"got {self.top_logprobs!r}")
         if self.top_logprobs and not self.logprobs:
             _fail("top_logprobs", "needs logprobs=True")
+        try:
+            self.grammar
+        except SchemaError as exc:
+            _fail("response_format", str(exc))
+        if self.grammar is not None and self.ignore_eos and not self.stop_token_ids:
+            _fail("response_format", "JSON output ends with the end-of-sequence token: not with ignore_eos")
 
     @staticmethod
     def _valid_stop(stop: Any) -> list[str]:
@@ -136,6 +149,18 @@ class SamplingParams:
         return clean
 
     @property
+    def grammar(self) -> JsonGrammar | None:
+        """The compiled response_format (None for text), shared by the requests that ask for the
+        same one."""
+        if self.response_format is None:
+            return None
+        try:
+            key = json.dumps(self.response_format, sort_keys=True)
+        except (TypeError, ValueError) as exc:
+            raise SchemaError(f"must be JSON: {exc}") from exc
+        return _compiled_format(key)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
@@ -143,6 +168,11 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_format(key: str) -> JsonGrammar | None:
+    return JsonGrammar.from_response_format(json.loads(key))
 
 
 class SequenceStatus(enum.Enum):
@@ -223,6 +253,7 @@ class Sequence:
         self.error: str | None = None
         self.detokenizer = detokenizer  # IncrementalDetokenizer; None where text is not needed
         self.output_gate = OutputGate(params.stop)
+        self.guide: Any = None  # guided.Guide, for output that follows a grammar
         self.timings = RequestTimings(arrival_time=arrival_time)
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None

@@ -79,6 +79,7 @@ class Tokenizer:
         self._as_text = None  # a copy of the backend that reads control tokens' text as plain text
         self._byte_level = "ByteLevel" in repr(backend.decoder)  # GPT-2 style pieces (else "▁" pieces)
         self._token_bytes: dict[int, bytes] = {}
+        self._byte_table: list[bytes | None] | None = None
 
     # -- building ------------------------------------------------------------------------------
 
@@ -211,6 +212,15 @@ class Tokenizer:
             cached = self._token_bytes[token_id] = _piece_bytes(self.backend.id_to_token(int(token_id)) or "",
                                                                byte_level=self._byte_level)
         return cached
+
+    def byte_table(self) -> list[bytes | None]:
+        """Every token's bytes, by id; None for control tokens, which are never generated text."""
+        if self._byte_table is None:
+            control = {i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+            self._byte_table = [
+                None if i in control else _piece_bytes(self.backend.id_to_token(i) or "", byte_level=self._byte_level)
+                for i in range(self.backend.get_vocab_size(with_added_tokens=True))]
+        return self._byte_table
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         """The prompt text for ``messages`` ([{"role": ..., "content": ...}, ...])."""

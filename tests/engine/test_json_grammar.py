@@ -1,0 +1,178 @@
+"""The JSON automaton behind response_format: it accepts exactly the texts the format allows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from workers.engine.json_grammar import MAX_WS_LINES, JsonGrammar, SchemaError
+from workers.engine.sequence import InvalidRequestError, SamplingParams
+
+JSON_OBJECT = JsonGrammar.from_response_format({"type": "json_object"})
+
+
+def grammar(schema) -> JsonGrammar:
+    return JsonGrammar.from_response_format({"type": "json_schema", "json_schema": {"name": "t", "schema": schema}})
+
+
+def matches(g: JsonGrammar, text: bytes | str, *, chunk: int = 1) -> bool:
+    """Whether ``text``, fed ``chunk`` bytes at a time as tokens would be, is a whole value."""
+    data = text.encode() if isinstance(text, str) else text
+    m = g.matcher()
+    for i in range(0, len(data), chunk):
+        piece = data[i:i + chunk]
+        if not m.accepts(piece):
+            return False
+        m.advance(piece)
+    return m.done
+
+
+def strict_object(data: bytes) -> bool:
+    """Python's reading of the same rules: a JSON object, nothing after it, real UTF-8."""
+    try:
+        value = json.loads(data.decode("utf-8"), parse_constant=lambda name: 1 / 0)
+    except (ValueError, ZeroDivisionError):
+        return False
+    return isinstance(value, dict) and data == data.rstrip()
+
+
+scalars = st.none() | st.booleans() | st.integers(-10**12, 10**12) | \
+    st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8)
+values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) |
+                      st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=12)
+objects = st.dictionaries(st.text(max_size=6), values, max_size=5)
+
+
+@settings(max_examples=150, deadline=None)
+@given(objects, st.sampled_from([None, 1, 2]), st.booleans(), st.integers(1, 5))
+def test_every_json_object_is_accepted_however_it_is_cut_into_tokens(value, indent, ascii_only, chunk):
+    text = json.dumps(value, indent=indent, ensure_ascii=ascii_only)
+    assert matches(JSON_OBJECT, text, chunk=chunk), text
+
+
+@settings(max_examples=300, deadline=None)
+@given(objects, st.data())
+def test_a_text_one_edit_away_from_json_is_accepted_exactly_when_python_reads_an_object(value, data):
+    text = json.dumps(value, ensure_ascii=False).encode()
+    at = data.draw(st.integers(0, len(text)))
+    if data.draw(st.booleans()) and at < len(text):
+        edited = text[:at] + text[at + 1:]
+    else:
+        edited = text[:at] + data.draw(st.sampled_from(list(b'{}[]",:0123456789.eE+-tfnul \\\n'))).to_bytes(1, "big") \
+            + text[at:]
+    assert matches(JSON_OBJECT, edited) == strict_object(edited), edited
+
+
+@pytest.mark.parametrize("text", [b"[]", b'"x"', b"1", b'{"a"}', b'{"a": 01}', b'{"a": 1,}', b'{"a": tru}',
+                                  b'{"a": "\x01"}', b'{"a": 1.}', b'{"a": .5}', b'{"a": "\\x"}', b"{} ",
+                                  b'{"a": "\xff"}', b'{"a": "\xc3"}', b"{'a': 1}"])
+def test_what_is_not_a_json_object_is_refused(text):
+    assert not matches(JSON_OBJECT, text)
+
+
+def test_a_run_of_blank_lines_is_cut_short():
+    """Small models left free to indent emit newlines until max_tokens: a run is bounded."""
+    assert matches(JSON_OBJECT, "{" + "\n" * MAX_WS_LINES + '"a": 1}')
+    assert not matches(JSON_OBJECT, "{" + "\n" * (MAX_WS_LINES + 1) + '"a": 1}')
+
+
+def test_the_matcher_is_done_only_when_the_object_closes_and_then_takes_nothing():
+    m = JSON_OBJECT.matcher()
+    m.advance(b'{"a": [1')
+    assert not m.done and m.accepts(b"2, 3]}") and not m.accepts(b"]]")
+    m.advance(b"]}")
+    assert m.done and not m.accepts(b" ") and not m.accepts(b"{")
+    assert not m.accepts(b"")
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "description": "annotations are ignored"},
+        "age": {"type": "integer"},
+        "height": {"type": "number"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", 3]}, "minItems": 1, "maxItems": 2},
+        "nick": {"type": ["string", "null"]},
+        "pet": {"anyOf": [{"const": "none"}, {"$ref": "#/$defs/pet"}]},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+    "$defs": {"pet": {"type": "object", "properties": {"kind": {"type": "string"}, "child": {"$ref": "#/$defs/pet"}},
+                      "required": ["kind"]}},
+}
+
+
+@pytest.mark.parametrize("value", [
+    {"name": "Ada", "age": 36},
+    {"age": -1, "name": ""},
+    {"name": "x", "age": 0, "height": 1.5e3, "tags": ["a", 3], "nick": None},
+    {"name": "x", "age": 0, "nick": "é"},
+    {"name": "x", "age": 0, "pet": "none"},
+    {"name": "x", "age": 0, "pet": {"kind": "cat", "child": {"kind": "kitten"}}},
+])
+def test_a_schema_accepts_its_instances(value):
+    g = grammar(PERSON)
+    assert matches(g, json.dumps(value)) and matches(g, json.dumps(value, indent=2), chunk=3)
+
+
+@pytest.mark.parametrize("value", [
+    {"name": "Ada"},  # a required property missing
+    {"name": "Ada", "age": 36.5},  # integer
+    {"name": "Ada", "age": "36"},
+    {"name": "Ada", "age": 1, "email": "a@b"},  # additionalProperties false
+    {"name": "Ada", "age": 1, "tags": []},  # minItems
+    {"name": "Ada", "age": 1, "tags": ["a", "b", "a"]},  # maxItems
+    {"name": "Ada", "age": 1, "tags": ["c"]},  # enum
+    {"name": "Ada", "age": 1, "nick": 5},
+    {"name": "Ada", "age": 1, "pet": {"child": {"kind": "x"}}},  # the referenced definition's required
+    {"name": "Ada", "age": 1, "pet": "some"},
+])
+def test_a_schema_refuses_what_breaks_it(value):
+    assert not matches(grammar(PERSON), json.dumps(value))
+
+
+def test_a_property_comes_once():
+    assert not matches(grammar(PERSON), '{"name": "a", "age": 1, "name": "b"}')
+
+
+def test_an_object_without_declared_properties_takes_any_and_one_with_them_only_those():
+    assert matches(grammar({"type": "object"}), '{"anything": [1, {"x": null}]}')
+    assert not matches(grammar({"type": "object", "properties": {"a": {}}}), '{"b": 1}')
+    extra = {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "string"}}
+    assert matches(grammar(extra), '{"a": 1, "ab": "x"}') and not matches(grammar(extra), '{"ab": 1}')
+
+
+def test_other_roots_end_where_their_value_does():
+    assert matches(grammar({"type": "integer"}), "-12") and not matches(grammar({"type": "integer"}), "1.5")
+    assert matches(grammar({"type": "array", "items": {"type": "boolean"}}), "[true, false]")
+    assert matches(grammar({"enum": ["red", "green"]}), '"green"') and not matches(grammar({"enum": ["red"]}), '"r"')
+
+
+@pytest.mark.parametrize("schema,words", [
+    ({"type": "string", "pattern": "^a"}, ["'pattern'", "#"]),
+    ({"type": "object", "properties": {"e": {"type": "string", "format": "email"}}}, ["'format'", "#/properties/e"]),
+    ({"type": "object", "required": ["a"]}, ["'a'", "required"]),
+    ({"$ref": "#/$defs/missing"}, ["$ref", "missing"]),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, ["itself"]),
+    ({"type": "date"}, ["type"]),
+    ({"enum": []}, ["enum"]),
+    ({"type": "array", "minItems": 3, "maxItems": 1}, ["maxItems"]),
+    (False, ["false"]),
+])
+def test_a_schema_it_cannot_enforce_is_refused_saying_where_and_why(schema, words):
+    with pytest.raises(SchemaError) as caught:
+        grammar(schema)
+    assert all(w in str(caught.value) for w in words), str(caught.value)
+
+
+def test_sampling_params_compile_the_format_and_name_it_in_errors():
+    assert SamplingParams(response_format={"type": "text"}).grammar is None
+    assert SamplingParams(response_format={"type": "json_object"}).grammar is not None
+    with pytest.raises(InvalidRequestError) as caught:
+        SamplingParams(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "x"}}})
+    assert caught.value.param == "response_format"
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(response_format={"type": "json_object"}, ignore_eos=True)

@@ -1,0 +1,479 @@
+"""JSON output: a byte-level automaton that accepts exactly the texts a ``response_format`` allows.
+
+OpenAI's ``{"type": "json_object"}`` (any JSON object) and ``{"type": "json_schema"}`` (a value of
+a JSON Schema's shape) compile into a ``JsonGrammar``, shared by every request that asks for the
+same format; each such request keeps a ``JsonMatcher``, which says whether a token's bytes may come
+next and moves on as tokens are taken. The sampler asks it only about the tokens it was about to
+pick, best first, so a step costs a few checks, not one per vocabulary entry.
+
+The automaton is a pushdown one over bytes, nondeterministic where the schema is (``anyOf``, an
+``enum``, a key that may be one of several property names): its state is the set of stacks still
+alive. A stack is a tuple of frames, each a small tuple:
+
+    ("v", node)                         a value of ``node`` comes next
+    ("o", node, seen, phase, value)     inside an object; phase "{" "," "k" ":" or "a" (after a
+                                        member); ``value``: the node of the key just read
+    ("a", node, count, phase)           inside an array; phase "[" "," or "a"
+    ("s", escape, utf8, is_key)         inside a string
+    ("k", rest, key)                    inside one of the object's declared keys (its JSON text)
+    ("n", integer, phase)               inside a number
+    ("l", rest)                         inside a literal (true, false, null, an enum's value)
+
+Whitespace between tokens is allowed, but a run of it is bounded (``MAX_WS_BYTES``,
+``MAX_WS_LINES``): small models left free to indent tend to emit newlines until max_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+MAX_WS_BYTES = 48
+MAX_WS_LINES = 2
+MAX_DEPTH = 32  # nested objects and arrays
+MAX_CHOICES = 1000  # an enum's values, an object's properties (OpenAI's limits are of this order)
+MAX_ALTERNATIVES = 4 * MAX_CHOICES  # live stacks at once; past this a text is taken as not matching
+
+_WS = frozenset(b" \t\n\r")
+_DIGITS = frozenset(b"0123456789")
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+_ESCAPES = frozenset(b'"\\/bfnrt')
+_ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
+                "deprecated", "readOnly", "writeOnly", "$defs", "definitions", "strict"}
+_KEYWORDS = _ANNOTATIONS | {"type", "properties", "required", "additionalProperties", "items",
+                            "minItems", "maxItems", "enum", "const", "anyOf", "oneOf", "$ref"}
+_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+
+
+class SchemaError(ValueError):
+    """A response format this engine cannot follow; the message says where and why."""
+
+
+@dataclass(eq=False)
+class Node:
+    """One schema position. Compared and hashed by identity: frames hold nodes."""
+
+    kind: str  # any | object | array | string | number | integer | literal | anyof | ref
+    properties: dict[bytes, "Node"] = field(default_factory=dict)  # key's JSON text -> node
+    required: frozenset[bytes] = frozenset()
+    additional: "Node | None" = None  # the node of keys not declared; None: none allowed
+    items: "Node | None" = None
+    min_items: int = 0
+    max_items: int | None = None
+    literals: tuple[bytes, ...] = ()  # a literal's possible JSON texts
+    options: tuple["Node", ...] = ()
+    target: str = ""  # a ref's definition name ("" for the root)
+    defs: dict[str, "Node"] | None = None  # a ref's table
+
+
+ANY = Node("any")
+ANY_OBJECT = Node("object", additional=ANY)
+ANY_ARRAY = Node("array", items=ANY)
+ANY_STRING = Node("string")
+ANY_NUMBER = Node("number")
+
+
+@dataclass(eq=False)
+class JsonGrammar:
+    """A compiled response format; ``matcher()`` starts a request on it."""
+
+    root: Node
+    description: str
+
+    def matcher(self) -> "JsonMatcher":
+        return JsonMatcher(self)
+
+    @classmethod
+    def from_response_format(cls, response_format: Any) -> "JsonGrammar | None":
+        """OpenAI's ``response_format``: None for plain text; a SchemaError when it is malformed
+        or asks for what the automaton cannot enforce."""
+        if response_format is None:
+            return None
+        if not isinstance(response_format, dict):
+            raise SchemaError("must be an object such as {\"type\": \"json_object\"}")
+        kind = response_format.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls(ANY_OBJECT, "json_object")
+        if kind != "json_schema":
+            raise SchemaError(f"type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise SchemaError("json_schema must be an object with a 'schema'")
+        schema = spec.get("schema", {})
+        return cls(compile_schema(schema), f"json_schema {spec.get('name') or ''}".strip())
+
+
+def compile_schema(schema: Any) -> Node:
+    """A JSON Schema (the subset OpenAI's structured outputs use) as automaton nodes."""
+    if not isinstance(schema, (dict, bool)):
+        raise SchemaError("json_schema.schema must be a JSON Schema object")
+    defs: dict[str, Node] = {}
+    raw_defs = {}
+    if isinstance(schema, dict):
+        for key in ("$defs", "definitions"):
+            table = schema.get(key, {})
+            if not isinstance(table, dict):
+                raise SchemaError(f"{key} must be an object")
+            raw_defs.update(table)
+    compiler = _Compiler(defs, raw_defs)
+    root = compiler.node(schema, "#")
+    defs[""] = root
+    for name in raw_defs:
+        if name not in defs:
+            defs[name] = compiler.node(raw_defs[name], f"#/$defs/{name}")
+    _check_refs(root, defs)
+    return root
+
+
+class _Compiler:
+    def __init__(self, defs: dict[str, Node], raw_defs: dict[str, Any]):
+        self.defs = defs
+        self.raw_defs = raw_defs
+
+    def node(self, schema: Any, where: str) -> Node:
+        if schema is True or schema == {}:
+            return ANY
+        if schema is False:
+            raise SchemaError(f"{where}: the schema false allows no value")
+        if not isinstance(schema, dict):
+            raise SchemaError(f"{where}: a schema must be an object")
+        unknown = sorted(set(schema) - _KEYWORDS)
+        if unknown:
+            raise SchemaError(f"{where}: the keyword {unknown[0]!r} is not supported (supported: type, "
+                              "properties, required, additionalProperties, items, minItems, maxItems, "
+                              "enum, const, anyOf, oneOf, $ref, $defs)")
+        if "$ref" in schema:
+            return self._ref(schema["$ref"], where)
+        if "const" in schema:
+            return Node("literal", literals=(_encode(schema["const"], where),))
+        if "enum" in schema:
+            values = schema["enum"]
+            if not isinstance(values, list) or not values or len(values) > MAX_CHOICES:
+                raise SchemaError(f"{where}: enum must be a list of 1 to {MAX_CHOICES} values")
+            return Node("literal", literals=tuple(dict.fromkeys(_encode(v, where) for v in values)))
+        for key in ("anyOf", "oneOf"):  # oneOf as anyOf: the output matches at least one
+            if key in schema:
+                options = schema[key]
+                if not isinstance(options, list) or not options:
+                    raise SchemaError(f"{where}: {key} must be a non-empty list")
+                return Node("anyof", options=tuple(self.node(o, f"{where}/{key}/{i}")
+                                                   for i, o in enumerate(options)))
+        types = schema.get("type")
+        if types is None:
+            types = ["object"] if "properties" in schema or "additionalProperties" in schema else \
+                ["array"] if "items" in schema else list(_TYPES)
+        if isinstance(types, str):
+            types = [types]
+        if not isinstance(types, list) or not types or any(t not in _TYPES for t in types):
+            raise SchemaError(f"{where}: type must be one of {', '.join(_TYPES)} (or a list of them)")
+        nodes = [self._typed(schema, t, where) for t in dict.fromkeys(types)]
+        return nodes[0] if len(nodes) == 1 else Node("anyof", options=tuple(nodes))
+
+    def _typed(self, schema: dict, kind: str, where: str) -> Node:
+        if kind == "object":
+            return self._object(schema, where)
+        if kind == "array":
+            return self._array(schema, where)
+        if kind == "boolean":
+            return Node("literal", literals=(b"true", b"false"))
+        if kind == "null":
+            return Node("literal", literals=(b"null",))
+        return Node(kind)
+
+    def _object(self, schema: dict, where: str) -> Node:
+        properties = schema.get("properties", {})
+        if not isinstance(properties, dict) or len(properties) > MAX_CHOICES:
+            raise SchemaError(f"{where}: properties must be an object of at most {MAX_CHOICES} properties")
+        required = schema.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise SchemaError(f"{where}: required must be a list of property names")
+        missing = [r for r in required if r not in properties]
+        if missing:
+            raise SchemaError(f"{where}: required names {missing[0]!r}, which is not in properties")
+        additional = schema.get("additionalProperties")
+        if additional is None:  # undeclared keys only where the schema declares none
+            extra = None if properties else ANY
+        elif additional is False:
+            extra = None
+        else:
+            extra = self.node(additional, f"{where}/additionalProperties")
+        return Node("object", additional=extra,
+                    properties={_encode(name, where): self.node(sub, f"{where}/properties/{name}")
+                                for name, sub in properties.items()},
+                    required=frozenset(_encode(r, where) for r in required))
+
+    def _array(self, schema: dict, where: str) -> Node:
+        items = self.node(schema.get("items", True), f"{where}/items")
+        low, high = schema.get("minItems", 0), schema.get("maxItems")
+        for name, value in (("minItems", low), ("maxItems", high)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise SchemaError(f"{where}: {name} must be a non-negative integer")
+        if high is not None and high < low:
+            raise SchemaError(f"{where}: maxItems is below minItems")
+        return Node("array", items=items, min_items=low, max_items=high)
+
+    def _ref(self, ref: Any, where: str) -> Node:
+        if ref == "#":
+            return Node("ref", target="", defs=self.defs)
+        for prefix in ("#/$defs/", "#/definitions/"):
+            if isinstance(ref, str) and ref.startswith(prefix) and ref[len(prefix):] in self.raw_defs:
+                return Node("ref", target=ref[len(prefix):], defs=self.defs)
+        raise SchemaError(f"{where}: $ref {ref!r} must name '#' or an entry of $defs")
+
+
+def _check_refs(root: Node, defs: dict[str, Node]) -> None:
+    """A definition that is only a reference to itself (directly or through others) has no value."""
+    for name in defs:
+        seen, node = set(), defs[name]
+        while node.kind == "ref":
+            if node.target in seen:
+                raise SchemaError(f"$ref {node.target!r} refers only to itself")
+            seen.add(node.target)
+            node = defs[node.target]
+
+
+def _encode(value: Any, where: str) -> bytes:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SchemaError(f"{where}: {value} is not a JSON value")
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _resolve(node: Node) -> Node:
+    while node.kind == "ref":
+        node = node.defs[node.target]
+    return node
+
+
+# -- the automaton --------------------------------------------------------------------------------
+
+State = tuple  # (stack, whitespace bytes in the current run, newlines in it)
+
+
+class JsonMatcher:
+    """Where one request stands in its grammar: which bytes may come next."""
+
+    def __init__(self, grammar: JsonGrammar):
+        self.grammar = grammar
+        self.states: tuple[State, ...] = (((("v", grammar.root),), 0, 0),)
+
+    @property
+    def done(self) -> bool:
+        """Whether what came so far is a whole value (the request may end here)."""
+        return any(_complete(stack) for stack, _, _ in self.states)
+
+    @property
+    def failed(self) -> bool:
+        return not self.states
+
+    def accepts(self, data: bytes) -> bool:
+        return bool(data) and bool(_run(self.states, data))
+
+    def advance(self, data: bytes) -> None:
+        """Take bytes the sampler chose (an end token adds none)."""
+        if data:
+            self.states = _run(self.states, data)
+
+    def allowed_first_bytes(self) -> list[bool]:
+        """Per byte value, whether a token may start with it."""
+        return [bool(_run(self.states, bytes((b,)))) for b in range(256)]
+
+
+def _run(states: tuple[State, ...], data: bytes) -> tuple[State, ...]:
+    for byte in data:
+        following: dict[State, None] = {}
+        for state in states:
+            for nxt in _step(state, byte):
+                following[nxt] = None
+        if len(following) > MAX_ALTERNATIVES:
+            return ()
+        states = tuple(following)
+        if not states:
+            break
+    return states
+
+
+def _complete(stack: tuple) -> bool:
+    """Empty, or only a number that may end here (a root number ends with the text)."""
+    return not stack or (len(stack) == 1 and stack[0][0] == "n" and stack[0][2] in "0ifx")
+
+
+def _step(state: State, b: int) -> Iterable[State]:
+    stack, ws, lines = state
+    if not stack:
+        return ()
+    top = stack[-1]
+    kind = top[0]
+    if kind == "s":
+        return [(s, 0, 0) for s in _string(stack, top, b)]
+    if kind == "l":
+        return [(s, 0, 0) for s in _literal(stack, top, b)]
+    if kind == "k":
+        return [(s, 0, 0) for s in _key(stack, top, b)]
+    if kind == "n":
+        number = _number(top, b)
+        if number is not None:
+            return [(stack[:-1] + (number,), 0, 0)] if number else ()
+        if top[2] not in "0ifx":
+            return ()
+        return _step((stack[:-1], 0, 0), b)  # the number ended: the byte is its parent's
+    if b in _WS:
+        if kind == "o" and top[3] == "k":
+            return ()
+        newline = b == 0x0A or b == 0x0D
+        if ws + 1 > MAX_WS_BYTES or lines + newline > MAX_WS_LINES:
+            return ()
+        return [(stack, ws + 1, lines + newline)]
+    if kind == "v":
+        return [(s, 0, 0) for s in _start(_resolve(top[1]), b, stack[:-1])]
+    if kind == "o":
+        return [(s, 0, 0) for s in _object(stack, top, b)]
+    return [(s, 0, 0) for s in _array(stack, top, b)]
+
+
+def _start(node: Node, b: int, below: tuple) -> list[tuple]:
+    """The stacks after ``b`` starts a value of ``node`` on top of ``below``."""
+    kind = node.kind
+    if kind == "anyof":
+        out = []
+        for option in node.options:
+            out.extend(_start(_resolve(option), b, below))
+        return out
+    if kind == "literal":
+        return [below + (("l", text[1:]),) if len(text) > 1 else below
+                for text in node.literals if text[0] == b]
+    if kind == "any":
+        if b == 0x7B:
+            node = ANY_OBJECT
+        elif b == 0x5B:
+            node = ANY_ARRAY
+        elif b == 0x22:
+            node = ANY_STRING
+        elif b == 0x2D or b in _DIGITS:
+            node = ANY_NUMBER
+        else:
+            return [below + (("l", text[1:]),) for text in (b"true", b"false", b"null") if text[0] == b]
+        kind = node.kind
+    if len(below) >= MAX_DEPTH * 2:
+        return []
+    if kind == "object":
+        return [below + (("o", node, frozenset(), "{", None),)] if b == 0x7B else []
+    if kind == "array":
+        return [below + (("a", node, 0, "["),)] if b == 0x5B else []
+    if kind == "string":
+        return [below + (("s", 0, 0, False),)] if b == 0x22 else []
+    if kind in ("number", "integer"):
+        integer = kind == "integer"
+        if b == 0x2D:
+            return [below + (("n", integer, "-"),)]
+        if b == 0x30:
+            return [below + (("n", integer, "0"),)]
+        if b in _DIGITS:
+            return [below + (("n", integer, "i"),)]
+    return []
+
+
+def _object(stack: tuple, top: tuple, b: int) -> list[tuple]:
+    _, node, seen, phase, value = top
+    below = stack[:-1]
+    if phase in "{," and b == 0x22:  # a key starts
+        inside = below + (("o", node, seen, "k", None),)
+        out = [inside + (("k", key[1:], key),) for key in node.properties if key not in seen]
+        if node.additional is not None:
+            out.append(inside + (("s", 0, 0, True),))
+        return out
+    if phase == ":" and b == 0x3A:
+        return [below + (("o", node, seen, "a", None), ("v", value))]
+    if phase == "a" and b == 0x2C:
+        more = node.additional is not None or any(k not in seen for k in node.properties)
+        return [below + (("o", node, seen, ",", None),)] if more else []
+    if phase in "{a" and b == 0x7D:
+        return [below] if node.required <= seen else []
+    return []
+
+
+def _array(stack: tuple, top: tuple, b: int) -> list[tuple]:
+    _, node, count, phase = top
+    below = stack[:-1]
+    if phase == "a":
+        if b == 0x2C and (node.max_items is None or count < node.max_items):
+            return [below + (("a", node, count, ","),)]
+        if b == 0x5D and count >= node.min_items:
+            return [below]
+        return []
+    if phase == "[" and b == 0x5D:
+        return [below] if node.min_items == 0 else []
+    if node.max_items is not None and count >= node.max_items:
+        return []
+    return _start(_resolve(node.items), b, below + (("a", node, count + 1, "a"),))
+
+
+def _string(stack: tuple, top: tuple, b: int) -> list[tuple]:
+    _, escape, utf8, is_key = top
+    below = stack[:-1]
+    if utf8:
+        return [below + (("s", 0, utf8 - 1, is_key),)] if 0x80 <= b <= 0xBF else []
+    if escape == -1:
+        if b in _ESCAPES:
+            return [below + (("s", 0, 0, is_key),)]
+        return [below + (("s", 4, 0, is_key),)] if b == 0x75 else []
+    if escape:
+        return [below + (("s", escape - 1, 0, is_key),)] if b in _HEX else []
+    if b == 0x22:
+        if not is_key:
+            return [below]
+        _, node, seen, _, _ = below[-1]
+        return [below[:-1] + (("o", node, seen, ":", node.additional),)]
+    if b == 0x5C:
+        return [below + (("s", -1, 0, is_key),)]
+    if b < 0x20:
+        return []
+    if b < 0x80:
+        return [stack]
+    need = 1 if 0xC2 <= b <= 0xDF else 2 if 0xE0 <= b <= 0xEF else 3 if 0xF0 <= b <= 0xF4 else 0
+    return [below + (("s", 0, need, is_key),)] if need else []
+
+
+def _key(stack: tuple, top: tuple, b: int) -> list[tuple]:
+    _, rest, key = top
+    if rest[0] != b:
+        return []
+    if len(rest) > 1:
+        return [stack[:-1] + (("k", rest[1:], key),)]
+    _, node, seen, _, _ = stack[-2]
+    return [stack[:-2] + (("o", node, seen | {key}, ":", node.properties[key]),)]
+
+
+def _literal(stack: tuple, top: tuple, b: int) -> list[tuple]:
+    rest = top[1]
+    if rest[0] != b:
+        return []
+    return [stack[:-1] + (("l", rest[1:]),)] if len(rest) > 1 else [stack[:-1]]
+
+
+def _number(top: tuple, b: int):
+    """The number's next frame; () if ``b`` cannot go on it; None if ``b`` is not part of it."""
+    _, integer, phase = top
+    digit = b in _DIGITS
+    if phase == "-":
+        return ("n", integer, "0" if b == 0x30 else "i") if digit else ()
+    if phase in "0if" and digit and phase != "0":
+        return top
+    if phase in "0i" and b == 0x2E:
+        return ("n", integer, ".") if not integer else ()
+    if phase in "0if" and b in (0x65, 0x45):
+        return ("n", integer, "e") if not integer else ()
+    if phase == "0" and digit:
+        return ()  # no leading zeros
+    if phase == ".":
+        return ("n", integer, "f") if digit else ()
+    if phase == "e":
+        return ("n", integer, "E") if b in (0x2B, 0x2D) else ("n", integer, "x") if digit else ()
+    if phase == "E":
+        return ("n", integer, "x") if digit else ()
+    if phase == "x" and digit:
+        return top
+    return None
