@@ -132,6 +132,7 @@
     const seed = wholeNumber($("p-seed"), null, 15);
     if (Number.isNaN(seed)) errors["p-seed"] = "Enter a whole number of up to 15 digits, or nothing for a random seed.";
     else if (seed !== null) frame.seed = seed;
+    if ($("p-json").checked) frame.response_format = { type: "json_object" };
     ["p-max-tokens", "p-stop", "p-seed"].forEach((id) => showParamError(id, errors[id]));
     const invalid = Object.keys(errors);
     if (invalid.length) {

@@ -5,6 +5,7 @@ second organization sees none of it; and the operator's pages."""
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import datetime, timezone
 from decimal import Decimal
@@ -144,6 +145,17 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     record = wait_until(lambda: db_call(stopped_record), timeout=30, message="the stopped reply's usage record")
     assert record.status == "cancelled" and 0 < record.completion_tokens < 1500
     page.wait_for_selector(".msg.assistant[data-state=stopped] [data-cost][data-source=billed]", timeout=30_000)
+
+    # JSON output: the reply is a JSON object.
+    page.check("#p-json")
+    page.fill("#p-max-tokens", "150")
+    page.fill("#chat-input", "Describe a cat as JSON with its name and age.")
+    page.keyboard.press("Enter")
+    page.wait_for_function("() => document.querySelectorAll('.msg.assistant[data-state=done]').length === 2",
+                           timeout=120_000)
+    reply = page.locator(".msg.assistant").nth(2).locator(".text").inner_text()
+    assert isinstance(json.loads(reply), dict), reply
+    page.uncheck("#p-json")
     shot(page, "09-playground")
 
     # A parameter the API would refuse, or the page would have to change, is shown next to its field

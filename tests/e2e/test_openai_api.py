@@ -119,3 +119,33 @@ def test_a_started_request_tells_where_its_time_went(openai_client):
     assert list(stages) == ["auth", "admit", "dispatch", "queue", "load"], raw.headers.get("server-timing")
     assert all(ms >= 0 for ms in stages.values())
     assert raw.parse().usage.completion_tokens >= 1
+
+
+def test_structured_output_parses_into_the_clients_own_model(openai_client):
+    """The openai package's ``parse`` sends a strict JSON schema made from a pydantic model and
+    reads the reply back into it."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Cat(BaseModel):
+        name: str
+        age: int
+        colour: Literal["black", "white", "ginger"]
+
+    ask = [{"role": "user", "content": "Describe a cat as JSON with its name, age and colour."}]
+    reply = openai_client.chat.completions.parse(model=DEPLOYMENT, messages=ask, response_format=Cat,
+                                                 temperature=0.8, seed=3, max_tokens=100)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Cat), choice.message.content
+
+
+def test_json_mode_streams_a_json_object(openai_client):
+    import json
+
+    chunks = list(openai_client.chat.completions.create(
+        model=DEPLOYMENT, messages=[{"role": "user", "content": "Describe a cat as JSON with its name, age and colour."}],
+        temperature=0, max_tokens=100, stream=True, response_format={"type": "json_object"}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop", text
+    assert isinstance(json.loads(text), dict), text

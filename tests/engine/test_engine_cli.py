@@ -29,10 +29,20 @@ def test_generate_streams_text_and_reports_timings():
     assert "TTFT" in result.stderr and "completion tokens" in result.stderr
 
 
+@pytest.mark.slow
+def test_generate_json_prints_a_json_object(tmp_path):
+    import json
+
+    result = run_cli("generate", "--chat", "A cat as JSON.", "--max-tokens", "60", "--dtype", "float32", "--json")
+    assert result.returncode == 0, result.stderr
+    assert isinstance(json.loads(result.stdout), dict), result.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["generate", "x", "--temperature", "-1"], "temperature"),
     (["generate"], "prompt"),
     (["generate", "x", "--chat", "y"], "prompt"),
+    (["generate", "x", "--json-schema", "/nonexistent/schema.json"], "--json-schema"),
 ])
 def test_bad_flags_are_explained(args, message):
     result = run_cli(*args)

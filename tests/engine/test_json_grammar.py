@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.engine.json_grammar import MAX_WS_LINES, JsonGrammar, SchemaError
+from workers.engine.json_grammar import MAX_DEPTH, MAX_WS_LINES, JsonGrammar, SchemaError
 from workers.engine.sequence import InvalidRequestError, SamplingParams
 
 JSON_OBJECT = JsonGrammar.from_response_format({"type": "json_object"})
@@ -31,12 +31,38 @@ def matches(g: JsonGrammar, text: bytes | str, *, chunk: int = 1) -> bool:
 
 
 def strict_object(data: bytes) -> bool:
-    """Python's reading of the same rules: a JSON object, nothing after it, real UTF-8."""
+    """Python's reading of the same rules: a JSON object in real UTF-8, with whitespace only
+    where a writer puts it."""
     try:
         value = json.loads(data.decode("utf-8"), parse_constant=lambda name: 1 / 0)
     except (ValueError, ZeroDivisionError):
         return False
-    return isinstance(value, dict) and data == data.rstrip()
+    return isinstance(value, dict) and blanks_where_a_writer_puts_them(data)
+
+
+def blanks_where_a_writer_puts_them(data: bytes) -> bool:
+    """Outside strings, each run of whitespace follows "{", "[" or ",", or precedes "}" or "]",
+    or is the one space after ":"; none starts or ends the text."""
+    in_string = escaped = False
+    i = 0
+    while i < len(data):
+        c = data[i:i + 1]
+        if in_string:
+            in_string = escaped or c != b'"'
+            escaped = not escaped and c == b"\\"
+        elif c == b'"':
+            in_string = True
+        elif c in b" \t\n\r":
+            end = i
+            while end < len(data) and data[end:end + 1] in b" \t\n\r":
+                end += 1
+            before, after, run = data[i - 1:i], data[end:end + 1], data[i:end]
+            if not (before and after and (before in b"{[," or after in b"}]" or (before == b":" and run == b" "))):
+                return False
+            i = end
+            continue
+        i += 1
+    return True
 
 
 scalars = st.none() | st.booleans() | st.integers(-10**12, 10**12) | \
@@ -77,6 +103,23 @@ def test_a_run_of_blank_lines_is_cut_short():
     """Small models left free to indent emit newlines until max_tokens: a run is bounded."""
     assert matches(JSON_OBJECT, "{" + "\n" * MAX_WS_LINES + '"a": 1}')
     assert not matches(JSON_OBJECT, "{" + "\n" * (MAX_WS_LINES + 1) + '"a": 1}')
+
+
+@pytest.mark.parametrize("text,ok", [
+    ('{"a": 1}', True), ('{"a":1}', True), ('{\n  "a": [\n    1,\n    2\n  ]\n}', True), ("{ }", True),
+    ('{"a": 1 }', True), ('{"a" : 1}', False), ('{"a":  1}', False), ('{"a":\n1}', False), ('{"a": 1 , "b": 2}', False),
+    (' {"a": 1}', False), ('{"a": [1 ]}', True), ('{"a": [1 ,2]}', False),
+])
+def test_whitespace_goes_only_where_a_json_writer_puts_it(text, ok):
+    """A model that cannot write the token it wanted must not pad with blanks instead."""
+    assert matches(JSON_OBJECT, text) == ok == blanks_where_a_writer_puts_them(text.encode())
+
+
+def test_blanks_before_a_close_that_cannot_come_yet_are_refused():
+    """No dead ends: after a member, blanks promise a close, so they wait for the required keys."""
+    g = grammar({"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a", "b"]})
+    assert not g.matcher().accepts(b'{"a": 1\n')
+    assert matches(g, '{"a": 1, "b": 2\n}')
 
 
 def test_the_matcher_is_done_only_when_the_object_closes_and_then_takes_nothing():
@@ -151,12 +194,22 @@ def test_other_roots_end_where_their_value_does():
     assert matches(grammar({"enum": ["red", "green"]}), '"green"') and not matches(grammar({"enum": ["red"]}), '"r"')
 
 
+def _nested(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 @pytest.mark.parametrize("schema,words", [
     ({"type": "string", "pattern": "^a"}, ["'pattern'", "#"]),
     ({"type": "object", "properties": {"e": {"type": "string", "format": "email"}}}, ["'format'", "#/properties/e"]),
     ({"type": "object", "required": ["a"]}, ["'a'", "required"]),
     ({"$ref": "#/$defs/missing"}, ["$ref", "missing"]),
     ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, ["itself"]),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/a"}]}}}, ["itself"]),
+    ({"anyOf": [{"$ref": "#"}]}, ["itself"]),
+    (_nested(MAX_DEPTH + 1), ["nested", "32"]),
     ({"type": "date"}, ["type"]),
     ({"enum": []}, ["enum"]),
     ({"type": "array", "minItems": 3, "maxItems": 1}, ["maxItems"]),
@@ -166,6 +219,25 @@ def test_a_schema_it_cannot_enforce_is_refused_saying_where_and_why(schema, word
     with pytest.raises(SchemaError) as caught:
         grammar(schema)
     assert all(w in str(caught.value) for w in words), str(caught.value)
+
+
+def test_a_schema_nested_too_deep_for_python_is_refused_not_crashed():
+    deep: dict = {}
+    for _ in range(5000):
+        deep = {"anyOf": [deep]}
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(response_format={"type": "json_schema", "json_schema": {"schema": deep}})
+    assert grammar(_nested(MAX_DEPTH - 1)) is not None
+    chain = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(5000)}
+    chain["d5000"] = {"type": "null"}
+    with pytest.raises(SchemaError):
+        grammar({"$ref": "#/$defs/d0", "$defs": chain})
+
+
+def test_recursive_definitions_that_consume_input_are_fine():
+    tree = {"$ref": "#/$defs/t", "$defs": {"t": {"type": "object", "properties": {
+        "kids": {"type": "array", "items": {"$ref": "#/$defs/t"}}}}}}
+    assert matches(grammar(tree), '{"kids": [{"kids": []}, {}]}')
 
 
 def test_sampling_params_compile_the_format_and_name_it_in_errors():

@@ -2,6 +2,7 @@
 
     python -m workers.engine generate "Once upon a time" --max-tokens 64
     python -m workers.engine generate --chat "Write a haiku about rain." --temperature 0.7
+    python -m workers.engine generate --chat "A cat, as JSON." --json
     python -m workers.engine bench --requests 16
 """
 
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--logprobs", type=int, metavar="N",
                      help="print each token's logprob and the N most likely alternatives")
+    gen.add_argument("--json", action="store_true", help="constrain the output to a JSON object")
+    gen.add_argument("--json-schema", metavar="FILE",
+                     help="constrain the output to a value of the JSON Schema in FILE")
 
     commands.add_parser("bench", add_help=False,
                         help="the engine benchmark (bench/engine.py); --help for its flags")
@@ -62,6 +66,15 @@ def _generate(args, parser) -> int:
 
     if (args.prompt is None) == (args.chat is None):
         parser.error("give a prompt or --chat MESSAGE (one of them)")
+    response_format = {"type": "json_object"} if args.json else None
+    if args.json_schema:
+        import json
+
+        try:
+            schema = json.loads(Path(args.json_schema).read_text())
+        except (OSError, ValueError) as exc:
+            parser.error(f"--json-schema: {exc}")
+        response_format = {"type": "json_schema", "json_schema": {"name": "cli", "schema": schema}}
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -69,7 +82,8 @@ def _generate(args, parser) -> int:
             ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
             frequency_penalty=args.frequency_penalty,
             repetition_penalty=args.repetition_penalty,
-            logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0)
+            logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0,
+            response_format=response_format)
     except InvalidRequestError as exc:
         parser.error(str(exc))
 

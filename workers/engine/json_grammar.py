@@ -10,17 +10,20 @@ The automaton is a pushdown one over bytes, nondeterministic where the schema is
 ``enum``, a key that may be one of several property names): its state is the set of stacks still
 alive. A stack is a tuple of frames, each a small tuple:
 
-    ("v", node)                         a value of ``node`` comes next
-    ("o", node, seen, phase, value)     inside an object; phase "{" "," "k" ":" or "a" (after a
-                                        member); ``value``: the node of the key just read
-    ("a", node, count, phase)           inside an array; phase "[" "," or "a"
+    ("v", node, after_colon)            a value of ``node`` comes next
+    ("o", node, seen, phase, value)     inside an object; phase "{" "," "k" ":" "a" (after a
+                                        member) or "}" (only the close may come); ``value``: the
+                                        node of the key just read
+    ("a", node, count, phase)           inside an array; phase "[" "," "a" or "]"
     ("s", escape, utf8, is_key)         inside a string
     ("k", rest, key)                    inside one of the object's declared keys (its JSON text)
     ("n", integer, phase)               inside a number
     ("l", rest)                         inside a literal (true, false, null, an enum's value)
 
-Whitespace between tokens is allowed, but a run of it is bounded (``MAX_WS_BYTES``,
-``MAX_WS_LINES``): small models left free to indent tend to emit newlines until max_tokens.
+Whitespace goes only where a JSON writer puts it (see ``_blank``), and a run of it is bounded
+(``MAX_WS_BYTES``, ``MAX_WS_LINES``): a model that cannot write the token it wanted would
+otherwise pad with newlines, and small ones left free to indent do so until max_tokens. No
+prefix the automaton accepts is a dead end: whatever it took, a whole value can still follow.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any, Iterable
 
 MAX_WS_BYTES = 48
 MAX_WS_LINES = 2
-MAX_DEPTH = 32  # nested objects and arrays
+MAX_DEPTH = 32  # nested objects and arrays in the output, and nested schemas
 MAX_CHOICES = 1000  # an enum's values, an object's properties (OpenAI's limits are of this order)
 MAX_ALTERNATIVES = 4 * MAX_CHOICES  # live stacks at once; past this a text is taken as not matching
 
@@ -109,6 +112,13 @@ class JsonGrammar:
 
 def compile_schema(schema: Any) -> Node:
     """A JSON Schema (the subset OpenAI's structured outputs use) as automaton nodes."""
+    try:
+        return _compile(schema)
+    except RecursionError:  # a chain of thousands of references: no schema a person writes
+        raise SchemaError("the schema's references are chained too deep") from None
+
+
+def _compile(schema: Any) -> Node:
     if not isinstance(schema, (dict, bool)):
         raise SchemaError("json_schema.schema must be a JSON Schema object")
     defs: dict[str, Node] = {}
@@ -134,7 +144,9 @@ class _Compiler:
         self.defs = defs
         self.raw_defs = raw_defs
 
-    def node(self, schema: Any, where: str) -> Node:
+    def node(self, schema: Any, where: str, depth: int = 0) -> Node:
+        if depth > MAX_DEPTH:
+            raise SchemaError(f"{where}: schemas nested more than {MAX_DEPTH} deep are not supported")
         if schema is True or schema == {}:
             return ANY
         if schema is False:
@@ -160,7 +172,7 @@ class _Compiler:
                 options = schema[key]
                 if not isinstance(options, list) or not options:
                     raise SchemaError(f"{where}: {key} must be a non-empty list")
-                return Node("anyof", options=tuple(self.node(o, f"{where}/{key}/{i}")
+                return Node("anyof", options=tuple(self.node(o, f"{where}/{key}/{i}", depth + 1)
                                                    for i, o in enumerate(options)))
         types = schema.get("type")
         if types is None:
@@ -170,21 +182,21 @@ class _Compiler:
             types = [types]
         if not isinstance(types, list) or not types or any(t not in _TYPES for t in types):
             raise SchemaError(f"{where}: type must be one of {', '.join(_TYPES)} (or a list of them)")
-        nodes = [self._typed(schema, t, where) for t in dict.fromkeys(types)]
+        nodes = [self._typed(schema, t, where, depth) for t in dict.fromkeys(types)]
         return nodes[0] if len(nodes) == 1 else Node("anyof", options=tuple(nodes))
 
-    def _typed(self, schema: dict, kind: str, where: str) -> Node:
+    def _typed(self, schema: dict, kind: str, where: str, depth: int) -> Node:
         if kind == "object":
-            return self._object(schema, where)
+            return self._object(schema, where, depth)
         if kind == "array":
-            return self._array(schema, where)
+            return self._array(schema, where, depth)
         if kind == "boolean":
             return Node("literal", literals=(b"true", b"false"))
         if kind == "null":
             return Node("literal", literals=(b"null",))
         return Node(kind)
 
-    def _object(self, schema: dict, where: str) -> Node:
+    def _object(self, schema: dict, where: str, depth: int) -> Node:
         properties = schema.get("properties", {})
         if not isinstance(properties, dict) or len(properties) > MAX_CHOICES:
             raise SchemaError(f"{where}: properties must be an object of at most {MAX_CHOICES} properties")
@@ -200,14 +212,14 @@ class _Compiler:
         elif additional is False:
             extra = None
         else:
-            extra = self.node(additional, f"{where}/additionalProperties")
+            extra = self.node(additional, f"{where}/additionalProperties", depth + 1)
         return Node("object", additional=extra,
-                    properties={_encode(name, where): self.node(sub, f"{where}/properties/{name}")
+                    properties={_encode(name, where): self.node(sub, f"{where}/properties/{name}", depth + 1)
                                 for name, sub in properties.items()},
                     required=frozenset(_encode(r, where) for r in required))
 
-    def _array(self, schema: dict, where: str) -> Node:
-        items = self.node(schema.get("items", True), f"{where}/items")
+    def _array(self, schema: dict, where: str, depth: int) -> Node:
+        items = self.node(schema.get("items", True), f"{where}/items", depth + 1)
         low, high = schema.get("minItems", 0), schema.get("maxItems")
         for name, value in (("minItems", low), ("maxItems", high)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
@@ -226,20 +238,34 @@ class _Compiler:
 
 
 def _check_refs(root: Node, defs: dict[str, Node]) -> None:
-    """A definition that is only a reference to itself (directly or through others) has no value."""
-    for name in defs:
-        seen, node = set(), defs[name]
-        while node.kind == "ref":
-            if node.target in seen:
-                raise SchemaError(f"$ref {node.target!r} refers only to itself")
-            seen.add(node.target)
-            node = defs[node.target]
+    """A reference must reach a value before it reaches itself again: a definition that is only
+    a reference to itself, or an anyOf one of whose options leads back to it, has none."""
+    done: set[int] = set()
+
+    def visit(node: Node, path: set[int]) -> None:
+        if id(node) in done:
+            return
+        if id(node) in path:
+            raise SchemaError("a $ref refers to itself before any value (through $ref or anyOf alone)")
+        path.add(id(node))
+        if node.kind == "ref":
+            visit(defs[node.target], path)
+        for option in node.options:
+            visit(option, path)
+        path.discard(id(node))
+        done.add(id(node))
+
+    for node in [root, *defs.values()]:
+        visit(node, set())
 
 
 def _encode(value: Any, where: str) -> bytes:
     if isinstance(value, float) and not math.isfinite(value):
         raise SchemaError(f"{where}: {value} is not a JSON value")
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+    except RecursionError:
+        raise SchemaError(f"{where}: a value nested too deeply") from None
 
 
 def _resolve(node: Node) -> Node:
@@ -258,7 +284,7 @@ class JsonMatcher:
 
     def __init__(self, grammar: JsonGrammar):
         self.grammar = grammar
-        self.states: tuple[State, ...] = (((("v", grammar.root),), 0, 0),)
+        self.states: tuple[State, ...] = (((("v", grammar.root, False),), 0, 0),)
 
     @property
     def done(self) -> bool:
@@ -321,17 +347,37 @@ def _step(state: State, b: int) -> Iterable[State]:
             return ()
         return _step((stack[:-1], 0, 0), b)  # the number ended: the byte is its parent's
     if b in _WS:
-        if kind == "o" and top[3] == "k":
-            return ()
-        newline = b == 0x0A or b == 0x0D
-        if ws + 1 > MAX_WS_BYTES or lines + newline > MAX_WS_LINES:
-            return ()
-        return [(stack, ws + 1, lines + newline)]
+        return _blank(stack, top, ws, lines, b)
     if kind == "v":
         return [(s, 0, 0) for s in _start(_resolve(top[1]), b, stack[:-1])]
     if kind == "o":
         return [(s, 0, 0) for s in _object(stack, top, b)]
     return [(s, 0, 0) for s in _array(stack, top, b)]
+
+
+def _blank(stack: tuple, top: tuple, ws: int, lines: int, b: int) -> Iterable[State]:
+    """Whitespace where a JSON writer puts it: after "{", "[" and "," (a newline and indentation),
+    before a closing "}" or "]" (then only the close may follow), one space after ":". Nowhere
+    else: a model that cannot write what it wanted must not pad instead (``"a": \n\n"x"``)."""
+    kind = top[0]
+    if kind == "v":
+        return [(stack, 1, 0)] if top[2] and not ws and b == 0x20 else ()
+    phase = top[3]
+    if kind == "o":
+        if phase in "a}":
+            if not top[1].required <= top[2]:
+                return ()
+            stack = stack[:-1] + (("o", top[1], top[2], "}", None),)
+        elif phase not in "{,":
+            return ()
+    elif phase in "a]":
+        if top[2] < top[1].min_items:
+            return ()
+        stack = stack[:-1] + (("a", top[1], top[2], "]"),)
+    newline = b == 0x0A or b == 0x0D
+    if ws + 1 > MAX_WS_BYTES or lines + newline > MAX_WS_LINES:
+        return ()
+    return [(stack, ws + 1, lines + newline)]
 
 
 def _start(node: Node, b: int, below: tuple) -> list[tuple]:
@@ -386,11 +432,11 @@ def _object(stack: tuple, top: tuple, b: int) -> list[tuple]:
             out.append(inside + (("s", 0, 0, True),))
         return out
     if phase == ":" and b == 0x3A:
-        return [below + (("o", node, seen, "a", None), ("v", value))]
+        return [below + (("o", node, seen, "a", None), ("v", value, True))]
     if phase == "a" and b == 0x2C:
         more = node.additional is not None or any(k not in seen for k in node.properties)
         return [below + (("o", node, seen, ",", None),)] if more else []
-    if phase in "{a" and b == 0x7D:
+    if phase in "{a}" and b == 0x7D:
         return [below] if node.required <= seen else []
     return []
 
@@ -398,6 +444,8 @@ def _object(stack: tuple, top: tuple, b: int) -> list[tuple]:
 def _array(stack: tuple, top: tuple, b: int) -> list[tuple]:
     _, node, count, phase = top
     below = stack[:-1]
+    if phase == "]":
+        return [below] if b == 0x5D else []
     if phase == "a":
         if b == 0x2C and (node.max_items is None or count < node.max_items):
             return [below + (("a", node, count, ","),)]

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .json_grammar import JsonGrammar, SchemaError
+from .json_grammar import MAX_DEPTH, JsonGrammar, SchemaError
 
 
 class InvalidRequestError(ValueError):
@@ -156,8 +156,8 @@ class SamplingParams:
             return None
         try:
             key = json.dumps(self.response_format, sort_keys=True)
-        except (TypeError, ValueError) as exc:
-            raise SchemaError(f"must be JSON: {exc}") from exc
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise SchemaError(f"must be JSON nested at most {MAX_DEPTH} deep: {exc}") from exc
         return _compiled_format(key)
 
     @property

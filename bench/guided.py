@@ -1,0 +1,137 @@
+"""What JSON output (response_format) costs the engine: the same requests guided and free.
+
+Each batch size runs the bundled model on prompts that ask for JSON, first guided (json_object,
+then a json_schema), then free: each free request is given exactly as many tokens as its guided
+twin produced (``ignore_eos``), so both runs step through the same batches and only the guiding
+differs. The figure is the ratio of output tokens/s, guided over free, measured in the same run
+(the better of ``--repeats`` runs each, alternating); it also reports how many guided replies
+parsed and, for the schema, validated.
+
+    python bench/guided.py
+    python bench/guided.py --batch-sizes 1,16 --max-tokens 64
+
+Writes bench/results/guided-<device>.json. Not part of the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+RESULTS = REPO_ROOT / "bench" / "results"
+
+SUBJECTS = ("cat", "city", "book", "car", "river", "planet", "recipe", "song", "tree", "bird", "shop", "film")
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "kind": {"type": "string"}, "size": {"type": "integer"},
+                   "rating": {"enum": ["low", "medium", "high"]},
+                   "facts": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+    "required": ["name", "kind", "size", "rating", "facts"],
+    "additionalProperties": False,
+}
+FORMATS = {
+    "json_object": {"type": "json_object"},
+    "json_schema": {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}},
+}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch-sizes", default="1,8,32", help="concurrent requests per run (1,8,32)")
+    parser.add_argument("--max-tokens", type=int, default=160, help="max_tokens of each guided request (160)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each kind per batch size; the best counts (2)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (the engine's default)")
+    parser.add_argument("--out", default=None, help="where the JSON goes (bench/results/guided-<device>.json)")
+    return parser.parse_args(argv)
+
+
+def messages(i: int) -> list[dict]:
+    subject = SUBJECTS[i % len(SUBJECTS)]
+    return [{"role": "user", "content": f"Give a short JSON object about a {subject} (number {i}): its name, "
+                                        "kind, size, a rating and up to three facts."}]
+
+
+def run(engine, params_list) -> tuple[float, list]:
+    """Submit every request at once; (seconds until the last finished, the outputs)."""
+    started = time.perf_counter()
+    handles = [engine.submit_chat(messages(i), p) for i, p in enumerate(params_list)]
+    outputs = [h.result(timeout=1800) for h in handles]
+    return time.perf_counter() - started, outputs
+
+
+def measure(engine, batch: int, response_format: dict, args, SamplingParams) -> dict:
+    import jsonschema
+
+    guided = [SamplingParams(max_tokens=args.max_tokens, temperature=0, response_format=response_format)] * batch
+    _, outputs = run(engine, guided)  # also the lengths the free twins get
+    free = [SamplingParams(max_tokens=o.completion_tokens, temperature=0, ignore_eos=True) for o in outputs]
+    best = {"guided": float("inf"), "free": float("inf")}
+    for _ in range(args.repeats):
+        for kind, params in (("free", free), ("guided", guided)):
+            seconds, got = run(engine, params)
+            assert [o.completion_tokens for o in got] == [o.completion_tokens for o in outputs], kind
+            best[kind] = min(best[kind], seconds)
+    tokens = sum(o.completion_tokens for o in outputs)
+    parsed, valid = 0, 0
+    for o in outputs:
+        try:
+            value = json.loads(o.text)
+        except ValueError:
+            continue
+        parsed += 1
+        if response_format["type"] == "json_schema":
+            try:
+                jsonschema.validate(value, SCHEMA)
+                valid += 1
+            except jsonschema.ValidationError:
+                pass
+    row = {
+        "batch": batch, "output_tokens": tokens,
+        "guided_tokens_per_s": round(tokens / best["guided"], 1),
+        "free_tokens_per_s": round(tokens / best["free"], 1),
+        "guided_over_free": round(best["free"] / best["guided"], 3),
+        "ended_by_stop": sum(o.finish_reason == "stop" for o in outputs),
+        "parsed_as_json": parsed,
+    }
+    if response_format["type"] == "json_schema":
+        row["valid_for_schema"] = valid
+    return row
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from engine import machine_info  # bench/engine.py
+    from workers.engine import Engine, SamplingParams, bundled_model_path
+
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    report = {"benchmark": "guided", "machine": machine_info(torch), "max_tokens": args.max_tokens,
+              "repeats": args.repeats, "formats": {}}
+    engine_args = {"max_batch_size": max(sizes)}
+    if args.device:
+        engine_args["device"] = args.device
+    with Engine(bundled_model_path(), **engine_args) as engine:
+        report["device"] = engine.device_name
+        for name, response_format in FORMATS.items():
+            rows = report["formats"][name] = []
+            for batch in sizes:
+                print(f"{name}, {batch} at once ...", flush=True)
+                rows.append(measure(engine, batch, response_format, args, SamplingParams))
+                print(f"  {rows[-1]}", flush=True)
+    slug = "".join(c if c.isalnum() else "-" for c in report["device"].lower()).strip("-")
+    out = Path(args.out) if args.out else RESULTS / f"guided-{slug}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
