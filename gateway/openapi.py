@@ -69,7 +69,7 @@ CHAT_REQUEST = {
                                                 "schema": {"type": "object"},
                                                 "strict": {"type": ["boolean", "null"]}}}}}],
             "description": "json_object: the reply is a JSON object; json_schema: a JSON value of the schema "
-                           "(type, properties, required, additionalProperties, items, minItems, maxItems, enum, "
+                           "(type, properties, required, additionalProperties, items, minItems, maxItems, minLength, maxLength, enum, "
                            "const, anyOf, oneOf, $ref, $defs). Decoding is constrained token by token."},
         # OpenAI's, accepted at the values that ask for nothing (this platform has no tools
         # yet); any other value is a 400 unsupported_value.

@@ -188,6 +188,14 @@ def test_an_object_without_declared_properties_takes_any_and_one_with_them_only_
     assert matches(grammar(extra), '{"a": 1, "ab": "x"}') and not matches(grammar(extra), '{"ab": 1}')
 
 
+@pytest.mark.parametrize("text,ok", [
+    ('"ab"', True), ('"abcd"', True), ('"a"', False), ('"abcde"', False), ('"é\\n😀"', True), ('"\\u00e9é"', True),
+    ('"é"', False), ('"\\n\\t\\"\\\\x"', False),
+])
+def test_string_lengths_count_characters(text, ok):
+    assert matches(grammar({"type": "string", "minLength": 2, "maxLength": 4}), text) == ok
+
+
 def test_other_roots_end_where_their_value_does():
     assert matches(grammar({"type": "integer"}), "-12") and not matches(grammar({"type": "integer"}), "1.5")
     assert matches(grammar({"type": "array", "items": {"type": "boolean"}}), "[true, false]")
@@ -213,6 +221,7 @@ def _nested(levels: int) -> dict:
     ({"type": "date"}, ["type"]),
     ({"enum": []}, ["enum"]),
     ({"type": "array", "minItems": 3, "maxItems": 1}, ["maxItems"]),
+    ({"type": "string", "minLength": -1}, ["minLength"]),
     (False, ["false"]),
 ])
 def test_a_schema_it_cannot_enforce_is_refused_saying_where_and_why(schema, words):

@@ -15,7 +15,8 @@ alive. A stack is a tuple of frames, each a small tuple:
                                         member) or "}" (only the close may come); ``value``: the
                                         node of the key just read
     ("a", node, count, phase)           inside an array; phase "[" "," "a" or "]"
-    ("s", escape, utf8, is_key)         inside a string
+    ("s", escape, utf8, is_key, length, node)  inside a string of ``length`` characters so far;
+                                        ``node``: the string's, if it bounds the length
     ("k", rest, key)                    inside one of the object's declared keys (its JSON text)
     ("n", integer, phase)               inside a number
     ("l", rest)                         inside a literal (true, false, null, an enum's value)
@@ -46,7 +47,8 @@ _ESCAPES = frozenset(b'"\\/bfnrt')
 _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
                 "deprecated", "readOnly", "writeOnly", "$defs", "definitions", "strict"}
 _KEYWORDS = _ANNOTATIONS | {"type", "properties", "required", "additionalProperties", "items",
-                            "minItems", "maxItems", "enum", "const", "anyOf", "oneOf", "$ref"}
+                            "minItems", "maxItems", "minLength", "maxLength", "enum", "const", "anyOf",
+                            "oneOf", "$ref"}
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 
 
@@ -65,6 +67,8 @@ class Node:
     items: "Node | None" = None
     min_items: int = 0
     max_items: int | None = None
+    min_length: int = 0  # a string's, in characters
+    max_length: int | None = None
     literals: tuple[bytes, ...] = ()  # a literal's possible JSON texts
     options: tuple["Node", ...] = ()
     target: str = ""  # a ref's definition name ("" for the root)
@@ -157,7 +161,7 @@ class _Compiler:
         if unknown:
             raise SchemaError(f"{where}: the keyword {unknown[0]!r} is not supported (supported: type, "
                               "properties, required, additionalProperties, items, minItems, maxItems, "
-                              "enum, const, anyOf, oneOf, $ref, $defs)")
+                              "minLength, maxLength, enum, const, anyOf, oneOf, $ref, $defs)")
         if "$ref" in schema:
             return self._ref(schema["$ref"], where)
         if "const" in schema:
@@ -194,6 +198,9 @@ class _Compiler:
             return Node("literal", literals=(b"true", b"false"))
         if kind == "null":
             return Node("literal", literals=(b"null",))
+        if kind == "string":
+            low, high = _bounds(schema, "minLength", "maxLength", where)
+            return Node("string", min_length=low, max_length=high)
         return Node(kind)
 
     def _object(self, schema: dict, where: str, depth: int) -> Node:
@@ -220,12 +227,7 @@ class _Compiler:
 
     def _array(self, schema: dict, where: str, depth: int) -> Node:
         items = self.node(schema.get("items", True), f"{where}/items", depth + 1)
-        low, high = schema.get("minItems", 0), schema.get("maxItems")
-        for name, value in (("minItems", low), ("maxItems", high)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                raise SchemaError(f"{where}: {name} must be a non-negative integer")
-        if high is not None and high < low:
-            raise SchemaError(f"{where}: maxItems is below minItems")
+        low, high = _bounds(schema, "minItems", "maxItems", where)
         return Node("array", items=items, min_items=low, max_items=high)
 
     def _ref(self, ref: Any, where: str) -> Node:
@@ -235,6 +237,16 @@ class _Compiler:
             if isinstance(ref, str) and ref.startswith(prefix) and ref[len(prefix):] in self.raw_defs:
                 return Node("ref", target=ref[len(prefix):], defs=self.defs)
         raise SchemaError(f"{where}: $ref {ref!r} must name '#' or an entry of $defs")
+
+
+def _bounds(schema: dict, low_name: str, high_name: str, where: str) -> tuple[int, int | None]:
+    low, high = schema.get(low_name, 0), schema.get(high_name)
+    for name, value in ((low_name, low), (high_name, high)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise SchemaError(f"{where}: {name} must be a non-negative integer")
+    if high is not None and high < low:
+        raise SchemaError(f"{where}: {high_name} is below {low_name}")
+    return low, high
 
 
 def _check_refs(root: Node, defs: dict[str, Node]) -> None:
@@ -410,7 +422,8 @@ def _start(node: Node, b: int, below: tuple) -> list[tuple]:
     if kind == "array":
         return [below + (("a", node, 0, "["),)] if b == 0x5B else []
     if kind == "string":
-        return [below + (("s", 0, 0, False),)] if b == 0x22 else []
+        limited = node.min_length or node.max_length is not None
+        return [below + (("s", 0, 0, False, 0, node if limited else None),)] if b == 0x22 else []
     if kind in ("number", "integer"):
         integer = kind == "integer"
         if b == 0x2D:
@@ -429,7 +442,7 @@ def _object(stack: tuple, top: tuple, b: int) -> list[tuple]:
         inside = below + (("o", node, seen, "k", None),)
         out = [inside + (("k", key[1:], key),) for key in node.properties if key not in seen]
         if node.additional is not None:
-            out.append(inside + (("s", 0, 0, True),))
+            out.append(inside + (("s", 0, 0, True, 0, None),))
         return out
     if phase == ":" and b == 0x3A:
         return [below + (("o", node, seen, "a", None), ("v", value, True))]
@@ -460,29 +473,31 @@ def _array(stack: tuple, top: tuple, b: int) -> list[tuple]:
 
 
 def _string(stack: tuple, top: tuple, b: int) -> list[tuple]:
-    _, escape, utf8, is_key = top
+    _, escape, utf8, is_key, length, node = top
     below = stack[:-1]
     if utf8:
-        return [below + (("s", 0, utf8 - 1, is_key),)] if 0x80 <= b <= 0xBF else []
+        return [below + (("s", 0, utf8 - 1, is_key, length, node),)] if 0x80 <= b <= 0xBF else []
     if escape == -1:
         if b in _ESCAPES:
-            return [below + (("s", 0, 0, is_key),)]
-        return [below + (("s", 4, 0, is_key),)] if b == 0x75 else []
+            return [below + (("s", 0, 0, is_key, length, node),)]
+        return [below + (("s", 4, 0, is_key, length, node),)] if b == 0x75 else []
     if escape:
-        return [below + (("s", escape - 1, 0, is_key),)] if b in _HEX else []
+        return [below + (("s", escape - 1, 0, is_key, length, node),)] if b in _HEX else []
     if b == 0x22:
+        if node is not None and length < node.min_length:
+            return []
         if not is_key:
             return [below]
-        _, node, seen, _, _ = below[-1]
-        return [below[:-1] + (("o", node, seen, ":", node.additional),)]
+        _, parent, seen, _, _ = below[-1]
+        return [below[:-1] + (("o", parent, seen, ":", parent.additional),)]
+    if b < 0x20 or (node is not None and node.max_length is not None and length >= node.max_length):
+        return []  # a control character, or a character past maxLength
     if b == 0x5C:
-        return [below + (("s", -1, 0, is_key),)]
-    if b < 0x20:
-        return []
+        return [below + (("s", -1, 0, is_key, length + 1, node),)]
     if b < 0x80:
-        return [stack]
+        return [below + (("s", 0, 0, is_key, length + 1, node),)]
     need = 1 if 0xC2 <= b <= 0xDF else 2 if 0xE0 <= b <= 0xEF else 3 if 0xF0 <= b <= 0xF4 else 0
-    return [below + (("s", 0, need, is_key),)] if need else []
+    return [below + (("s", 0, need, is_key, length + 1, node),)] if need else []
 
 
 def _key(stack: tuple, top: tuple, b: int) -> list[tuple]:
