@@ -66,7 +66,7 @@ CHAT_REQUEST = {
                                             "properties": {
                                                 "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
                                                 "description": {"type": "string"},
-                                                "schema": {"type": "object"},
+                                                "schema": {"type": ["object", "boolean"]},
                                                 "strict": {"type": ["boolean", "null"]}}}}}],
             "description": "json_object: the reply is a JSON object; json_schema: a JSON value of the schema "
                            "(type, properties, required, additionalProperties, items, minItems, maxItems, minLength, maxLength, enum, "

@@ -33,7 +33,8 @@ def test_generate_streams_text_and_reports_timings():
 def test_generate_json_prints_a_json_object(tmp_path):
     import json
 
-    result = run_cli("generate", "--chat", "A cat as JSON.", "--max-tokens", "60", "--dtype", "float32", "--json")
+    result = run_cli("generate", "--chat", "Give a cat's name and age as a short JSON object.", "--max-tokens", "120",
+                     "--dtype", "float32", "--json")
     assert result.returncode == 0, result.stderr
     assert isinstance(json.loads(result.stdout), dict), result.stdout
 

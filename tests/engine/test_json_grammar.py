@@ -257,3 +257,78 @@ def test_sampling_params_compile_the_format_and_name_it_in_errors():
     assert caught.value.param == "response_format"
     with pytest.raises(InvalidRequestError):
         SamplingParams(response_format={"type": "json_object"}, ignore_eos=True)
+
+
+# -- found in review ------------------------------------------------------------------------------
+
+def test_a_declared_property_cannot_come_back_as_an_undeclared_one():
+    g = grammar({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True})
+    assert matches(g, '{"a": 1, "b": "x"}') and matches(g, '{"ab": "x", "a": 2}')
+    assert not matches(g, '{"a": "str"}') and not matches(g, '{"a": 1, "a": 2}')
+    assert not matches(g, '{"\\u0061": "str"}')  # an escape spelling a declared name
+    assert not matches(JSON_OBJECT, '{"x": 1, "x": 2}') and matches(JSON_OBJECT, '{"x": 1, "y": {"x": 2}}')
+
+
+def test_a_thousand_value_enum_under_a_union_stays_one_reading():
+    kinds = {"enum": [f"v{i:03d}" for i in range(1000)]}
+    options = [{"type": "object", "properties": {"c": {"$ref": "#/$defs/kind"}, "kind": {"const": f"k{i}"}},
+                "required": ["c", "kind"], "additionalProperties": False} for i in range(5)]
+    g = grammar({"anyOf": options, "$defs": {"kind": kinds}})
+    assert matches(g, '{"c": "v001", "kind": "k1"}') and not matches(g, '{"c": "v1000", "kind": "k1"}')
+    m = g.matcher()
+    m.advance(b'{"c": "v0')
+    assert len(m.states) <= 5
+
+
+def test_schema_containers_nest_past_the_limit_for_free_values():
+    node = {"type": "object", "properties": {"name": {"type": "string"}, "child": {"$ref": "#/$defs/n"}},
+            "required": ["name"], "additionalProperties": False}
+    g = grammar({"$ref": "#/$defs/n", "$defs": {"n": node}})
+    text = '{"child": ' * (MAX_DEPTH + 8) + '{"name": "x"}' + ', "name": "y"}' * (MAX_DEPTH + 8)
+    assert matches(g, text)
+    deep = '{"a": ' * MAX_DEPTH
+    m = JSON_OBJECT.matcher()
+    m.advance(deep.encode())
+    assert not m.accepts(b"{") and m.accepts(b'"x"}')  # free nesting stops, but never a dead end
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"c": {"$ref": "#"}}, "required": ["c"]},
+    {"type": "array", "items": {"$ref": "#"}, "minItems": 1},
+    {"type": "object", "properties": {"ok": {"type": "string"}, "bad": {"$ref": "#/$defs/loop"}},
+     "$defs": {"loop": {"type": "object", "properties": {"x": {"$ref": "#/$defs/loop"}}, "required": ["x"]}}},
+])
+def test_a_schema_without_a_finite_value_is_refused(schema):
+    with pytest.raises(SchemaError, match="finite"):
+        grammar(schema)
+
+
+@pytest.mark.parametrize("schema", [
+    {"enum": ["\ud800"]}, {"const": "\ud83d"}, {"type": "object", "properties": {"\udc00": {}}},
+    {"enum": [[float("nan")]]}, {"const": {"a": float("inf")}},
+    {"type": "object", "properties": {"a": {}}, "anyOf": [{"type": "object"}, {"type": "null"}]},
+    {"$ref": "#/$defs/s", "maxLength": 2, "$defs": {"s": {"type": "string"}}},
+    {"enum": ["a"], "maxLength": 3},
+    {"type": "integer", "enum": ["a", "b"]},
+])
+def test_what_would_be_ignored_or_cannot_be_json_is_refused(schema):
+    with pytest.raises(SchemaError):
+        grammar(schema)
+
+
+def test_an_enum_keeps_the_values_of_its_type_and_tables_keep_their_names():
+    g = grammar({"type": "integer", "enum": ["a", 1, 2.0]})
+    assert matches(g, "1") and matches(g, "2.0") and not matches(g, '"a"')
+    both = {"$ref": "#/$defs/a", "$defs": {"a": {"type": "integer"}}, "definitions": {"a": {"type": "string"}}}
+    assert matches(grammar(both), "1") and not matches(grammar(both), '"x"')
+    both["$ref"] = "#/definitions/a"
+    assert matches(grammar(both), '"x"') and not matches(grammar(both), "1")
+
+
+@pytest.mark.parametrize("raw,ok", [
+    (b"\xe2\x82\xac", True), (b"\xf0\x9f\x98\x80", True), (b"\xc3\xa9", True),
+    (b"\xe0\x80\x80", False), (b"\xc0\xaf", False), (b"\xed\xa0\x80", False), (b"\xf4\x90\x80\x80", False),
+    (b"\xf5\x80\x80\x80", False), (b"\x80", False),
+])
+def test_strings_hold_only_well_formed_utf8(raw, ok):
+    assert matches(JSON_OBJECT, b'{"a": "' + raw + b'"}') == ok

@@ -79,3 +79,17 @@ def test_logprobs_and_stop_strings_work_on_guided_output(engine):
     assert out.logprobs and all(entry.logprob <= 0 and len(entry.top_logprobs) == 2 for entry in out.logprobs)
     cut = ask(engine, JSON_SCHEMA, stop=['"age"']).result(timeout=300)
     assert cut.finish_reason == "stop" and cut.stop_reason == '"age"' and '"age"' not in cut.text
+
+
+def test_a_grammar_left_with_nothing_to_pick_fails_its_request_and_says_so(bundled_model_fp32):
+    """It never should; if it does, the reply is an error, not a "stop" with broken JSON."""
+    from workers.engine.guided import VocabBytes
+
+    with make_engine(bundled_model_fp32) as eng:
+        ask(eng, JSON_OBJECT, max_tokens=1).result(timeout=300)  # the engine reads its tokens' bytes
+        vocab = eng.runner.vocab_bytes
+        eng.runner.vocab_bytes = VocabBytes([None] * len(vocab.table), len(vocab.table))  # no token is text
+        out = ask(eng, JSON_OBJECT).result(timeout=300)
+        eng.runner.vocab_bytes = vocab
+        assert out.finish_reason == "error" and "format" in out.error and out.completion_tokens == 0
+        assert ask(eng, None, max_tokens=4).result(timeout=300).finish_reason == "length"

@@ -261,7 +261,9 @@ class Engine:
                           # (inputs, forward, sampling, the wait for its result), and handing the
                           # new tokens out (detokenizing, stop checks, delivery).
                           "schedule_seconds": 0.0, "execute_seconds": 0.0,
-                          "postprocess_seconds": 0.0}
+                          "postprocess_seconds": 0.0,
+                          # Of those, moving JSON output's grammars on (picking is the sampler's).
+                          "guide_advance_seconds": 0.0}
         self._stats = self._collect_stats()
 
     def _kv_blocks(self, num_kv_blocks: int | None, kv_memory: int | None,
@@ -651,9 +653,16 @@ class Engine:
         live = self._live.get(seq.request_id)
         if live is None or live.seq is not seq:
             return  # aborted, or ended by a stop string while this step ran: token dropped
+        if seq.guide is not None and seq.guide.stuck:  # a grammar left nothing to pick: a bug, said so
+            seq.error = "the reply could not go on in the requested format"
+            self.scheduler.finish(seq, FinishReason.ERROR)
+            self._finish_live(seq)
+            return
         seq.token_ids.append(token)
         if seq.guide is not None:
+            started = time.perf_counter()
             seq.guide.advance(token, self.runner.vocab_bytes)
+            self._counters["guide_advance_seconds"] += time.perf_counter() - started
         if seq.first_token_time is None:
             seq.first_token_time = now
             seq.timings.time_to_first_token = now - seq.timings.arrival_time
@@ -817,6 +826,7 @@ class Engine:
             "device_name": self.device_name,
             **self._device_memory_stats(),
             "kv_capacity_tokens": bm.num_blocks * bm.block_size,
+            "guide_seconds": self._counters["guide_advance_seconds"] + self.runner.sampler.guide_seconds,
             **self.runner.graph_stats(),
         }
 

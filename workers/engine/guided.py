@@ -27,6 +27,7 @@ class Guide:
 
     matcher: JsonMatcher
     end_ids: frozenset[int]
+    stuck: bool = False  # the grammar allowed no token at all (it never should): the request fails
 
     def allows(self, token: int, vocab: "VocabBytes") -> bool:
         if token in self.end_ids:
@@ -60,8 +61,8 @@ class VocabBytes:
 
 def pick(keys: torch.Tensor, logits: torch.Tensor, guides: list[Guide], vocab: VocabBytes) -> list[int]:
     """Per row, the allowed token with the largest key (``-inf``: dropped by the sampler's
-    filters), ``logits`` breaking ties among those. A row whose grammar allows nothing (it was
-    fed an end it could not take) gets an end token."""
+    filters), ``logits`` breaking ties among those. A row whose grammar allows nothing is marked
+    ``stuck`` (and given a token that does not matter)."""
     values, ids = keys.topk(min(CANDIDATES, keys.shape[1]), dim=-1)
     values, ids = values.tolist(), ids.tolist()
     chosen = []
@@ -89,4 +90,5 @@ def _search(keys: torch.Tensor, logits: torch.Tensor, guide: Guide, vocab: Vocab
     for token in order.tolist():
         if guide.allows(token, vocab):
             return token
-    return min(guide.end_ids) if guide.end_ids else 0
+    guide.stuck = True
+    return int(order[0]) if len(order) else 0

@@ -6,39 +6,48 @@ same format; each such request keeps a ``JsonMatcher``, which says whether a tok
 next and moves on as tokens are taken. The sampler asks it only about the tokens it was about to
 pick, best first, so a step costs a few checks, not one per vocabulary entry.
 
-The automaton is a pushdown one over bytes, nondeterministic where the schema is (``anyOf``, an
-``enum``, a key that may be one of several property names): its state is the set of stacks still
-alive. A stack is a tuple of frames, each a small tuple:
+The automaton is a pushdown one over bytes, nondeterministic where the schema is (``anyOf``, a
+type list): its state is the set of stacks still alive. The values of an ``enum`` and the
+declared keys of an object are matched as one set each, so they cost one stack, not one per
+value. A stack is a tuple of frames, each a small tuple:
 
     ("v", node, after_colon)            a value of ``node`` comes next
     ("o", node, seen, phase, value)     inside an object; phase "{" "," "k" ":" "a" (after a
-                                        member) or "}" (only the close may come); ``value``: the
-                                        node of the key just read
+                                        member) or "}" (only the close may come); ``seen``: the
+                                        keys so far (their JSON text); ``value``: the node of the
+                                        key just read
     ("a", node, count, phase)           inside an array; phase "[" "," "a" or "]"
-    ("s", escape, utf8, is_key, length, node)  inside a string of ``length`` characters so far;
-                                        ``node``: the string's, if it bounds the length
-    ("k", rest, key)                    inside one of the object's declared keys (its JSON text)
+    ("s", escape, utf8, length, node, key)
+                                        inside a string of ``length`` characters; ``utf8``: 0 or
+                                        (bytes still due, range of the next one); ``node``: the
+                                        string's when it bounds the length; ``key``: the text so
+                                        far of an undeclared key (None for a value)
+    ("k", keys, at)                     inside a declared key: the candidates' JSON texts, ``at``
+                                        bytes matched
     ("n", integer, phase)               inside a number
-    ("l", rest)                         inside a literal (true, false, null, an enum's value)
+    ("l", texts, at)                    inside a literal (true, false, null, an enum's values)
 
 Whitespace goes only where a JSON writer puts it (see ``_blank``), and a run of it is bounded
 (``MAX_WS_BYTES``, ``MAX_WS_LINES``): a model that cannot write the token it wanted would
-otherwise pad with newlines, and small ones left free to indent do so until max_tokens. No
-prefix the automaton accepts is a dead end: whatever it took, a whole value can still follow.
+otherwise pad with newlines, and small ones left free to indent do so until max_tokens.
+
+No prefix the automaton accepts is a dead end: whatever it took, a whole value can still follow.
+Schemas make sure of it at compile time (every part must have a finite value); the nesting limit
+only closes off objects and arrays where any value may go, and the cap on live stacks drops
+interpretations, never all of them.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 MAX_WS_BYTES = 48
 MAX_WS_LINES = 2
-MAX_DEPTH = 32  # nested objects and arrays in the output, and nested schemas
+MAX_DEPTH = 32  # objects and arrays nested where any value may go; schemas nested
 MAX_CHOICES = 1000  # an enum's values, an object's properties (OpenAI's limits are of this order)
-MAX_ALTERNATIVES = 4 * MAX_CHOICES  # live stacks at once; past this a text is taken as not matching
+MAX_ALTERNATIVES = 512  # live stacks kept; the rest of an ambiguous schema's readings are dropped
 
 _WS = frozenset(b" \t\n\r")
 _DIGITS = frozenset(b"0123456789")
@@ -50,6 +59,7 @@ _KEYWORDS = _ANNOTATIONS | {"type", "properties", "required", "additionalPropert
                             "minItems", "maxItems", "minLength", "maxLength", "enum", "const", "anyOf",
                             "oneOf", "$ref"}
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+_DEF_TABLES = ("$defs", "definitions")
 
 
 class SchemaError(ValueError):
@@ -61,6 +71,7 @@ class Node:
     """One schema position. Compared and hashed by identity: frames hold nodes."""
 
     kind: str  # any | object | array | string | number | integer | literal | anyof | ref
+    where: str = "#"
     properties: dict[bytes, "Node"] = field(default_factory=dict)  # key's JSON text -> node
     required: frozenset[bytes] = frozenset()
     additional: "Node | None" = None  # the node of keys not declared; None: none allowed
@@ -71,7 +82,7 @@ class Node:
     max_length: int | None = None
     literals: tuple[bytes, ...] = ()  # a literal's possible JSON texts
     options: tuple["Node", ...] = ()
-    target: str = ""  # a ref's definition name ("" for the root)
+    target: str = ""  # a ref's definition ("$defs/name"; "" for the root)
     defs: dict[str, "Node"] | None = None  # a ref's table
 
 
@@ -80,6 +91,7 @@ ANY_OBJECT = Node("object", additional=ANY)
 ANY_ARRAY = Node("array", items=ANY)
 ANY_STRING = Node("string")
 ANY_NUMBER = Node("number")
+ANY_LITERAL = Node("literal", literals=(b"true", b"false", b"null"))
 
 
 @dataclass(eq=False)
@@ -114,6 +126,9 @@ class JsonGrammar:
         return cls(compile_schema(schema), f"json_schema {spec.get('name') or ''}".strip())
 
 
+# -- compiling a schema -------------------------------------------------------------------------
+
+
 def compile_schema(schema: Any) -> Node:
     """A JSON Schema (the subset OpenAI's structured outputs use) as automaton nodes."""
     try:
@@ -125,21 +140,21 @@ def compile_schema(schema: Any) -> Node:
 def _compile(schema: Any) -> Node:
     if not isinstance(schema, (dict, bool)):
         raise SchemaError("json_schema.schema must be a JSON Schema object")
-    defs: dict[str, Node] = {}
-    raw_defs = {}
+    raw_defs: dict[str, Any] = {}
     if isinstance(schema, dict):
-        for key in ("$defs", "definitions"):
-            table = schema.get(key, {})
-            if not isinstance(table, dict):
-                raise SchemaError(f"{key} must be an object")
-            raw_defs.update(table)
+        for table in _DEF_TABLES:
+            entries = schema.get(table, {})
+            if not isinstance(entries, dict):
+                raise SchemaError(f"{table} must be an object")
+            raw_defs.update({f"{table}/{name}": value for name, value in entries.items()})
+    defs: dict[str, Node] = {}
     compiler = _Compiler(defs, raw_defs)
     root = compiler.node(schema, "#")
     defs[""] = root
-    for name in raw_defs:
-        if name not in defs:
-            defs[name] = compiler.node(raw_defs[name], f"#/$defs/{name}")
+    for name, raw in raw_defs.items():
+        defs[name] = compiler.node(raw, f"#/{name}")
     _check_refs(root, defs)
+    _check_finite(root)
     return root
 
 
@@ -162,46 +177,61 @@ class _Compiler:
             raise SchemaError(f"{where}: the keyword {unknown[0]!r} is not supported (supported: type, "
                               "properties, required, additionalProperties, items, minItems, maxItems, "
                               "minLength, maxLength, enum, const, anyOf, oneOf, $ref, $defs)")
+        meaningful = set(schema) - _ANNOTATIONS
+        for key in ("$ref", "anyOf", "oneOf"):
+            if key in schema and meaningful != {key}:
+                other = sorted(meaningful - {key})[0]
+                raise SchemaError(f"{where}: {key} beside {other!r} is not supported (put {other!r} "
+                                  f"inside each {'option' if key != '$ref' else 'definition'})")
         if "$ref" in schema:
             return self._ref(schema["$ref"], where)
-        if "const" in schema:
-            return Node("literal", literals=(_encode(schema["const"], where),))
-        if "enum" in schema:
-            values = schema["enum"]
-            if not isinstance(values, list) or not values or len(values) > MAX_CHOICES:
-                raise SchemaError(f"{where}: enum must be a list of 1 to {MAX_CHOICES} values")
-            return Node("literal", literals=tuple(dict.fromkeys(_encode(v, where) for v in values)))
         for key in ("anyOf", "oneOf"):  # oneOf as anyOf: the output matches at least one
             if key in schema:
                 options = schema[key]
                 if not isinstance(options, list) or not options:
                     raise SchemaError(f"{where}: {key} must be a non-empty list")
-                return Node("anyof", options=tuple(self.node(o, f"{where}/{key}/{i}", depth + 1)
-                                                   for i, o in enumerate(options)))
+                return Node("anyof", where, options=tuple(self.node(o, f"{where}/{key}/{i}", depth + 1)
+                                                          for i, o in enumerate(options)))
         types = schema.get("type")
+        if isinstance(types, str):
+            types = [types]
+        if types is not None and (not isinstance(types, list) or not types or any(t not in _TYPES for t in types)):
+            raise SchemaError(f"{where}: type must be one of {', '.join(_TYPES)} (or a list of them)")
+        if "const" in schema or "enum" in schema:
+            return self._literal(schema, types, where)
         if types is None:
             types = ["object"] if "properties" in schema or "additionalProperties" in schema else \
                 ["array"] if "items" in schema else list(_TYPES)
-        if isinstance(types, str):
-            types = [types]
-        if not isinstance(types, list) or not types or any(t not in _TYPES for t in types):
-            raise SchemaError(f"{where}: type must be one of {', '.join(_TYPES)} (or a list of them)")
         nodes = [self._typed(schema, t, where, depth) for t in dict.fromkeys(types)]
-        return nodes[0] if len(nodes) == 1 else Node("anyof", options=tuple(nodes))
+        return nodes[0] if len(nodes) == 1 else Node("anyof", where, options=tuple(nodes))
+
+    def _literal(self, schema: dict, types: list[str] | None, where: str) -> Node:
+        if {"const", "enum"} <= set(schema) or set(schema) - _ANNOTATIONS - {"const", "enum", "type"}:
+            raise SchemaError(f"{where}: enum and const take no other keyword than type")
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        if not isinstance(values, list) or not values or len(values) > MAX_CHOICES:
+            raise SchemaError(f"{where}: enum must be a list of 1 to {MAX_CHOICES} values")
+        if types is not None:
+            values = [v for v in values if _type_of(v) in types or (_type_of(v) == "integer" and "number" in types)]
+            if not values:
+                raise SchemaError(f"{where}: no value of the enum is of type {', '.join(types)}")
+        return Node("literal", where, literals=tuple(dict.fromkeys(_encode(v, where) for v in values)))
 
     def _typed(self, schema: dict, kind: str, where: str, depth: int) -> Node:
         if kind == "object":
             return self._object(schema, where, depth)
         if kind == "array":
-            return self._array(schema, where, depth)
-        if kind == "boolean":
-            return Node("literal", literals=(b"true", b"false"))
-        if kind == "null":
-            return Node("literal", literals=(b"null",))
+            items = self.node(schema.get("items", True), f"{where}/items", depth + 1)
+            low, high = _bounds(schema, "minItems", "maxItems", where)
+            return Node("array", where, items=items, min_items=low, max_items=high)
         if kind == "string":
             low, high = _bounds(schema, "minLength", "maxLength", where)
-            return Node("string", min_length=low, max_length=high)
-        return Node(kind)
+            return Node("string", where, min_length=low, max_length=high)
+        if kind == "boolean":
+            return Node("literal", where, literals=(b"true", b"false"))
+        if kind == "null":
+            return Node("literal", where, literals=(b"null",))
+        return Node(kind, where)
 
     def _object(self, schema: dict, where: str, depth: int) -> Node:
         properties = schema.get("properties", {})
@@ -220,23 +250,29 @@ class _Compiler:
             extra = None
         else:
             extra = self.node(additional, f"{where}/additionalProperties", depth + 1)
-        return Node("object", additional=extra,
+        return Node("object", where, additional=extra,
                     properties={_encode(name, where): self.node(sub, f"{where}/properties/{name}", depth + 1)
                                 for name, sub in properties.items()},
                     required=frozenset(_encode(r, where) for r in required))
 
-    def _array(self, schema: dict, where: str, depth: int) -> Node:
-        items = self.node(schema.get("items", True), f"{where}/items", depth + 1)
-        low, high = _bounds(schema, "minItems", "maxItems", where)
-        return Node("array", items=items, min_items=low, max_items=high)
-
     def _ref(self, ref: Any, where: str) -> Node:
         if ref == "#":
-            return Node("ref", target="", defs=self.defs)
-        for prefix in ("#/$defs/", "#/definitions/"):
-            if isinstance(ref, str) and ref.startswith(prefix) and ref[len(prefix):] in self.raw_defs:
-                return Node("ref", target=ref[len(prefix):], defs=self.defs)
+            return Node("ref", where, target="", defs=self.defs)
+        for table in _DEF_TABLES:
+            prefix = f"#/{table}/"
+            if isinstance(ref, str) and ref.startswith(prefix) and ref[2:] in self.raw_defs:
+                return Node("ref", where, target=ref[2:], defs=self.defs)
         raise SchemaError(f"{where}: $ref {ref!r} must name '#' or an entry of $defs")
+
+
+def _type_of(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return "integer"
+    return {float: "number", str: "string", list: "array", dict: "object"}.get(type(value), "")
 
 
 def _bounds(schema: dict, low_name: str, high_name: str, where: str) -> tuple[int, int | None]:
@@ -249,6 +285,29 @@ def _bounds(schema: dict, low_name: str, high_name: str, where: str) -> tuple[in
     return low, high
 
 
+def _encode(value: Any, where: str) -> bytes:
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    except (ValueError, UnicodeEncodeError, RecursionError) as exc:  # NaN, a lone surrogate, depth
+        raise SchemaError(f"{where}: {str(exc)[:100]}") from None
+
+
+def _resolve(node: Node) -> Node:
+    while node.kind == "ref":
+        node = node.defs[node.target]
+    return node
+
+
+def _children(node: Node) -> list[Node]:
+    out = list(node.properties.values()) + list(node.options)
+    for child in (node.additional, node.items):
+        if child is not None:
+            out.append(child)
+    if node.kind == "ref":
+        out.append(node.defs[node.target])
+    return out
+
+
 def _check_refs(root: Node, defs: dict[str, Node]) -> None:
     """A reference must reach a value before it reaches itself again: a definition that is only
     a reference to itself, or an anyOf one of whose options leads back to it, has none."""
@@ -258,7 +317,7 @@ def _check_refs(root: Node, defs: dict[str, Node]) -> None:
         if id(node) in done:
             return
         if id(node) in path:
-            raise SchemaError("a $ref refers to itself before any value (through $ref or anyOf alone)")
+            raise SchemaError(f"{node.where}: a $ref refers to itself before any value (through $ref or anyOf alone)")
         path.add(id(node))
         if node.kind == "ref":
             visit(defs[node.target], path)
@@ -271,19 +330,41 @@ def _check_refs(root: Node, defs: dict[str, Node]) -> None:
         visit(node, set())
 
 
-def _encode(value: Any, where: str) -> bytes:
-    if isinstance(value, float) and not math.isfinite(value):
-        raise SchemaError(f"{where}: {value} is not a JSON value")
-    try:
-        return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
-    except RecursionError:
-        raise SchemaError(f"{where}: a value nested too deeply") from None
+def _check_finite(root: Node) -> None:
+    """Every part of the schema must have a finite value: one whose required properties (or
+    non-empty array's items) lead back to it without end has none, and output that started it
+    could never be finished."""
+    nodes, stack, seen = [], [root], {id(root)}
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        for child in _children(node):
+            if id(child) not in seen:
+                seen.add(id(child))
+                stack.append(child)
+    finite: set[int] = set()
 
+    def is_finite(node: Node) -> bool:
+        if node.kind == "ref":
+            return id(node.defs[node.target]) in finite
+        if node.kind == "anyof":
+            return any(id(o) in finite for o in node.options)
+        if node.kind == "object":
+            return all(id(node.properties[k]) in finite for k in node.required)
+        if node.kind == "array":
+            return node.min_items == 0 or id(node.items) in finite
+        return True
 
-def _resolve(node: Node) -> Node:
-    while node.kind == "ref":
-        node = node.defs[node.target]
-    return node
+    changed = True
+    while changed:
+        changed = False
+        for node in nodes:
+            if id(node) not in finite and is_finite(node):
+                finite.add(id(node))
+                changed = True
+    stuck = [node for node in nodes if id(node) not in finite]
+    if stuck:
+        raise SchemaError(f"{stuck[0].where}: has no finite value (what it requires leads back to it)")
 
 
 # -- the automaton --------------------------------------------------------------------------------
@@ -326,9 +407,7 @@ def _run(states: tuple[State, ...], data: bytes) -> tuple[State, ...]:
         for state in states:
             for nxt in _step(state, byte):
                 following[nxt] = None
-        if len(following) > MAX_ALTERNATIVES:
-            return ()
-        states = tuple(following)
+        states = tuple(following)[:MAX_ALTERNATIVES]
         if not states:
             break
     return states
@@ -345,12 +424,6 @@ def _step(state: State, b: int) -> Iterable[State]:
         return ()
     top = stack[-1]
     kind = top[0]
-    if kind == "s":
-        return [(s, 0, 0) for s in _string(stack, top, b)]
-    if kind == "l":
-        return [(s, 0, 0) for s in _literal(stack, top, b)]
-    if kind == "k":
-        return [(s, 0, 0) for s in _key(stack, top, b)]
     if kind == "n":
         number = _number(top, b)
         if number is not None:
@@ -358,19 +431,15 @@ def _step(state: State, b: int) -> Iterable[State]:
         if top[2] not in "0ifx":
             return ()
         return _step((stack[:-1], 0, 0), b)  # the number ended: the byte is its parent's
-    if b in _WS:
+    if b in _WS and kind in "voa":
         return _blank(stack, top, ws, lines, b)
-    if kind == "v":
-        return [(s, 0, 0) for s in _start(_resolve(top[1]), b, stack[:-1])]
-    if kind == "o":
-        return [(s, 0, 0) for s in _object(stack, top, b)]
-    return [(s, 0, 0) for s in _array(stack, top, b)]
+    return [(s, 0, 0) for s in _STEPS[kind](stack, top, b)]
 
 
 def _blank(stack: tuple, top: tuple, ws: int, lines: int, b: int) -> Iterable[State]:
     """Whitespace where a JSON writer puts it: after "{", "[" and "," (a newline and indentation),
     before a closing "}" or "]" (then only the close may follow), one space after ":". Nowhere
-    else: a model that cannot write what it wanted must not pad instead (``"a": \n\n"x"``)."""
+    else: a model that cannot write what it wanted must not pad instead (``"a": \\n\\n"x"``)."""
     kind = top[0]
     if kind == "v":
         return [(stack, 1, 0)] if top[2] and not ws and b == 0x20 else ()
@@ -392,6 +461,10 @@ def _blank(stack: tuple, top: tuple, ws: int, lines: int, b: int) -> Iterable[St
     return [(stack, ws + 1, lines + newline)]
 
 
+def _value(stack: tuple, top: tuple, b: int) -> list[tuple]:
+    return _start(_resolve(top[1]), b, stack[:-1])
+
+
 def _start(node: Node, b: int, below: tuple) -> list[tuple]:
     """The stacks after ``b`` starts a value of ``node`` on top of ``below``."""
     kind = node.kind
@@ -400,30 +473,23 @@ def _start(node: Node, b: int, below: tuple) -> list[tuple]:
         for option in node.options:
             out.extend(_start(_resolve(option), b, below))
         return out
-    if kind == "literal":
-        return [below + (("l", text[1:]),) if len(text) > 1 else below
-                for text in node.literals if text[0] == b]
     if kind == "any":
-        if b == 0x7B:
-            node = ANY_OBJECT
-        elif b == 0x5B:
-            node = ANY_ARRAY
-        elif b == 0x22:
-            node = ANY_STRING
-        elif b == 0x2D or b in _DIGITS:
-            node = ANY_NUMBER
+        if b == 0x7B or b == 0x5B:
+            if len(below) >= MAX_DEPTH:  # closed off (a frame per open object or array); a scalar may go here
+                return []
+            node = ANY_OBJECT if b == 0x7B else ANY_ARRAY
         else:
-            return [below + (("l", text[1:]),) for text in (b"true", b"false", b"null") if text[0] == b]
+            node = ANY_STRING if b == 0x22 else ANY_NUMBER if b == 0x2D or b in _DIGITS else ANY_LITERAL
         kind = node.kind
-    if len(below) >= MAX_DEPTH * 2:
-        return []
+    if kind == "literal":
+        return _literal_step(node.literals, 0, b, below)
     if kind == "object":
         return [below + (("o", node, frozenset(), "{", None),)] if b == 0x7B else []
     if kind == "array":
         return [below + (("a", node, 0, "["),)] if b == 0x5B else []
     if kind == "string":
         limited = node.min_length or node.max_length is not None
-        return [below + (("s", 0, 0, False, 0, node if limited else None),)] if b == 0x22 else []
+        return [below + (("s", 0, 0, 0, node if limited else None, None),)] if b == 0x22 else []
     if kind in ("number", "integer"):
         integer = kind == "integer"
         if b == 0x2D:
@@ -440,9 +506,12 @@ def _object(stack: tuple, top: tuple, b: int) -> list[tuple]:
     below = stack[:-1]
     if phase in "{," and b == 0x22:  # a key starts
         inside = below + (("o", node, seen, "k", None),)
-        out = [inside + (("k", key[1:], key),) for key in node.properties if key not in seen]
+        out = []
+        keys = tuple(key for key in node.properties if key not in seen)
+        if keys:
+            out.append(inside + (("k", keys, 1),))
         if node.additional is not None:
-            out.append(inside + (("s", 0, 0, True, 0, None),))
+            out.append(inside + (("s", 0, 0, 0, None, b""),))
         return out
     if phase == ":" and b == 0x3A:
         return [below + (("o", node, seen, "a", None), ("v", value, True))]
@@ -472,49 +541,84 @@ def _array(stack: tuple, top: tuple, b: int) -> list[tuple]:
     return _start(_resolve(node.items), b, below + (("a", node, count + 1, "a"),))
 
 
+def _utf8_lead(b: int) -> tuple[int, int, int] | None:
+    """(continuation bytes due, range of the next one) for a lead byte; None for a byte that
+    cannot start a character. The ranges leave out overlong forms, surrogates and what lies past
+    U+10FFFF."""
+    if 0xC2 <= b <= 0xDF:
+        return (1, 0x80, 0xBF)
+    if 0xE0 <= b <= 0xEF:
+        return (2, 0xA0 if b == 0xE0 else 0x80, 0x9F if b == 0xED else 0xBF)
+    if 0xF0 <= b <= 0xF4:
+        return (3, 0x90 if b == 0xF0 else 0x80, 0x8F if b == 0xF4 else 0xBF)
+    return None
+
+
 def _string(stack: tuple, top: tuple, b: int) -> list[tuple]:
-    _, escape, utf8, is_key, length, node = top
+    _, escape, utf8, length, node, key = top
     below = stack[:-1]
+    if key is not None:
+        key += bytes((b,))
     if utf8:
-        return [below + (("s", 0, utf8 - 1, is_key, length, node),)] if 0x80 <= b <= 0xBF else []
+        due, low, high = utf8
+        if not low <= b <= high:
+            return []
+        return [below + (("s", 0, (due - 1, 0x80, 0xBF) if due > 1 else 0, length, node, key),)]
     if escape == -1:
         if b in _ESCAPES:
-            return [below + (("s", 0, 0, is_key, length, node),)]
-        return [below + (("s", 4, 0, is_key, length, node),)] if b == 0x75 else []
+            return [below + (("s", 0, 0, length, node, key),)]
+        return [below + (("s", 4, 0, length, node, key),)] if b == 0x75 else []
     if escape:
-        return [below + (("s", escape - 1, 0, is_key, length, node),)] if b in _HEX else []
+        return [below + (("s", escape - 1, 0, length, node, key),)] if b in _HEX else []
     if b == 0x22:
         if node is not None and length < node.min_length:
             return []
-        if not is_key:
+        if key is None:
             return [below]
-        _, parent, seen, _, _ = below[-1]
-        return [below[:-1] + (("o", parent, seen, ":", parent.additional),)]
+        return _key_read(below, b'"' + key)
     if b < 0x20 or (node is not None and node.max_length is not None and length >= node.max_length):
         return []  # a control character, or a character past maxLength
     if b == 0x5C:
-        return [below + (("s", -1, 0, is_key, length + 1, node),)]
+        # Not in an undeclared key beside declared ones: "\u0061" would spell a declared "a".
+        return [] if key is not None and below[-1][1].properties else [below + (("s", -1, 0, length + 1, node, key),)]
     if b < 0x80:
-        return [below + (("s", 0, 0, is_key, length + 1, node),)]
-    need = 1 if 0xC2 <= b <= 0xDF else 2 if 0xE0 <= b <= 0xEF else 3 if 0xF0 <= b <= 0xF4 else 0
-    return [below + (("s", 0, need, is_key, length + 1, node),)] if need else []
+        return [below + (("s", 0, 0, length + 1, node, key),)]
+    lead = _utf8_lead(b)
+    return [below + (("s", 0, lead, length + 1, node, key),)] if lead else []
+
+
+def _key_read(below: tuple, key: bytes) -> list[tuple]:
+    """An undeclared key ended: the object goes on to its value, unless the key is a declared
+    one (those are read as such) or came before."""
+    _, node, seen, _, _ = below[-1]
+    if key in node.properties or key in seen:
+        return []
+    return [below[:-1] + (("o", node, seen | {key}, ":", node.additional),)]
 
 
 def _key(stack: tuple, top: tuple, b: int) -> list[tuple]:
-    _, rest, key = top
-    if rest[0] != b:
-        return []
-    if len(rest) > 1:
-        return [stack[:-1] + (("k", rest[1:], key),)]
-    _, node, seen, _, _ = stack[-2]
-    return [stack[:-2] + (("o", node, seen | {key}, ":", node.properties[key]),)]
+    _, keys, at = top
+    keys = tuple(k for k in keys if k[at] == b)
+    ended = next((k for k in keys if len(k) == at + 1), None)
+    if ended is not None:  # the closing quote: no other key can still match
+        _, node, seen, _, _ = stack[-2]
+        return [stack[:-2] + (("o", node, seen | {ended}, ":", node.properties[ended]),)]
+    return [stack[:-1] + (("k", keys, at + 1),)] if keys else []
 
 
 def _literal(stack: tuple, top: tuple, b: int) -> list[tuple]:
-    rest = top[1]
-    if rest[0] != b:
-        return []
-    return [stack[:-1] + (("l", rest[1:]),)] if len(rest) > 1 else [stack[:-1]]
+    return _literal_step(top[1], top[2], b, stack[:-1])
+
+
+def _literal_step(texts: tuple[bytes, ...], at: int, b: int, below: tuple) -> list[tuple]:
+    """Byte ``at`` of one of ``texts``: the value may end here (one text is whole) and may go on
+    (others are longer), e.g. the enum values 1 and 12 after "1"."""
+    texts = tuple(t for t in texts if t[at] == b)
+    out = [below] if any(len(t) == at + 1 for t in texts) else []
+    longer = tuple(t for t in texts if len(t) > at + 1)
+    if longer:
+        out.append(below + (("l", longer, at + 1),))
+    return out
 
 
 def _number(top: tuple, b: int):
@@ -523,7 +627,7 @@ def _number(top: tuple, b: int):
     digit = b in _DIGITS
     if phase == "-":
         return ("n", integer, "0" if b == 0x30 else "i") if digit else ()
-    if phase in "0if" and digit and phase != "0":
+    if phase in "if" and digit:
         return top
     if phase in "0i" and b == 0x2E:
         return ("n", integer, ".") if not integer else ()
@@ -540,3 +644,6 @@ def _number(top: tuple, b: int):
     if phase == "x" and digit:
         return top
     return None
+
+
+_STEPS = {"v": _value, "o": _object, "a": _array, "s": _string, "k": _key, "l": _literal}

@@ -15,6 +15,7 @@ host, and ``SamplerOutput.to_host`` brings every result back in one transfer.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
@@ -230,6 +231,7 @@ class Sampler:
         else:
             self._generator.manual_seed(seed)
         self._seeded = torch.Generator(device=self.device)
+        self.guide_seconds = 0.0  # spent picking the tokens of guided rows (JSON output)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
@@ -244,7 +246,9 @@ class Sampler:
             race = self._race_keys(logits[batch.sampled_rows], batch)
             token_ids[batch.sampled_rows] = race.argmax(dim=-1)
         if batch.guided:
+            started = time.perf_counter()
             self._guide(token_ids, logits, race, batch)
+            self.guide_seconds += time.perf_counter() - started
 
         if log_probs is not None:
             logprobs = log_probs.gather(1, token_ids[:, None]).squeeze(1)
