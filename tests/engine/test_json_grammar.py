@@ -222,6 +222,8 @@ def _nested(levels: int) -> dict:
     ({"enum": []}, ["enum"]),
     ({"type": "array", "minItems": 3, "maxItems": 1}, ["maxItems"]),
     ({"type": "string", "minLength": -1}, ["minLength"]),
+    ({"type": "object", "properties": {f"p{i}": {"type": "object", "properties": {f"q{j}": {} for j in range(10)}}
+                                       for i in range(600)}}, ["5000 parts"]),
     (False, ["false"]),
 ])
 def test_a_schema_it_cannot_enforce_is_refused_saying_where_and_why(schema, words):

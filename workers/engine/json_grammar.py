@@ -47,6 +47,7 @@ MAX_WS_BYTES = 48
 MAX_WS_LINES = 2
 MAX_DEPTH = 32  # objects and arrays nested where any value may go; schemas nested
 MAX_CHOICES = 1000  # an enum's values, an object's properties (OpenAI's limits are of this order)
+MAX_PARTS = 5000  # subschemas and enum values in one schema: compiling stays in milliseconds
 MAX_ALTERNATIVES = 512  # live stacks kept; the rest of an ambiguous schema's readings are dropped
 
 _WS = frozenset(b" \t\n\r")
@@ -162,10 +163,18 @@ class _Compiler:
     def __init__(self, defs: dict[str, Node], raw_defs: dict[str, Any]):
         self.defs = defs
         self.raw_defs = raw_defs
+        self.parts = 0
+
+    def count(self, parts: int, where: str) -> None:
+        self.parts += parts
+        if self.parts > MAX_PARTS:
+            raise SchemaError(f"{where}: a schema of more than {MAX_PARTS} parts (subschemas and enum values) "
+                              "is not supported")
 
     def node(self, schema: Any, where: str, depth: int = 0) -> Node:
         if depth > MAX_DEPTH:
             raise SchemaError(f"{where}: schemas nested more than {MAX_DEPTH} deep are not supported")
+        self.count(1, where)
         if schema is True or schema == {}:
             return ANY
         if schema is False:
@@ -211,6 +220,7 @@ class _Compiler:
         values = [schema["const"]] if "const" in schema else schema["enum"]
         if not isinstance(values, list) or not values or len(values) > MAX_CHOICES:
             raise SchemaError(f"{where}: enum must be a list of 1 to {MAX_CHOICES} values")
+        self.count(len(values), where)
         if types is not None:
             values = [v for v in values if _type_of(v) in types or (_type_of(v) == "integer" and "number" in types)]
             if not values:
@@ -356,9 +366,9 @@ def _check_finite(root: Node) -> None:
         return True
 
     changed = True
-    while changed:
+    while changed:  # children mostly come after their parents in ``nodes``: a pass or two
         changed = False
-        for node in nodes:
+        for node in reversed(nodes):
             if id(node) not in finite and is_finite(node):
                 finite.add(id(node))
                 changed = True
