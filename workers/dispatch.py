@@ -60,10 +60,10 @@ def queue_lists(name: str) -> list[str]:
 def response_format_problem(response_format: dict) -> str | None:
     """Why the engine cannot follow this response_format (None when it can). The grammar module
     is plain Python (no torch): the gateway refuses a schema at once, as the worker would."""
-    from workers.engine.json_grammar import JsonGrammar, SchemaError
+    from workers.engine.json_grammar import SchemaError, grammar_for
 
     try:
-        JsonGrammar.from_response_format(response_format)
+        grammar_for(response_format)
     except SchemaError as exc:
         return str(exc)
     return None

@@ -334,3 +334,27 @@ def test_an_enum_keeps_the_values_of_its_type_and_tables_keep_their_names():
 ])
 def test_strings_hold_only_well_formed_utf8(raw, ok):
     assert matches(JSON_OBJECT, b'{"a": "' + raw + b'"}') == ok
+
+
+def test_a_long_chain_of_definitions_under_a_union_compiles_and_matches():
+    """Found in QA: the finiteness check went over every node once per level (seconds here)."""
+    defs = {f"d{i}": {"type": "object", "properties": {"p": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["p"]}
+            for i in range(1650)}
+    defs["d1650"] = {"type": "string"}
+    g = grammar({"$defs": defs, "anyOf": [{"$ref": f"#/$defs/d{i}"} for i in range(1640, 1651)]})
+    assert matches(g, '"x"') and matches(g, '{"p": {"p": "x"}}') and not matches(g, '{"p": 1}')
+
+
+def test_pydantics_discriminator_is_an_annotation():
+    cat = {"type": "object", "properties": {"kind": {"const": "cat"}}, "required": ["kind"]}
+    dog = {"type": "object", "properties": {"kind": {"const": "dog"}, "barks": {"type": "boolean"}}, "required": ["kind"]}
+    g = grammar({"type": "object", "properties": {"pet": {"oneOf": [cat, dog], "discriminator": {"propertyName": "kind"}}},
+                 "required": ["pet"]})
+    assert matches(g, '{"pet": {"kind": "dog", "barks": true}}') and not matches(g, '{"pet": {"kind": "cow"}}')
+
+
+def test_the_same_format_compiles_once():
+    from workers.engine.json_grammar import grammar_for
+
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": PERSON}}
+    assert grammar_for(rf) is grammar_for(json.loads(json.dumps(rf))) is SamplingParams(response_format=rf).grammar

@@ -39,6 +39,7 @@ interpretations, never all of them.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -55,7 +56,8 @@ _DIGITS = frozenset(b"0123456789")
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 _ESCAPES = frozenset(b'"\\/bfnrt')
 _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
-                "deprecated", "readOnly", "writeOnly", "$defs", "definitions", "strict"}
+                "deprecated", "readOnly", "writeOnly", "$defs", "definitions", "strict",
+                "discriminator"}  # pydantic's, beside the oneOf that does the work
 _KEYWORDS = _ANNOTATIONS | {"type", "properties", "required", "additionalProperties", "items",
                             "minItems", "maxItems", "minLength", "maxLength", "enum", "const", "anyOf",
                             "oneOf", "$ref"}
@@ -125,6 +127,21 @@ class JsonGrammar:
             raise SchemaError("json_schema must be an object with a 'schema'")
         schema = spec.get("schema", {})
         return cls(compile_schema(schema), f"json_schema {spec.get('name') or ''}".strip())
+
+
+def grammar_for(response_format: Any) -> JsonGrammar | None:
+    """``JsonGrammar.from_response_format``, compiled once per distinct format: the gateway's
+    check and every request asking for the same one share it."""
+    try:
+        key = json.dumps(response_format, sort_keys=True)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise SchemaError(f"must be JSON nested at most {MAX_DEPTH} deep: {str(exc)[:100]}") from None
+    return _compiled(key)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(key: str) -> JsonGrammar | None:
+    return JsonGrammar.from_response_format(json.loads(key))
 
 
 # -- compiling a schema -------------------------------------------------------------------------
@@ -343,7 +360,7 @@ def _check_refs(root: Node, defs: dict[str, Node]) -> None:
 def _check_finite(root: Node) -> None:
     """Every part of the schema must have a finite value: one whose required properties (or
     non-empty array's items) lead back to it without end has none, and output that started it
-    could never be finished."""
+    could never be finished. Finiteness spreads from the scalars up, each link followed once."""
     nodes, stack, seen = [], [root], {id(root)}
     while stack:
         node = stack.pop()
@@ -352,27 +369,33 @@ def _check_finite(root: Node) -> None:
             if id(child) not in seen:
                 seen.add(id(child))
                 stack.append(child)
-    finite: set[int] = set()
-
-    def is_finite(node: Node) -> bool:
+    waiting: dict[int, int] = {}  # how many more of its parts a node waits for
+    parents: dict[int, list[Node]] = {}
+    finite: list[Node] = []
+    for node in nodes:
         if node.kind == "ref":
-            return id(node.defs[node.target]) in finite
-        if node.kind == "anyof":
-            return any(id(o) in finite for o in node.options)
-        if node.kind == "object":
-            return all(id(node.properties[k]) in finite for k in node.required)
-        if node.kind == "array":
-            return node.min_items == 0 or id(node.items) in finite
-        return True
-
-    changed = True
-    while changed:  # children mostly come after their parents in ``nodes``: a pass or two
-        changed = False
-        for node in reversed(nodes):
-            if id(node) not in finite and is_finite(node):
-                finite.add(id(node))
-                changed = True
-    stuck = [node for node in nodes if id(node) not in finite]
+            parts = [node.defs[node.target]]
+        elif node.kind == "anyof":
+            parts = list(node.options)
+        elif node.kind == "object":
+            parts = [node.properties[k] for k in node.required]
+        elif node.kind == "array" and node.min_items:
+            parts = [node.items]
+        else:
+            parts = []
+        waiting[id(node)] = min(len(parts), 1) if node.kind == "anyof" else len(parts)
+        for part in parts:
+            parents.setdefault(id(part), []).append(node)
+        if not parts:
+            finite.append(node)
+    done = {id(node) for node in finite}
+    while finite:
+        for parent in parents.get(id(finite.pop()), ()):
+            waiting[id(parent)] -= 1
+            if waiting[id(parent)] <= 0 and id(parent) not in done:
+                done.add(id(parent))
+                finite.append(parent)
+    stuck = [node for node in nodes if id(node) not in done]
     if stuck:
         raise SchemaError(f"{stuck[0].where}: has no finite value (what it requires leads back to it)")
 

@@ -10,13 +10,11 @@ preemption are all that one rule.
 from __future__ import annotations
 
 import enum
-import functools
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .json_grammar import MAX_DEPTH, JsonGrammar, SchemaError
+from .json_grammar import JsonGrammar, SchemaError, grammar_for
 
 
 class InvalidRequestError(ValueError):
@@ -152,13 +150,7 @@ class SamplingParams:
     def grammar(self) -> JsonGrammar | None:
         """The compiled response_format (None for text), shared by the requests that ask for the
         same one."""
-        if self.response_format is None:
-            return None
-        try:
-            key = json.dumps(self.response_format, sort_keys=True)
-        except (TypeError, ValueError, RecursionError) as exc:
-            raise SchemaError(f"must be JSON nested at most {MAX_DEPTH} deep: {exc}") from exc
-        return _compiled_format(key)
+        return None if self.response_format is None else grammar_for(self.response_format)
 
     @property
     def greedy(self) -> bool:
@@ -168,11 +160,6 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0)
-
-
-@functools.lru_cache(maxsize=64)
-def _compiled_format(key: str) -> JsonGrammar | None:
-    return JsonGrammar.from_response_format(json.loads(key))
 
 
 class SequenceStatus(enum.Enum):
