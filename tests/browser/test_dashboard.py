@@ -146,17 +146,21 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     assert record.status == "cancelled" and 0 < record.completion_tokens < 1500
     page.wait_for_selector(".msg.assistant[data-state=stopped] [data-cost][data-source=billed]", timeout=30_000)
 
-    # JSON output: the reply is a JSON object.
-    page.check("#p-json")
-    page.fill("#p-max-tokens", "150")
-    page.fill("#chat-input", "Describe a cat as JSON with its name and age.")
-    page.keyboard.press("Enter")
-    page.wait_for_function("() => document.querySelectorAll('.msg.assistant[data-state=done]').length === 2",
-                           timeout=120_000)
-    reply = page.locator(".msg.assistant").nth(2).locator(".text").inner_text()
-    assert isinstance(json.loads(reply), dict), reply
-    page.uncheck("#p-json")
     shot(page, "09-playground")
+
+    # JSON output, in a new conversation: the reply is a JSON object.
+    page.goto(f"/playground/?deployment={name}")
+    page.wait_for_selector("#conn-state[data-state=open]")
+    _set_range(page, "#p-temperature", "0")
+    page.fill("#p-max-tokens", "200")
+    page.check("#p-json")
+    page.fill("#chat-input", "Give a cat's name and age as a short JSON object.")
+    page.keyboard.press("Enter")
+    page.wait_for_selector(".msg.assistant[data-state=done]", timeout=120_000)
+    reply = page.locator(".msg.assistant").nth(0).locator(".text").inner_text()
+    assert isinstance(json.loads(reply), dict), reply
+    shot(page, "09b-playground-json")
+    page.uncheck("#p-json")
 
     # A parameter the API would refuse, or the page would have to change, is shown next to its field
     # and nothing is sent; the message stays in the composer.
@@ -227,7 +231,7 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     # --- usage: the requests with their tokens and cost --------------------------------------------------
     page.click("nav >> text=Usage")
     rows = page.locator("#usage-requests tbody tr")
-    assert rows.count() == 5
+    assert rows.count() == 6  # the haiku, the stopped story, the JSON reply, two seeded ones, the API call
     for request_id in (stopped_id, api_request):
         row = page.locator(f"#usage-requests tr[data-request='{request_id}']")
         assert int(row.locator("[data-completion-tokens]").get_attribute("data-completion-tokens")) > 0
@@ -239,7 +243,7 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     shot(page, "12-usage")
 
     page.goto(f"/deployments/{name}/")
-    assert page.inner_text("#m-requests") == "5"
+    assert page.inner_text("#m-requests") == "6"
     page.wait_for_timeout(400)
     shot(page, "13-deployment")
 
