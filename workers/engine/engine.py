@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .guided import Guide, VocabBytes
+from .json_grammar import JsonGrammar
 from .kv_cache import BlockManager
 from .model_runner import (
     ModelRunner,
@@ -377,8 +378,9 @@ class Engine:
             raise InvalidRequestError("request_id: must be a non-empty string", param="request_id")
         seq = Sequence(request_id, prompt_ids, params, max_tokens=max_tokens,
                        arrival_time=time.monotonic(), detokenizer=self._detokenizer())
-        if params.grammar is not None:
-            seq.guide = self._guide(params)
+        grammar = params.grammar
+        if grammar is not None:
+            seq.guide = self._guide(params, grammar)
         handle = RequestHandle(self, request_id, len(prompt_ids), listener)
         self.start()
         with self._wake:
@@ -506,7 +508,7 @@ class Engine:
                 f"to generate); shorten the prompt or lower max_tokens", param="prompt")
         return room if params.max_tokens is None else params.max_tokens
 
-    def _guide(self, params: SamplingParams) -> Guide:
+    def _guide(self, params: SamplingParams, grammar: JsonGrammar) -> Guide:
         """The grammar state of a request whose output must be JSON, ended by its end tokens."""
         ends = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids)
         if not ends:
@@ -514,7 +516,7 @@ class Engine:
                                       "JSON output with", param="response_format")
         if self.runner.vocab_bytes is None:  # once per engine; before the loop can see the request
             self.runner.vocab_bytes = VocabBytes(self.tokenizer.byte_table(), self.config.vocab_size)
-        return Guide(params.grammar.matcher(), ends)
+        return Guide(grammar.matcher(), ends)
 
     def _detokenizer(self):
         from .tokenizer import IncrementalDetokenizer

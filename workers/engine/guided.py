@@ -32,7 +32,7 @@ class Guide:
     def allows(self, token: int, vocab: "VocabBytes") -> bool:
         if token in self.end_ids:
             return self.matcher.done
-        data = vocab.table[token] if token < len(vocab.table) else None
+        data = vocab.table[token]
         return data is not None and self.matcher.accepts(data)
 
     def advance(self, token: int, vocab: "VocabBytes") -> None:

@@ -55,6 +55,7 @@ _WS = frozenset(b" \t\n\r")
 _DIGITS = frozenset(b"0123456789")
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 _ESCAPES = frozenset(b'"\\/bfnrt')
+_NUMBER_ENDS = "0ifx"  # the number phases a number may end in (see _number)
 _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
                 "deprecated", "readOnly", "writeOnly", "$defs", "definitions", "strict",
                 "discriminator"}  # pydantic's, beside the oneOf that does the work
@@ -102,7 +103,6 @@ class JsonGrammar:
     """A compiled response format; ``matcher()`` starts a request on it."""
 
     root: Node
-    description: str
 
     def matcher(self) -> "JsonMatcher":
         return JsonMatcher(self)
@@ -119,14 +119,14 @@ class JsonGrammar:
         if kind == "text":
             return None
         if kind == "json_object":
-            return cls(ANY_OBJECT, "json_object")
+            return cls(ANY_OBJECT)
         if kind != "json_schema":
             raise SchemaError(f"type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict):
             raise SchemaError("json_schema must be an object with a 'schema'")
         schema = spec.get("schema", {})
-        return cls(compile_schema(schema), f"json_schema {spec.get('name') or ''}".strip())
+        return cls(compile_schema(schema))
 
 
 def grammar_for(response_format: Any) -> JsonGrammar | None:
@@ -409,7 +409,6 @@ class JsonMatcher:
     """Where one request stands in its grammar: which bytes may come next."""
 
     def __init__(self, grammar: JsonGrammar):
-        self.grammar = grammar
         self.states: tuple[State, ...] = (((("v", grammar.root, False),), 0, 0),)
 
     @property
@@ -448,7 +447,7 @@ def _run(states: tuple[State, ...], data: bytes) -> tuple[State, ...]:
 
 def _complete(stack: tuple) -> bool:
     """Empty, or only a number that may end here (a root number ends with the text)."""
-    return not stack or (len(stack) == 1 and stack[0][0] == "n" and stack[0][2] in "0ifx")
+    return not stack or (len(stack) == 1 and stack[0][0] == "n" and stack[0][2] in _NUMBER_ENDS)
 
 
 def _step(state: State, b: int) -> Iterable[State]:
@@ -461,7 +460,7 @@ def _step(state: State, b: int) -> Iterable[State]:
         number = _number(top, b)
         if number is not None:
             return [(stack[:-1] + (number,), 0, 0)] if number else ()
-        if top[2] not in "0ifx":
+        if top[2] not in _NUMBER_ENDS:
             return ()
         return _step((stack[:-1], 0, 0), b)  # the number ended: the byte is its parent's
     if b in _WS and kind in "voa":

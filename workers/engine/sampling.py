@@ -289,7 +289,8 @@ class Sampler:
         position = {row: i for i, row in enumerate(batch.sampled_index)}
         for i, row in enumerate(rows):
             if row in position:  # a key of 0: a token the filters dropped
-                keys[i] = race[position[row]].masked_fill(race[position[row]] == 0, float("-inf"))
+                row_keys = race[position[row]]
+                keys[i] = row_keys.masked_fill(row_keys == 0, float("-inf"))
         chosen = pick(keys, logits[rows], [g for _, g in batch.guided], batch.vocab)
         token_ids[torch.tensor(rows, device=token_ids.device)] = torch.tensor(chosen, device=token_ids.device)
 

@@ -109,10 +109,10 @@ class SamplingParams:
         if self.top_logprobs and not self.logprobs:
             _fail("top_logprobs", "needs logprobs=True")
         try:
-            self.grammar
+            grammar = self.grammar
         except SchemaError as exc:
             _fail("response_format", str(exc))
-        if self.grammar is not None and self.ignore_eos and not self.stop_token_ids:
+        if grammar is not None and self.ignore_eos and not self.stop_token_ids:
             _fail("response_format", "JSON output ends with the end-of-sequence token: not with ignore_eos")
 
     @staticmethod

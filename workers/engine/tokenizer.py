@@ -209,17 +209,18 @@ class Tokenizer:
         OpenAI's logprobs report as ``bytes``, so that clients can put characters back together."""
         cached = self._token_bytes.get(token_id)
         if cached is None:
-            cached = self._token_bytes[token_id] = _piece_bytes(self.backend.id_to_token(int(token_id)) or "",
-                                                               byte_level=self._byte_level)
+            cached = self._token_bytes[token_id] = self._bytes_of(int(token_id))
         return cached
+
+    def _bytes_of(self, token_id: int) -> bytes:
+        return _piece_bytes(self.backend.id_to_token(token_id) or "", byte_level=self._byte_level)
 
     def byte_table(self) -> list[bytes | None]:
         """Every token's bytes, by id; None for control tokens, which are never generated text."""
         if self._byte_table is None:
             control = {i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
-            self._byte_table = [
-                None if i in control else _piece_bytes(self.backend.id_to_token(i) or "", byte_level=self._byte_level)
-                for i in range(self.backend.get_vocab_size(with_added_tokens=True))]
+            self._byte_table = [None if i in control else self._bytes_of(i)
+                                for i in range(self.backend.get_vocab_size(with_added_tokens=True))]
         return self._byte_table
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
