@@ -31,13 +31,19 @@ def matches(g: JsonGrammar, text: bytes | str, *, chunk: int = 1) -> bool:
 
 
 def strict_object(data: bytes) -> bool:
-    """Python's reading of the same rules: a JSON object in real UTF-8, with whitespace only
-    where a writer puts it."""
+    """Python's reading of the same rules: a JSON object in real UTF-8, no key twice in one
+    object (which Python would take, keeping the last), with whitespace only where a writer puts it."""
     try:
-        value = json.loads(data.decode("utf-8"), parse_constant=lambda name: 1 / 0)
+        value = json.loads(data.decode("utf-8"), parse_constant=lambda name: 1 / 0, object_pairs_hook=_unique)
     except (ValueError, ZeroDivisionError):
         return False
     return isinstance(value, dict) and blanks_where_a_writer_puts_them(data)
+
+
+def _unique(pairs: list) -> dict:
+    if len({key for key, _ in pairs}) != len(pairs):
+        raise ValueError("a key twice in one object")
+    return dict(pairs)
 
 
 def blanks_where_a_writer_puts_them(data: bytes) -> bool:

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .guided import Guide, VocabBytes
+from .tool_calls import ToolGrammar, chat_messages
 from .json_grammar import JsonGrammar
 from .kv_cache import BlockManager
 from .model_runner import (
@@ -406,6 +407,11 @@ class Engine:
             if not isinstance(message, dict) or "role" not in message:
                 raise InvalidRequestError("messages: each message needs a role",
                                           param="messages")
+        shown = params.tools if params is not None and params.calls_tools else None
+        try:
+            messages = chat_messages(messages, shown)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise InvalidRequestError(f"messages: a tool call is malformed ({exc!r})", param="messages") from exc
         try:
             ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
         except ValueError as exc:  # the template refused the messages
@@ -508,12 +514,12 @@ class Engine:
                 f"to generate); shorten the prompt or lower max_tokens", param="prompt")
         return room if params.max_tokens is None else params.max_tokens
 
-    def _guide(self, params: SamplingParams, grammar: JsonGrammar) -> Guide:
+    def _guide(self, params: SamplingParams, grammar: JsonGrammar | ToolGrammar) -> Guide:
         """The grammar state of a request whose output must be JSON, ended by its end tokens."""
         ends = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids)
         if not ends:
-            raise InvalidRequestError("response_format: this model has no end-of-sequence token to end "
-                                      "JSON output with", param="response_format")
+            raise InvalidRequestError(f"{params.guided_by}: this model has no end-of-sequence token to end "
+                                      "guided output with", param=params.guided_by)
         if self.runner.vocab_bytes is None:  # once per engine; before the loop can see the request
             self.runner.vocab_bytes = VocabBytes(self.tokenizer.byte_table(), self.config.vocab_size)
         return Guide(grammar.matcher(), ends)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .json_grammar import JsonMatcher
+from .tool_calls import ToolCallMatcher
 
 CANDIDATES = 32
 
@@ -25,7 +26,7 @@ CANDIDATES = 32
 class Guide:
     """A request's grammar state and the tokens that may end it (EOS, its stop tokens)."""
 
-    matcher: JsonMatcher
+    matcher: JsonMatcher | ToolCallMatcher
     end_ids: frozenset[int]
     stuck: bool = False  # the grammar allowed no token at all (it never should): the request fails
 

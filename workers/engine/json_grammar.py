@@ -409,31 +409,43 @@ class JsonMatcher:
     """Where one request stands in its grammar: which bytes may come next."""
 
     def __init__(self, grammar: JsonGrammar):
-        self.states: tuple[State, ...] = (((("v", grammar.root, False),), 0, 0),)
+        self.states: tuple[State, ...] = start_states(grammar)
 
     @property
     def done(self) -> bool:
         """Whether what came so far is a whole value (the request may end here)."""
-        return any(_complete(stack) for stack, _, _ in self.states)
+        return states_done(self.states)
 
     @property
     def failed(self) -> bool:
         return not self.states
 
     def accepts(self, data: bytes) -> bool:
-        return bool(data) and bool(_run(self.states, data))
+        return bool(data) and bool(step_states(self.states, data))
 
     def advance(self, data: bytes) -> None:
         """Take bytes the sampler chose (an end token adds none)."""
         if data:
-            self.states = _run(self.states, data)
+            self.states = step_states(self.states, data)
 
     def allowed_first_bytes(self) -> list[bool]:
         """Per byte value, whether a token may start with it."""
-        return [bool(_run(self.states, bytes((b,)))) for b in range(256)]
+        return [bool(step_states(self.states, bytes((b,)))) for b in range(256)]
 
 
-def _run(states: tuple[State, ...], data: bytes) -> tuple[State, ...]:
+# The automaton as plain functions over immutable states, for grammars built around it (tool calls).
+
+
+def start_states(grammar: JsonGrammar) -> tuple[State, ...]:
+    return ((("v", grammar.root, False),), 0, 0),
+
+
+def states_done(states: tuple[State, ...]) -> bool:
+    return any(_complete(stack) for stack, _, _ in states)
+
+
+def step_states(states: tuple[State, ...], data: bytes) -> tuple[State, ...]:
+    """The states after ``data``; empty when the grammar does not allow it."""
     for byte in data:
         following: dict[State, None] = {}
         for state in states:

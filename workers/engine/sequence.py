@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .json_grammar import JsonGrammar, SchemaError, grammar_for
+from .tool_calls import CHOICES, MAX_TOOLS, NAME, ToolGrammar, tool_grammar_for
 
 
 class InvalidRequestError(ValueError):
@@ -69,6 +70,12 @@ class SamplingParams:
     # OpenAI's response_format: {"type": "text" | "json_object" | "json_schema", ...}; the JSON
     # ones constrain the output to JSON text (see json_grammar and ``grammar``).
     response_format: dict | None = None
+    # Functions the model may call ({"name", "description", "parameters"}: OpenAI's "function"
+    # objects), and whether it must: "auto" (it may answer in text), "required", {"name": ...}
+    # (that one), "none" (not shown them). See tool_calls: the calls are written as text.
+    tools: list[dict] | None = None
+    tool_choice: str | dict = "auto"
+    parallel_tool_calls: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
@@ -108,12 +115,47 @@ class SamplingParams:
                                   f"got {self.top_logprobs!r}")
         if self.top_logprobs and not self.logprobs:
             _fail("top_logprobs", "needs logprobs=True")
+        self._valid_tools()
         try:
             grammar = self.grammar
         except SchemaError as exc:
-            _fail("response_format", str(exc))
+            _fail(self.guided_by, str(exc))
         if grammar is not None and self.ignore_eos and not self.stop_token_ids:
-            _fail("response_format", "JSON output ends with the end-of-sequence token: not with ignore_eos")
+            _fail(self.guided_by, "guided output ends with the end-of-sequence token: not with ignore_eos")
+
+    def _valid_tools(self) -> None:
+        if self.tools is not None:
+            if not isinstance(self.tools, (list, tuple)) or len(self.tools) > MAX_TOOLS:
+                _fail("tools", f"must be a list of at most {MAX_TOOLS} functions")
+            for tool in self.tools:
+                if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) \
+                        or not NAME.fullmatch(tool["name"]):
+                    _fail("tools", "each tool needs a name of 1 to 64 letters, digits, underscores or dashes")
+            names = [tool["name"] for tool in self.tools]
+            if len(set(names)) != len(names):
+                _fail("tools", "tool names must be unique")
+            self.tools = list(self.tools)
+        choice = self.tool_choice
+        if not (choice in CHOICES or isinstance(choice, dict) and isinstance(choice.get("name"), str)):
+            _fail("tool_choice", f"must be one of {', '.join(CHOICES)} or {{'name': ...}}, got {choice!r}")
+        if not self.tools and choice not in ("none", "auto"):
+            _fail("tool_choice", "needs tools to choose from")
+        if not isinstance(self.parallel_tool_calls, bool):
+            _fail("parallel_tool_calls", f"must be a boolean, got {self.parallel_tool_calls!r}")
+        if self.calls_tools and self.response_format is not None \
+                and self.response_format.get("type") != "text":
+            _fail("response_format", "JSON output cannot be combined with tools yet; send tool_choice "
+                                     "\"none\" or leave response_format out")
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the model is shown tools and may call them."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def guided_by(self) -> str:
+        """The parameter that constrains the output (for errors)."""
+        return "tools" if self.calls_tools else "response_format"
 
     @staticmethod
     def _valid_stop(stop: Any) -> list[str]:
@@ -147,9 +189,11 @@ class SamplingParams:
         return clean
 
     @property
-    def grammar(self) -> JsonGrammar | None:
-        """The compiled response_format (None for text), shared by the requests that ask for the
-        same one."""
+    def grammar(self) -> JsonGrammar | ToolGrammar | None:
+        """What the output must follow, compiled (None for free text): the tools' calls or the
+        response_format, shared by the requests that ask for the same."""
+        if self.calls_tools:
+            return tool_grammar_for(self.tools, self.tool_choice, self.parallel_tool_calls)
         return None if self.response_format is None else grammar_for(self.response_format)
 
     @property
