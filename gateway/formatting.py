@@ -84,14 +84,18 @@ def _logprobs(ctx: Context, entries: list[dict] | None, text_offset: int) -> dic
 
 
 def chunk(ctx: Context, *, text: str | None, logprobs: list[dict] | None = None, finish_reason: str | None = None,
-          first: bool = False, text_offset: int = 0, include_usage: bool = False) -> dict:
-    """One streamed chunk carrying new text (or, with ``finish_reason``, the end of the choice)."""
+          first: bool = False, text_offset: int = 0, include_usage: bool = False,
+          tool_calls: list[dict] | None = None) -> dict:
+    """One streamed chunk carrying new text or tool call deltas (or, with ``finish_reason``, the
+    end of the choice)."""
     if ctx.kind == "chat":
         delta: dict = {}
         if first:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": 0, "delta": delta, "logprobs": _logprobs(ctx, logprobs, text_offset),
                   "finish_reason": finish_reason}
     else:
@@ -108,11 +112,15 @@ def usage_chunk(ctx: Context, usage: dict) -> dict:
     return {**ctx.envelope(chunk=True), "choices": [], "usage": usage_json(usage)}
 
 
-def response(ctx: Context, *, text: str, finish_reason: str, logprobs: list[dict] | None, usage: dict) -> dict:
-    """A whole non-streamed response."""
+def response(ctx: Context, *, text: str, finish_reason: str, logprobs: list[dict] | None, usage: dict,
+             tool_calls: list[dict] | None = None) -> dict:
+    """A whole non-streamed response (a message that calls tools has no content unless the model
+    wrote some before its calls)."""
     if ctx.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                  "logprobs": _logprobs(ctx, logprobs, 0), "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text or None if tool_calls else text, "refusal": None}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        choice = {"index": 0, "message": message, "logprobs": _logprobs(ctx, logprobs, 0), "finish_reason": finish_reason}
     else:
         choice = {"index": 0, "text": text, "logprobs": _logprobs(ctx, logprobs, 0), "finish_reason": finish_reason}
     return {**ctx.envelope(chunk=False), "choices": [choice], "usage": usage_json(usage)}

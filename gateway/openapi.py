@@ -19,6 +19,16 @@ ERROR = {
         "message": {"type": "string"}, "type": {"type": "string"},
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
 }
+TOOL_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
+TOOL = {"type": "object", "required": ["type", "function"], "additionalProperties": False, "properties": {
+    "type": {"type": "string", "enum": ["function"]},
+    "function": {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+        "name": TOOL_NAME, "description": {"type": "string"}, "parameters": {"type": "object"},
+        "strict": {"type": ["boolean", "null"]}}}}}
+TOOL_CALL = {"type": "object", "required": ["id", "type", "function"], "properties": {
+    "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
+    "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+        "name": TOOL_NAME, "arguments": {"type": "string", "description": "JSON text"}}}}}
 COMMON = {
     "model": {"type": "string", "description": "A deployment name from GET /v1/models."},
     "stream": {"type": "boolean", "default": False},
@@ -46,8 +56,10 @@ CHAT_REQUEST = {
     "properties": {
         **COMMON,
         "messages": {"type": "array", "minItems": 1, "items": {
-            "type": "object", "required": ["role", "content"],
+            "type": "object", "required": ["role"],
             "properties": {"role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+                           "tool_calls": {"type": "array", "items": TOOL_CALL, "description": "assistant messages only"},
+                           "tool_call_id": {"type": "string", "description": "tool messages: the call they answer"},
                            "content": {"oneOf": [
                                {"type": "string"},
                                {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
@@ -71,8 +83,17 @@ CHAT_REQUEST = {
             "description": "json_object: the reply is a JSON object; json_schema: a JSON value of the schema "
                            "(type, properties, required, additionalProperties, items, minItems, maxItems, minLength, maxLength, enum, "
                            "const, anyOf, oneOf, $ref, $defs). Decoding is constrained token by token."},
-        # OpenAI's, accepted at the values that ask for nothing (this platform has no tools
-        # yet); any other value is a 400 unsupported_value.
+        "tools": {"type": "array", "maxItems": 128, "items": TOOL,
+                  "description": "Functions the model may call; their parameters follow the response_format "
+                                 "schema subset, and the calls' arguments are constrained to them."},
+        "tool_choice": {"oneOf": [
+            {"type": "string", "enum": ["none", "auto", "required"]},
+            {"type": "object", "required": ["type", "function"], "properties": {
+                "type": {"type": "string", "enum": ["function"]},
+                "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}]},
+        "parallel_tool_calls": {"type": "boolean", "default": True},
+        # OpenAI's deprecated functions, accepted at the values that ask for nothing; any other
+        # value is a 400 unsupported_value (send tools).
         **{name: {"enum": list(accepted), "description": "Accepted, and ignored, at these values only."}
            for name, accepted in CHAT_NO_OPS.items()},
         "metadata": {"type": "object", "maxProperties": 16, "additionalProperties": {"type": "string"},

@@ -16,6 +16,7 @@ from typing import Any
 from workers.dispatch import response_format_problem
 
 from .errors import invalid
+from .tools import calls_tools, message_tool_fields, parse_tools
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_STOP = 4  # OpenAI allows up to four stop sequences
@@ -36,17 +37,14 @@ COMMON_FIELDS = {
 # nothing (SDKs and frameworks send them so), any other value refused as unsupported (the client
 # is not wrong, the platform lacks the feature), with what it does accept.
 CHAT_NO_OPS = {
-    "tools": ([],),
-    "functions": ([],),
-    "tool_choice": ("none", "auto"),  # "auto" with no tools: nothing to choose from
+    "functions": ([],),  # the deprecated form of tools
     "function_call": ("none", "auto"),
-    "parallel_tool_calls": (True, False),
     "store": (False,),
     "service_tier": ("auto", "default"),
     "modalities": (["text"],),
 }
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "metadata",
-                               "response_format"} | set(CHAT_NO_OPS)
+                               "response_format", "tools", "tool_choice", "parallel_tool_calls"} | set(CHAT_NO_OPS)
 SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
 
@@ -98,6 +96,10 @@ def parse_chat(body: Any) -> InferenceRequest:
     response_format = _response_format(body.get("response_format"))
     if response_format is not None:
         sampling["response_format"] = response_format
+    sampling.update(parse_tools(body))
+    if response_format is not None and calls_tools(sampling):
+        raise invalid("response_format", "response_format cannot be combined with tools yet: send "
+                                         'tool_choice "none" or leave response_format out')
     request = _request("chat", body, sampling, messages=messages)
     if body.get("max_completion_tokens") is not None:
         request.max_tokens_param = "max_completion_tokens"
@@ -193,7 +195,7 @@ def _messages(messages: Any) -> list[dict]:
         raise invalid("messages", "messages is required", code="missing_required_parameter")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "messages must be a non-empty array")
-    clean = []
+    clean, call_ids = [], set()
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -214,7 +216,8 @@ def _messages(messages: Any) -> list[dict]:
         if not isinstance(content, str):
             raise invalid(f"{where}.content", f"{where}.content must be a string or an array of text parts")
         _unicode(content, f"{where}.content")
-        clean.append({"role": "system" if role == "developer" else role, "content": content})
+        clean.append({"role": "system" if role == "developer" else role, "content": content,
+                      **message_tool_fields(message, where, call_ids)})
     return clean
 
 
@@ -311,11 +314,10 @@ def _response_format(value: Any) -> dict | None:
 
 
 def _no_ops(body: dict) -> None:
-    # Tools the client forbids the model to call ask for nothing either (frameworks send them so).
-    tools_off = {"tools": body.get("tool_choice") == "none", "functions": body.get("function_call") == "none"}
+    # Functions the client forbids the model to call ask for nothing either (frameworks send them so).
     for name, accepted in CHAT_NO_OPS.items():
         value = body.get(name)
-        if tools_off.get(name) and isinstance(value, list):
+        if name == "functions" and body.get("function_call") == "none" and isinstance(value, list):
             continue
         if value is not None and not any(value == ok and type(value) is type(ok) for ok in accepted):
             shown = " or ".join(json.dumps(ok) for ok in accepted)

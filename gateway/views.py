@@ -14,7 +14,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from inference_platform import jsonbody
 
-from . import admission, calls, formatting
+from . import admission, calls, formatting, tools
 from .errors import ApiError
 from .protocol import MAX_MODEL_NAME, parse_chat, parse_completion
 
@@ -81,9 +81,15 @@ async def _collect(call: calls.Call, ctx: formatting.Context) -> dict:
             text.clear()
             logprobs.clear()
         else:
+            content, calls = "".join(text), None
+            if tools.calls_tools(call.request.sampling):
+                reader = tools.ToolCallStream()
+                content = reader.feed(content)[0] + reader.finish()[0]
+                calls = reader.calls
+            reason = formatting.openai_finish_reason(event["finish_reason"])
             return formatting.response(
-                ctx, text="".join(text), finish_reason=formatting.openai_finish_reason(event["finish_reason"]),
-                logprobs=logprobs if wants_logprobs else None, usage=event["usage"],
+                ctx, text=content, finish_reason=tools.finish_reason(call.request.sampling, reason, len(calls or ())),
+                logprobs=logprobs if wants_logprobs else None, usage=event["usage"], tool_calls=calls,
             )
     raise ApiError(500, "The worker ended the request without finishing it.")
 
@@ -92,13 +98,24 @@ async def stream_chunks(call: calls.Call, ctx: formatting.Context, include_usage
     """OpenAI chunk dicts for a started call; shared by SSE and the WebSocket."""
     yield formatting.chunk(ctx, text="", first=True, include_usage=include_usage)
     offset = 0
+    reader = tools.ToolCallStream() if tools.calls_tools(call.request.sampling) else None
     async for event in call.events():
-        if event["type"] == "inference.delta":
+        if event["type"] == "inference.delta" and reader is None:
             yield formatting.chunk(ctx, text=event["text"], logprobs=event["logprobs"], text_offset=offset,
                                    include_usage=include_usage)
             offset += len(event["text"])
+        elif event["type"] == "inference.delta":
+            text, calls = reader.feed(event["text"])
+            if text or calls or event["logprobs"]:
+                yield formatting.chunk(ctx, text=text or None, tool_calls=calls, logprobs=event["logprobs"],
+                                       include_usage=include_usage)
         else:
             reason = formatting.openai_finish_reason(event["finish_reason"])
+            if reader is not None:
+                text, calls = reader.finish()
+                if text or calls:
+                    yield formatting.chunk(ctx, text=text or None, tool_calls=calls, include_usage=include_usage)
+                reason = tools.finish_reason(call.request.sampling, reason, len(reader.calls))
             yield formatting.chunk(ctx, text=None if ctx.kind == "chat" else "", finish_reason=reason,
                                    include_usage=include_usage)
             if include_usage:

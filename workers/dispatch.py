@@ -69,6 +69,26 @@ def response_format_problem(response_format: dict) -> str | None:
     return None
 
 
+def tools_problem(tools: list[dict], tool_choice, parallel: bool) -> str | None:
+    """Why the engine cannot make the model call these tools as asked (None when it can)."""
+    from workers.engine.json_grammar import SchemaError
+    from workers.engine.tool_calls import tool_grammar_for
+
+    try:
+        tool_grammar_for(tools, tool_choice, parallel)
+    except SchemaError as exc:
+        return str(exc)
+    return None
+
+
+def tool_call_parser():
+    """A reader of a reply's tool calls, in the form the engine makes the model write them
+    (``workers.engine.tool_calls.ToolCallParser``; plain Python)."""
+    from workers.engine.tool_calls import ToolCallParser
+
+    return ToolCallParser()
+
+
 def serving_key(name: str) -> str:
     """Set by the heartbeat of each live worker hosting the deployment's engine (expiring with
     its liveness): while it exists, the deployment's waiting requests wait for a busy replica,

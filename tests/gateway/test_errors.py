@@ -38,6 +38,9 @@ def no_usage(org):
     return not UsageRecord.objects.filter(organization=org).exists()
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
 def chat(model="smollm2-135m-instruct", **extra):
     return {"model": model, "messages": [{"role": "user", "content": "Hi"}], **extra}
 
@@ -192,7 +195,23 @@ def test_another_organizations_dedicated_deployment_cannot_be_called_over_the_we
     (CHAT, chat(top_logprobs=2), "top_logprobs"),
     (CHAT, chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     (CHAT, chat(stream_options={"include_usage": True}), "stream_options"),
-    (CHAT, chat(tools=[{"type": "function"}]), "tools"),
+    (CHAT, chat(tools=[{"type": "function"}]), "tools[0]"),
+    (CHAT, chat(tools={"type": "function", "function": {"name": "f"}}), "tools"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "get weather"}}]), "tools[0]"),
+    (CHAT, chat(tools=[TOOL, TOOL]), "tools"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"when": {"type": "string", "format": "date-time"}}}}}]), "tools"),
+    (CHAT, chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice"),
+    (CHAT, chat(tools=[TOOL], tool_choice="always"), "tool_choice"),
+    (CHAT, chat(tools=[TOOL], parallel_tool_calls="yes"), "parallel_tool_calls"),
+    (CHAT, chat(tools=[TOOL], response_format={"type": "json_object"}), "response_format"),
+    (CHAT, chat(messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}]),
+     "messages[1].tool_call_id"),
+    (CHAT, chat(messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "18 C"}]),
+     "messages[1].tool_call_id"),
+    (CHAT, chat(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": {"city": "Paris"}}}]}]),
+     "messages[1].tool_calls[0]"),
     (CHAT, chat(response_format={"type": "xml"}), "response_format"),
     (CHAT, chat(response_format={"type": "json_schema"}), "response_format"),
     (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}),
@@ -249,7 +268,7 @@ def test_openais_parameters_that_ask_for_nothing_are_accepted():
 
 def test_an_unsupported_value_says_so_and_what_is_accepted(client, seeded, org_key):
     _, _, plaintext = org_key()
-    response = post(client, CHAT, chat(tool_choice="required"), key=plaintext)
+    response = post(client, CHAT, chat(function_call={"name": "f"}), key=plaintext)
     error = response.json()["error"]
     assert error["code"] == "unsupported_value" and '"none" or "auto"' in error["message"], error
     response = post(client, COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "x", "echo": True}, key=plaintext)

@@ -1,0 +1,173 @@
+"""Chat's function calling, as OpenAI spells it: ``tools``, ``tool_choice``, ``parallel_tool_calls``,
+and the assistant ``tool_calls`` and ``tool`` results a conversation carries back.
+
+The request side checks and flattens them for the worker (a tool becomes {"name", "description",
+"parameters"}); ``ToolCallStream`` turns the reply's text into OpenAI's ``tool_calls``, whole or as
+stream deltas.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from typing import Any
+
+from workers.dispatch import tool_call_parser, tools_problem
+
+from .errors import invalid
+
+MAX_TOOLS = 128
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+CHOICES = ("none", "auto", "required")
+
+
+def parse_tools(body: dict) -> dict:
+    """The sampling fields for ``tools``/``tool_choice``/``parallel_tool_calls`` (none when the
+    request has no tools)."""
+    tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise invalid("parallel_tool_calls", "parallel_tool_calls must be a boolean")
+    if tools is not None and not isinstance(tools, list):
+        raise invalid("tools", "tools must be an array of {\"type\": \"function\", \"function\": {...}}")
+    flat = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools or [])]
+    if len(flat) > MAX_TOOLS:
+        raise invalid("tools", f"at most {MAX_TOOLS} tools are allowed")
+    names = [tool["name"] for tool in flat]
+    duplicate = next((name for name in names if names.count(name) > 1), None)
+    if duplicate:
+        raise invalid("tools", f"tools holds two functions named {duplicate!r}")
+    choice = _choice(choice, names)
+    if not flat:
+        return {}
+    problem = tools_problem(flat, choice, parallel is not False)
+    if problem:
+        raise invalid("tools", f"tools: {problem}")
+    return {"tools": flat, "tool_choice": choice, "parallel_tool_calls": parallel is not False}
+
+
+def _tool(tool: Any, where: str) -> dict:
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        raise invalid(where, f'{where} must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}')
+    extra = set(tool) - {"type", "function"}
+    if extra:
+        raise invalid(where, f"{where} takes no {sorted(extra)[0]!r}")
+    function = tool["function"]
+    extra = set(function) - {"name", "description", "parameters", "strict"}
+    if extra:
+        raise invalid(where, f"{where}.function takes no {sorted(extra)[0]!r}")
+    name = function.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise invalid(where, f"{where}.function.name must be 1 to 64 letters, digits, underscores or dashes")
+    flat = {"name": name}
+    if function.get("description") is not None:
+        if not isinstance(function["description"], str):
+            raise invalid(where, f"{where}.function.description must be a string")
+        flat["description"] = function["description"]
+    if function.get("parameters") is not None:
+        if not isinstance(function["parameters"], dict):
+            raise invalid(where, f"{where}.function.parameters must be a JSON Schema object")
+        flat["parameters"] = function["parameters"]
+    if function.get("strict") is not None and not isinstance(function["strict"], bool):
+        raise invalid(where, f"{where}.function.strict must be a boolean")
+    return flat
+
+
+def _choice(choice: Any, names: list[str]) -> str | dict:
+    if choice is None:
+        return "auto" if names else "none"
+    if isinstance(choice, str):
+        if choice not in CHOICES:
+            raise invalid("tool_choice", f"tool_choice must be one of {', '.join(CHOICES)} or "
+                                         '{"type": "function", "function": {"name": ...}}')
+        if choice == "required" and not names:
+            raise invalid("tool_choice", 'tool_choice "required" needs tools to call')
+        return choice
+    if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+            and isinstance(choice["function"].get("name"), str)):
+        raise invalid("tool_choice", 'tool_choice must be one of none, auto, required or '
+                                     '{"type": "function", "function": {"name": ...}}')
+    name = choice["function"]["name"]
+    if name not in names:
+        raise invalid("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
+    return {"name": name}
+
+
+def message_tool_fields(message: dict, where: str, call_ids: set[str]) -> dict:
+    """The tool fields of one chat message, checked: an assistant's ``tool_calls`` (whose ids
+    join ``call_ids``) or a tool result's ``tool_call_id`` (which must answer one of them)."""
+    role = message["role"]
+    if role == "assistant" and message.get("tool_calls") is not None:
+        calls = message["tool_calls"]
+        if not isinstance(calls, list):
+            raise invalid(f"{where}.tool_calls", f"{where}.tool_calls must be an array")
+        clean = []
+        for j, call in enumerate(calls):
+            at = f"{where}.tool_calls[{j}]"
+            function = call.get("function") if isinstance(call, dict) else None
+            if not (isinstance(call, dict) and isinstance(call.get("id"), str) and call.get("type") == "function"
+                    and isinstance(function, dict) and isinstance(function.get("name"), str)
+                    and isinstance(function.get("arguments"), str)):
+                raise invalid(at, f'{at} must be {{"id": ..., "type": "function", "function": '
+                                  '{"name": ..., "arguments": "<JSON text>"}}')
+            if not TOOL_NAME.fullmatch(function["name"]):
+                raise invalid(at, f"{at}.function.name must be 1 to 64 letters, digits, underscores or dashes")
+            call_ids.add(call["id"])
+            clean.append({"id": call["id"], "type": "function",
+                          "function": {"name": function["name"], "arguments": function["arguments"]}})
+        return {"tool_calls": clean} if clean else {}
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise invalid(f"{where}.tool_call_id", f"{where}.tool_call_id is required: the id of the call it answers",
+                          code="missing_required_parameter" if call_id is None else None)
+        if call_id not in call_ids:
+            raise invalid(f"{where}.tool_call_id", f"{where} answers {call_id!r}, which no earlier assistant "
+                                                   "message's tool_calls holds")
+        return {"tool_call_id": call_id}
+    return {}
+
+
+def calls_tools(sampling: dict) -> bool:
+    return bool(sampling.get("tools")) and sampling.get("tool_choice") != "none"
+
+
+def finish_reason(sampling: dict, reason: str, calls: int) -> str:
+    """OpenAI's: "tool_calls" when the model chose to call (a named choice was no choice: "stop")."""
+    if calls and reason == "stop" and not isinstance(sampling.get("tool_choice"), dict):
+        return "tool_calls"
+    return reason
+
+
+class ToolCallStream:
+    """Reads a reply's text as it streams and says what the message gains: text for its content,
+    and OpenAI ``tool_calls`` entries (the first of each call with its id and name)."""
+
+    def __init__(self) -> None:
+        self._parser = tool_call_parser()
+        self._ids: list[str] = []
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        return self._shape(self._parser.feed(text))
+
+    def finish(self) -> tuple[str, list[dict]]:
+        return self._shape(self._parser.finish())
+
+    @property
+    def calls(self) -> list[dict]:
+        """Every call so far, whole, as a response message holds them."""
+        return [{"id": call_id, "type": "function", "function": dict(call)}
+                for call_id, call in zip(self._ids, self._parser.calls)]
+
+    def _shape(self, events: list[tuple]) -> tuple[str, list[dict]]:
+        text, deltas = [], {}
+        for event in events:
+            if event[0] == "text":
+                text.append(event[1])
+            elif event[0] == "call":
+                self._ids.append("call_" + secrets.token_hex(12))
+                deltas[event[1]] = {"index": event[1], "id": self._ids[-1], "type": "function",
+                                    "function": {"name": event[2], "arguments": ""}}
+            else:
+                entry = deltas.setdefault(event[1], {"index": event[1], "function": {"arguments": ""}})
+                entry["function"]["arguments"] += event[2]
+        return "".join(text), list(deltas.values())
