@@ -39,11 +39,31 @@ def test_generate_json_prints_a_json_object(tmp_path):
     assert isinstance(json.loads(result.stdout), dict), result.stdout
 
 
+@pytest.mark.slow
+def test_generate_with_required_tools_prints_a_call(tmp_path):
+    import json
+
+    from workers.engine.tool_calls import parse_tool_calls
+
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                                              "required": ["city"], "additionalProperties": False}}}]))
+    result = run_cli("generate", "--chat", "Weather in Oslo?", "--max-tokens", "60", "--dtype", "float32",
+                     "--tools", str(tools), "--tool-choice", "required")
+    assert result.returncode == 0, result.stderr
+    text, calls = parse_tool_calls(result.stdout.strip())
+    assert text == "" and calls and all(c["name"] == "get_weather" for c in calls), result.stdout
+    assert set(json.loads(calls[0]["arguments"])) == {"city"}
+
+
 @pytest.mark.parametrize("args, message", [
     (["generate", "x", "--temperature", "-1"], "temperature"),
     (["generate"], "prompt"),
     (["generate", "x", "--chat", "y"], "prompt"),
     (["generate", "x", "--json-schema", "/nonexistent/schema.json"], "--json-schema"),
+    (["generate", "x", "--tools", "/nonexistent/tools.json"], "--tools"),
+    (["generate", "x", "--tool-choice", "required"], "tool_choice"),
 ])
 def test_bad_flags_are_explained(args, message):
     result = run_cli(*args)

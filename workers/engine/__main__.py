@@ -3,6 +3,7 @@
     python -m workers.engine generate "Once upon a time" --max-tokens 64
     python -m workers.engine generate --chat "Write a haiku about rain." --temperature 0.7
     python -m workers.engine generate --chat "A cat, as JSON." --json
+    python -m workers.engine generate --chat "Weather in Oslo?" --tools tools.json --tool-choice required
     python -m workers.engine bench --requests 16
 """
 
@@ -48,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--json", action="store_true", help="constrain the output to a JSON object")
     gen.add_argument("--json-schema", metavar="FILE",
                      help="constrain the output to a value of the JSON Schema in FILE")
+    gen.add_argument("--tools", metavar="FILE",
+                     help="functions the model may call: a JSON list of OpenAI tools in FILE")
+    gen.add_argument("--tool-choice", default="auto", metavar="CHOICE",
+                     help="auto (default), required, none, or a function's name")
 
     commands.add_parser("bench", add_help=False,
                         help="the engine benchmark (bench/engine.py); --help for its flags")
@@ -75,6 +80,8 @@ def _generate(args, parser) -> int:
         except (OSError, ValueError) as exc:
             parser.error(f"--json-schema: {exc}")
         response_format = {"type": "json_schema", "json_schema": {"name": "cli", "schema": schema}}
+    tools = _read_tools(args.tools, parser) if args.tools else None
+    choice = args.tool_choice if args.tool_choice in ("auto", "required", "none") else {"name": args.tool_choice}
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -83,7 +90,7 @@ def _generate(args, parser) -> int:
             frequency_penalty=args.frequency_penalty,
             repetition_penalty=args.repetition_penalty,
             logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0,
-            response_format=response_format)
+            response_format=response_format, tools=tools, tool_choice=choice)
     except InvalidRequestError as exc:
         parser.error(str(exc))
 
@@ -134,6 +141,19 @@ def _generate(args, parser) -> int:
           f"total {timings.e2e_latency:.2f} s]" if ttft is not None else
           f"[{last.finish_reason}; no tokens]", file=sys.stderr)
     return 0 if last.finish_reason != "error" else 1
+
+
+def _read_tools(path: str, parser) -> list[dict]:
+    """OpenAI's tools ({"type": "function", "function": {...}}) or bare functions, from a file."""
+    import json
+
+    try:
+        tools = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        parser.error(f"--tools: {exc}")
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        parser.error("--tools: the file must hold a JSON list of tools")
+    return [t["function"] if isinstance(t.get("function"), dict) else t for t in tools]
 
 
 def _bench(rest: list[str]) -> int:
