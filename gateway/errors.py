@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from django.http import JsonResponse
 
 # OpenAI's error types by status code.
@@ -50,3 +52,17 @@ def unexpected_error() -> ApiError:
     """What a client gets for a bug (the traceback goes to the log, not to the client)."""
     return ApiError(500, "The server hit an unexpected error; it is logged. Retry, or tell the operator.",
                     code="internal_error")
+
+
+# JSON may escape half of a UTF-16 pair ("\ud83d"), e.g. from a string cut inside an emoji: not text.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def text_only(text: str, param: str) -> str:
+    """``text``, or a 400 naming ``param`` if it holds what no text encoding can carry."""
+    found = LONE_SURROGATE.search(text)
+    if found:
+        raise invalid(param, f"{param} holds an unpaired UTF-16 surrogate (\\u{ord(found.group()):04x}) at "
+                             f"character {found.start()}, which is not text: was a string cut inside a "
+                             "character (an emoji)?")
+    return text

@@ -117,7 +117,7 @@ def response(ctx: Context, *, text: str, finish_reason: str, logprobs: list[dict
     """A whole non-streamed response (a message that calls tools has no content unless the model
     wrote some before its calls)."""
     if ctx.kind == "chat":
-        message = {"role": "assistant", "content": text or None if tool_calls else text, "refusal": None}
+        message = {"role": "assistant", "content": (text or None) if tool_calls else text, "refusal": None}
         if tool_calls:
             message["tool_calls"] = tool_calls
         choice = {"index": 0, "message": message, "logprobs": _logprobs(ctx, logprobs, 0), "finish_reason": finish_reason}

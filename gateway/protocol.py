@@ -15,15 +15,13 @@ from typing import Any
 
 from workers.dispatch import response_format_problem
 
-from .errors import invalid
+from .errors import invalid, text_only
 from .tools import calls_tools, message_tool_fields, parse_tools
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_STOP = 4  # OpenAI allows up to four stop sequences
 MAX_MODEL_NAME = 200
 TOP_P_MIN = 1e-6  # top_p 0 asks for the likeliest token alone; the sampler keeps at least one
-# JSON may escape half of a UTF-16 pair ("\ud83d"), e.g. from a string cut inside an emoji: not text.
-LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 COMMON_FIELDS = {
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop", "seed",
     "presence_penalty", "frequency_penalty", "logit_bias", "user",
@@ -215,7 +213,7 @@ def _messages(messages: Any) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise invalid(f"{where}.content", f"{where}.content must be a string or an array of text parts")
-        _unicode(content, f"{where}.content")
+        text_only(content, f"{where}.content")
         clean.append({"role": "system" if role == "developer" else role, "content": content,
                       **message_tool_fields(message, where, call_ids)})
     return clean
@@ -229,7 +227,7 @@ def _prompt(prompt: Any) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise invalid("prompt", "prompt must not be empty")
-        return _unicode(prompt, "prompt")
+        return text_only(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
         return prompt
     raise invalid("prompt", "prompt must be a non-empty string or an array of token ids (one prompt per request)")
@@ -245,17 +243,8 @@ def _stop(stop: Any) -> list[str]:
     if len(stop) > MAX_STOP:
         raise invalid("stop", f"at most {MAX_STOP} stop sequences are allowed")
     for text in stop:
-        _unicode(text, "stop")
+        text_only(text, "stop")
     return stop
-
-
-def _unicode(text: str, param: str) -> str:
-    found = LONE_SURROGATE.search(text)
-    if found:
-        raise invalid(param, f"{param} holds an unpaired UTF-16 surrogate (\\u{ord(found.group()):04x}) at "
-                             f"character {found.start()}, which is not text: was a string cut inside a "
-                             "character (an emoji)?")
-    return text
 
 
 def _logit_bias(bias: Any) -> dict[str, float]:

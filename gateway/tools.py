@@ -8,13 +8,14 @@ stream deltas.
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from typing import Any
 
 from workers.dispatch import tool_call_parser, tools_problem
 
-from .errors import invalid
+from .errors import invalid, text_only
 
 MAX_TOOLS = 128
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -62,10 +63,11 @@ def _tool(tool: Any, where: str) -> dict:
     if function.get("description") is not None:
         if not isinstance(function["description"], str):
             raise invalid(where, f"{where}.function.description must be a string")
-        flat["description"] = function["description"]
+        flat["description"] = text_only(function["description"], f"{where}.function.description")
     if function.get("parameters") is not None:
         if not isinstance(function["parameters"], dict):
             raise invalid(where, f"{where}.function.parameters must be a JSON Schema object")
+        text_only(json.dumps(function["parameters"], ensure_ascii=False), f"{where}.function.parameters")
         flat["parameters"] = function["parameters"]
     if function.get("strict") is not None and not isinstance(function["strict"], bool):
         raise invalid(where, f"{where}.function.strict must be a boolean")
@@ -112,8 +114,9 @@ def message_tool_fields(message: dict, where: str, call_ids: set[str]) -> dict:
             if not TOOL_NAME.fullmatch(function["name"]):
                 raise invalid(at, f"{at}.function.name must be 1 to 64 letters, digits, underscores or dashes")
             call_ids.add(call["id"])
+            arguments = text_only(function["arguments"], f"{at}.function.arguments")
             clean.append({"id": call["id"], "type": "function",
-                          "function": {"name": function["name"], "arguments": function["arguments"]}})
+                          "function": {"name": function["name"], "arguments": arguments}})
         return {"tool_calls": clean} if clean else {}
     if role == "tool":
         call_id = message.get("tool_call_id")
@@ -131,9 +134,10 @@ def calls_tools(sampling: dict) -> bool:
     return bool(sampling.get("tools")) and sampling.get("tool_choice") != "none"
 
 
-def finish_reason(sampling: dict, reason: str, calls: int) -> str:
-    """OpenAI's: "tool_calls" when the model chose to call (a named choice was no choice: "stop")."""
-    if calls and reason == "stop" and not isinstance(sampling.get("tool_choice"), dict):
+def finish_reason(sampling: dict, reason: str, reader: "ToolCallStream") -> str:
+    """OpenAI's: "tool_calls" when the model chose to call and its calls are whole (a named
+    choice was no choice: "stop")."""
+    if reader.calls and reader.whole and reason == "stop" and not isinstance(sampling.get("tool_choice"), dict):
         return "tool_calls"
     return reason
 
@@ -151,6 +155,10 @@ class ToolCallStream:
 
     def finish(self) -> tuple[str, list[dict]]:
         return self._shape(self._parser.finish())
+
+    @property
+    def whole(self) -> bool:
+        return self._parser.whole
 
     @property
     def calls(self) -> list[dict]:

@@ -82,14 +82,14 @@ async def _collect(call: calls.Call, ctx: formatting.Context) -> dict:
             logprobs.clear()
         else:
             content, calls = "".join(text), None
+            reason = formatting.openai_finish_reason(event["finish_reason"])
             if tools.calls_tools(call.request.sampling):
                 reader = tools.ToolCallStream()
                 content = reader.feed(content)[0] + reader.finish()[0]
-                calls = reader.calls
-            reason = formatting.openai_finish_reason(event["finish_reason"])
+                calls, reason = reader.calls, tools.finish_reason(call.request.sampling, reason, reader)
             return formatting.response(
-                ctx, text=content, finish_reason=tools.finish_reason(call.request.sampling, reason, len(calls or ())),
-                logprobs=logprobs if wants_logprobs else None, usage=event["usage"], tool_calls=calls,
+                ctx, text=content, finish_reason=reason, logprobs=logprobs if wants_logprobs else None,
+                usage=event["usage"], tool_calls=calls,
             )
     raise ApiError(500, "The worker ended the request without finishing it.")
 
@@ -115,7 +115,7 @@ async def stream_chunks(call: calls.Call, ctx: formatting.Context, include_usage
                 text, calls = reader.finish()
                 if text or calls:
                     yield formatting.chunk(ctx, text=text or None, tool_calls=calls, include_usage=include_usage)
-                reason = tools.finish_reason(call.request.sampling, reason, len(reader.calls))
+                reason = tools.finish_reason(call.request.sampling, reason, reader)
             yield formatting.chunk(ctx, text=None if ctx.kind == "chat" else "", finish_reason=reason,
                                    include_usage=include_usage)
             if include_usage:

@@ -95,6 +95,32 @@ def test_a_named_choice_allows_that_function_once():
     assert accepts("required", PARIS, parallel=False)
 
 
+@pytest.mark.parametrize("parameters, allowed", [
+    (None, True), ({}, True), ({"properties": {"a": {"type": "integer"}}}, True),
+    ({"anyOf": [{"type": "object", "properties": {"a": {"const": 1}}}, {"$ref": "#/$defs/b"}],
+      "$defs": {"b": {"type": "object"}}}, True),
+    ({"type": "string"}, False), ({"type": ["object", "null"]}, False), ({"type": "array"}, False),
+])
+def test_arguments_are_always_an_object(parameters, allowed):
+    tools = [{"name": "f", "parameters": parameters}]
+    if not allowed:
+        with pytest.raises(ValueError, match="must describe an object"):
+            tool_grammar_for(tools, "required", True)
+        return
+    matcher = tool_grammar_for(tools, "required", True).matcher()
+    assert not matcher.accepts(call_text("f", "5").encode()) and not matcher.accepts(call_text("f", "[1]").encode())
+    assert matcher.accepts(call_text("f", '{"a": 1}').encode())
+
+
+def test_stop_strings_apply_to_text_but_not_inside_calls():
+    matcher = tool_grammar_for(TOOLS, "auto", True).matcher()
+    assert matcher.stops_apply
+    matcher.advance(b"Let me see.\n<tool_call>")
+    assert not matcher.stops_apply
+    matcher.advance(PARIS[len(OPEN):].encode())
+    assert not matcher.stops_apply and matcher.done  # after a call only calls may follow
+
+
 def test_none_means_plain_text_and_schemas_are_checked():
     assert tool_grammar_for(TOOLS, "none", True) is None
     with pytest.raises(ValueError, match=r"tools\[0\] \(bad\).*pattern"):
@@ -108,21 +134,28 @@ def test_none_means_plain_text_and_schemas_are_checked():
 
 def test_a_reply_splits_into_its_text_and_calls():
     text, calls = parse_tool_calls("Let me look.\n" + PARIS + "\n" + call_text("now", "{}"))
-    assert text == "Let me look.\n"
+    assert text == "Let me look."  # the line break before the call is no part of it
     assert calls == [{"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
                      {"name": "now", "arguments": "{}"}]
 
 
 @pytest.mark.parametrize("reply", [
-    "a <tool_call> that is no call", "ends inside the tag <tool_c", "<tool_call>\n{\"name\": \"f\", \"argu",
-    "x < y and <tool> and <tool_call<tool_call>", "",
+    "a <tool_call> that is no call", "ends inside the tag <tool_c", "x < y and <tool> and <tool_call<tool_call>  y",
+    "trailing blanks \n\n ", "",
 ])
 def test_text_that_only_looks_like_a_call_is_kept_whole(reply):
     assert parse_tool_calls(reply) == (reply, [])
 
 
-def test_arguments_cut_short_are_reported_as_far_as_they_got():
+def test_a_reply_cut_inside_a_call():
     assert parse_tool_calls(PARIS[:-20]) == ("", [{"name": "get_weather", "arguments": '{"city": "Paris", "unit": "cel'}])
+    # Cut before the name was whole: no call began, and its tag is no text either.
+    assert parse_tool_calls("Let me see.\n" + PARIS[:25]) == ("Let me see.", [])
+    parser = ToolCallParser()
+    parser.feed(PARIS[:-3])
+    assert not parser.whole
+    parser.feed(PARIS[-3:])
+    assert parser.whole
 
 
 _ARGUMENTS = st.dictionaries(st.text(max_size=8), st.recursive(
@@ -136,7 +169,8 @@ _ARGUMENTS = st.dictionaries(st.text(max_size=8), st.recursive(
                                                   max_size=3), cuts=st.lists(st.integers(1, 7), min_size=1),
        indent=st.sampled_from([None, 2]))
 def test_streamed_in_any_pieces_the_parse_is_the_whole_parse(prose, calls, cuts, indent):
-    prose = prose.replace(OPEN, "")
+    while OPEN in prose:
+        prose = prose.replace(OPEN, "")
     written = [(name, json.dumps(args, indent=indent, ensure_ascii=False)) for name, args in calls]
     reply = prose + (("\n" if prose else "") + "\n".join(call_text(n, a) for n, a in written) if written else "")
     parser, events, at, i = ToolCallParser(), [], 0, 0
@@ -144,7 +178,7 @@ def test_streamed_in_any_pieces_the_parse_is_the_whole_parse(prose, calls, cuts,
         events += parser.feed(reply[at:at + cuts[i % len(cuts)]])
         at, i = at + cuts[i % len(cuts)], i + 1
     events += parser.finish()
-    expected_text = prose + ("\n" if prose and written else "")
+    expected_text = prose.rstrip() if written else prose
     assert "".join(e[1] for e in events if e[0] == "text") == expected_text
     assert [(c["name"], json.loads(c["arguments"])) for c in parser.calls] == calls
     streamed = {}
@@ -177,6 +211,10 @@ def test_the_conversation_shows_tools_past_calls_and_their_results():
     assert out[3]["content"] == "<tool_response>\n18 C\n</tool_response>\n<tool_response>\n14:05\n</tool_response>"
     assert all(set(m) == {"role", "content"} for m in out)
     assert chat_messages(messages[1:2], None) == messages[1:2]  # no tools: unchanged
+    # A user message right after results joins their turn: user and assistant turns alternate.
+    follow_up = chat_messages(messages + [{"role": "user", "content": "And tomorrow?"}], None)
+    assert [m["role"] for m in follow_up] == ["system", "user", "assistant", "user"]
+    assert follow_up[-1]["content"].endswith("</tool_response>\nAnd tomorrow?")
 
 
 def test_sampling_params_check_tools():
@@ -185,7 +223,9 @@ def test_sampling_params_check_tools():
         ({"tools": [TIME, TIME]}, "tools"),
         ({"tools": [{"name": "has space"}]}, "tools"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
-        ({"tools": TOOLS, "tool_choice": {"name": "missing"}}, "tools"),
+        ({"tools": TOOLS, "tool_choice": {"name": "missing"}}, "tool_choice"),
+        ({"tools": TOOLS, "response_format": "json"}, "response_format"),
+        ({"tools": [{"name": "f", "parameters": {"type": "string"}}]}, "tools"),
         ({"tools": [{"name": "f", "parameters": {"type": "object", "minimum": 1}}]}, "tools"),
         ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
         ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
@@ -230,6 +270,15 @@ def test_a_named_function_without_parallel_calls_is_called_once(engine):
     text, calls = _calls(engine, {"name": "get_time"}, parallel=False, temperature=1.0, seed=5)
     assert text == "" and [c["name"] for c in calls] == ["get_time"]
     jsonschema.validate(json.loads(calls[0]["arguments"]), TIME["parameters"])
+
+
+def test_a_stop_string_cuts_text_but_not_a_call(engine):
+    text, calls = _calls(engine, "required", parallel=False, stop=["\n", "}"])
+    assert text == "" and len(calls) == 1
+    json.loads(calls[0]["arguments"])
+    out = engine.submit_chat(ASK, SamplingParams(tools=TOOLS, max_tokens=60, temperature=0, stop=["Paris"])).result(
+        timeout=300)
+    assert out.stop_reason == "Paris" and "Paris" not in out.text
 
 
 def test_with_auto_the_model_may_answer_in_text(engine):

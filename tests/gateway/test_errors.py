@@ -201,6 +201,14 @@ def test_another_organizations_dedicated_deployment_cannot_be_called_over_the_we
     (CHAT, chat(tools=[TOOL, TOOL]), "tools"),
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"when": {"type": "string", "format": "date-time"}}}}}]), "tools"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]), "tools"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "description": "cut \ud83d"}}]),
+     "tools[0].function.description"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "description": "\udc00"}}}}}]), "tools[0].function.parameters"),
+    (CHAT, chat(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": "\ud800"}'}}]}]),
+     "messages[1].tool_calls[0].function.arguments"),
     (CHAT, chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice"),
     (CHAT, chat(tools=[TOOL], tool_choice="always"), "tool_choice"),
     (CHAT, chat(tools=[TOOL], parallel_tool_calls="yes"), "parallel_tool_calls"),

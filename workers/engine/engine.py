@@ -29,7 +29,6 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .guided import Guide, VocabBytes
-from .tool_calls import ToolGrammar, chat_messages
 from .json_grammar import JsonGrammar
 from .kv_cache import BlockManager
 from .model_runner import (
@@ -51,6 +50,7 @@ from .sequence import (
     SequenceStatus,
     TokenLogprob,
 )
+from .tool_calls import ToolGrammar, chat_messages
 
 log = logging.getLogger(__name__)
 
@@ -414,7 +414,7 @@ class Engine:
             raise InvalidRequestError(f"messages: a tool call is malformed ({exc!r})", param="messages") from exc
         try:
             ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
-        except ValueError as exc:  # the template refused the messages
+        except (ValueError, TypeError) as exc:  # the template or the tokenizer refused the messages
             raise InvalidRequestError(f"messages: {exc}", param="messages") from exc
         # A template that writes the BOS itself, on a tokenizer that adds one too (Llama 3,
         # Mistral GGUFs), gave two: keep one. One that does not write it keeps the tokenizer's.
@@ -735,7 +735,9 @@ class Engine:
             live.pending_ids.append(item.token)
             return None
         gate.add(item.token, item.logprob)
-        released = gate.feed(item.seq.detokenizer.push(item.token))
+        guide = item.seq.guide
+        released = gate.feed(item.seq.detokenizer.push(item.token),
+                             stops=guide is None or guide.matcher.stops_apply)
         self._add_pending(live, released)
         return released.stop
 

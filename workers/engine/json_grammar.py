@@ -319,6 +319,16 @@ def _encode(value: Any, where: str) -> bytes:
         raise SchemaError(f"{where}: {str(exc)[:100]}") from None
 
 
+def only_objects(node: Node) -> bool:
+    """Whether every value ``node`` allows is a JSON object."""
+    node = _resolve(node)
+    if node.kind == "anyof":
+        return all(only_objects(option) for option in node.options)
+    if node.kind == "literal":
+        return all(text.startswith(b"{") for text in node.literals)
+    return node.kind == "object"
+
+
 def _resolve(node: Node) -> Node:
     while node.kind == "ref":
         node = node.defs[node.target]
@@ -407,6 +417,8 @@ State = tuple  # (stack, whitespace bytes in the current run, newlines in it)
 
 class JsonMatcher:
     """Where one request stands in its grammar: which bytes may come next."""
+
+    stops_apply = True  # a stop string may cut JSON (the caller asked for it)
 
     def __init__(self, grammar: JsonGrammar):
         self.states: tuple[State, ...] = start_states(grammar)

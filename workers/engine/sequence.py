@@ -140,10 +140,12 @@ class SamplingParams:
             _fail("tool_choice", f"must be one of {', '.join(CHOICES)} or {{'name': ...}}, got {choice!r}")
         if not self.tools and choice not in ("none", "auto"):
             _fail("tool_choice", "needs tools to choose from")
+        if isinstance(choice, dict) and choice["name"] not in {tool["name"] for tool in self.tools}:
+            _fail("tool_choice", f"names {choice['name']!r}, which is not in tools")
         if not isinstance(self.parallel_tool_calls, bool):
             _fail("parallel_tool_calls", f"must be a boolean, got {self.parallel_tool_calls!r}")
         if self.calls_tools and self.response_format is not None \
-                and self.response_format.get("type") != "text":
+                and not (isinstance(self.response_format, dict) and self.response_format.get("type") == "text"):
             _fail("response_format", "JSON output cannot be combined with tools yet; send tool_choice "
                                      "\"none\" or leave response_format out")
 
@@ -328,11 +330,15 @@ class StopStringMatcher:
         self.stops = stops
         self.held = ""
 
-    def feed(self, piece: str) -> tuple[str, str | None]:
-        """Returns (text safe to emit, the stop string found or None)."""
+    def feed(self, piece: str, *, active: bool = True) -> tuple[str, str | None]:
+        """Returns (text safe to emit, the stop string found or None). Not ``active``: the text
+        cannot hold a stop string (a tool call's), and what was held goes out with it."""
         if not self.stops:
             return piece, None
         text = self.held + piece
+        if not active:
+            self.held = ""
+            return text, None
         found_at, found = len(text) + 1, None
         for stop in self.stops:
             at = text.find(stop)
@@ -393,15 +399,16 @@ class OutputGate:
         """A new token, before its text is known (so that one failing to decode still counts)."""
         self.held.append(_HeldToken(token_id, logprob))
 
-    def feed(self, piece: str) -> Release:
-        """The text the tokens added so far complete (possibly ""): what may go out now."""
+    def feed(self, piece: str, *, stops: bool = True) -> Release:
+        """The text the tokens added so far complete (possibly ""): what may go out now;
+        ``stops``: whether a stop string may end it (see ``StopStringMatcher.feed``)."""
         if piece:
             for token in reversed(self.held):
                 if token.start is not None:
                     break
                 token.start = self.fed
         self.fed += len(piece)
-        text, stop = self.matcher.feed(piece)
+        text, stop = self.matcher.feed(piece, active=stops)
         self.released += len(text)
         out = self._release(text, self._released_tokens())
         if stop is not None:

@@ -25,8 +25,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .json_grammar import MAX_ALTERNATIVES, JsonGrammar, SchemaError, compile_schema, states_done, \
-    step_states, start_states
+from .json_grammar import MAX_ALTERNATIVES, JsonGrammar, SchemaError, compile_schema, only_objects, \
+    start_states, states_done, step_states
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -54,10 +54,12 @@ def tools_prompt(tools: list[dict]) -> str:
 
 
 def chat_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
-    """``messages`` in a form every chat template renders: the tools described in the system
-    message, an assistant's ``tool_calls`` written as the model writes them, each run of ``tool``
-    results as one user turn. Messages without tools pass through unchanged."""
+    """``messages`` in a form chat templates render, even those that want user and assistant
+    turns to alternate: the tools described in the system message, an assistant's ``tool_calls``
+    written as the model writes them, ``tool`` results (with a user message right after them)
+    as one user turn. Messages without tools pass through unchanged."""
     out: list[dict] = []
+    results = False  # whether out[-1] is a user turn of tool results
     for message in messages:
         role = message.get("role")
         if role == "assistant" and message.get("tool_calls"):
@@ -65,15 +67,17 @@ def chat_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
                               for c in message["tool_calls"])
             content = message.get("content") or ""
             out.append({"role": "assistant", "content": f"{content}\n{calls}" if content else calls})
-        elif role == "tool":
-            result = f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"
-            if out and out[-1].get("_results"):
-                out[-1]["content"] += "\n" + result
+        elif role == "tool" or (role == "user" and results and isinstance(message.get("content"), str)):
+            text = message.get("content") or ""
+            if role == "tool":
+                text = f"<tool_response>\n{text}\n</tool_response>"
+            if results:
+                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + text}
             else:
-                out.append({"role": "user", "content": result, "_results": True})
+                out.append({"role": "user", "content": text})
         else:
             out.append({k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id", "name")})
-    out = [{k: v for k, v in m.items() if k != "_results"} for m in out]
+        results = role == "tool" or (results and role == "user")
     if tools:
         described = tools_prompt(tools)
         if out and out[0].get("role") == "system" and isinstance(out[0].get("content"), str):
@@ -124,9 +128,11 @@ def _compiled(key: str, named: str | None, free: bool, parallel: bool) -> ToolGr
         if named is not None and name != named:
             continue
         try:
-            root = compile_schema({"type": "object"} if parameters is None else parameters)
+            root = compile_schema(parameters or {"type": "object"})  # none, or {}: any object
         except SchemaError as exc:
             raise SchemaError(f"tools[{i}] ({name}): {exc}") from None
+        if not only_objects(root):  # arguments are an object, as OpenAI's and every client expect
+            raise SchemaError(f'tools[{i}] ({name}): parameters must describe an object ("type": "object")')
         compiled.append((name, JsonGrammar(root)))
     if not compiled:
         raise SchemaError(f"tool_choice names {named!r}, which is not in tools")
@@ -156,6 +162,11 @@ class ToolCallMatcher:
     def done(self) -> bool:
         """Whether the reply may end here: free text, or after a whole call."""
         return any(t[0] in ("free", "end") for t in self.threads)
+
+    @property
+    def stops_apply(self) -> bool:
+        """Whether a stop string may end the reply here: in free text, not inside the calls."""
+        return any(t[0] == "free" for t in self.threads)
 
     @property
     def failed(self) -> bool:
@@ -229,13 +240,16 @@ class ToolCallParser:
         ("call", index, name)         a call begins
         ("arguments", index, str)     more of that call's arguments (JSON text)
 
-    Text that may be the start of ``<tool_call>`` is held back until it is known not to be.
-    A reply that breaks the form (which a guided one cannot) is text from where it broke."""
+    Text that may be the start of ``<tool_call>`` is held back until it is known not to be, and
+    so is trailing whitespace (the line break before a call is no part of the text). A call cut
+    before its name is whole is dropped; a reply that breaks the form (which a guided one cannot)
+    is text from where it broke."""
 
     def __init__(self) -> None:
         self.calls: list[dict] = []  # {"name", "arguments"} so far
         self._buffer = ""
         self._state = "text"  # text | head | args | tail | between
+        self._gap = ""  # the whitespace between the text and a call's tag
         self._depth = 0
         self._in_string = self._escaped = False
 
@@ -249,12 +263,15 @@ class ToolCallParser:
     def finish(self) -> list[tuple]:
         """The events of what is still held back once the reply has ended."""
         events: list[tuple] = []
-        if self._state == "text" and self._buffer:
-            events.append(("text", self._buffer))
-        elif self._state == "head":  # cut before the call's name was whole: it never began
-            events.append(("text", OPEN + self._buffer))
+        if self._state == "text":
+            self._text(events, self._buffer)
         self._buffer = ""
         return events
+
+    @property
+    def whole(self) -> bool:
+        """Whether the reply so far ends outside any call (not cut inside one)."""
+        return self._state in ("text", "between")
 
     def _advance(self, events: list) -> bool:
         """Move on through the buffer; False when it must wait for more."""
@@ -264,10 +281,13 @@ class ToolCallParser:
             if at < 0:
                 keep = next((n for n in range(min(len(OPEN) - 1, len(buffer)), 0, -1)
                              if OPEN.startswith(buffer[-n:])), 0)
-                self._text(events, buffer[:len(buffer) - keep])
-                self._buffer = buffer[len(buffer) - keep:]
+                cut = len(buffer[:len(buffer) - keep].rstrip())
+                self._text(events, buffer[:cut])
+                self._buffer = buffer[cut:]
                 return False
-            self._text(events, buffer[:at])
+            before = buffer[:at].rstrip()
+            self._text(events, before)
+            self._gap = buffer[len(before):at]  # the whitespace held before the tag
             return self._go("head", buffer[at + len(OPEN):])
         if self._state == "head":
             found = _HEAD_TEXT.match(buffer)
@@ -278,7 +298,7 @@ class ToolCallParser:
                 return self._go("args", buffer[found.end():])
             if _may_become_head(buffer):
                 return False
-            events.append(("text", OPEN))  # not a call after all: the tag was text
+            events.append(("text", self._gap + OPEN))  # not a call after all: the tag was text
             return self._go("text", buffer)
         if self._state == "args":
             end = self._scan(buffer)
