@@ -149,3 +149,23 @@ def test_json_mode_streams_a_json_object(openai_client):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop", text
     assert isinstance(json.loads(text), dict), text
+
+
+def test_structured_output_with_datetimes_and_uuids(openai_client):
+    """pydantic writes them as JSON Schema formats, which the engine enforces."""
+    import datetime
+    import uuid
+
+    from pydantic import BaseModel
+
+    class Booking(BaseModel):
+        guest: str
+        arrives: datetime.date
+        booked_at: datetime.datetime
+        reference: uuid.UUID
+
+    ask = [{"role": "user", "content": "A hotel booking as JSON: guest, arrival date, when it was booked, reference."}]
+    reply = openai_client.chat.completions.parse(model=DEPLOYMENT, messages=ask, response_format=Booking,
+                                                 temperature=0.7, seed=5, max_tokens=160)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Booking), choice.message.content

@@ -216,8 +216,12 @@ def _nested(levels: int) -> dict:
 
 
 @pytest.mark.parametrize("schema,words", [
-    ({"type": "string", "pattern": "^a"}, ["'pattern'", "#"]),
-    ({"type": "object", "properties": {"e": {"type": "string", "format": "email"}}}, ["'format'", "#/properties/e"]),
+    ({"type": "string", "pattern": "^(?=a)"}, ["pattern", "lookarounds"]),
+    ({"type": "string", "pattern": '^"quoted"$'}, ["pattern", "escapes"]),
+    ({"type": "string", "pattern": "^[a-z]{3}$", "maxLength": 2}, ["minLength/maxLength"]),
+    ({"type": "string", "pattern": "^a$", "format": "uuid"}, ["pattern beside format"]),
+    ({"type": "object", "properties": {"e": {"type": "string", "format": "password"}}}, ["'password'", "#/properties/e"]),
+    ({"type": "integer", "minimum": 1}, ["'minimum'"]),
     ({"type": "object", "required": ["a"]}, ["'a'", "required"]),
     ({"$ref": "#/$defs/missing"}, ["$ref", "missing"]),
     ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, ["itself"]),

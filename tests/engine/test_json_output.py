@@ -93,3 +93,25 @@ def test_a_grammar_left_with_nothing_to_pick_fails_its_request_and_says_so(bundl
         eng.runner.vocab_bytes = vocab
         assert out.finish_reason == "error" and "format" in out.error and out.completion_tokens == 0
         assert ask(eng, None, max_tokens=4).result(timeout=300).finish_reason == "length"
+
+
+def test_formatted_strings_are_values_their_parsers_read(engine):
+    """A pydantic model's datetime, UUID and e-mail fields come as JSON Schema formats."""
+    import datetime
+    import uuid
+
+    event = {"type": "object", "properties": {
+        "title": {"type": "string", "maxLength": 40}, "starts": {"type": "string", "format": "date-time"},
+        "id": {"type": "string", "format": "uuid"}, "contact": {"type": "string", "format": "email", "maxLength": 40},
+        "room": {"type": "string", "pattern": "^[A-Z]\\d{3}$"}},
+        "required": ["title", "starts", "id", "contact", "room"], "additionalProperties": False}
+    ask_event = [{"role": "user", "content": "Describe a meeting as JSON: title, start time, id, contact e-mail, room."}]
+    out = engine.submit_chat(ask_event, SamplingParams(
+        max_tokens=200, temperature=0.7, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "event", "schema": event}})).result(timeout=300)
+    assert out.finish_reason == "stop", out.text
+    value = json.loads(out.text)
+    jsonschema.validate(value, event)
+    datetime.datetime.fromisoformat(value["starts"].replace("Z", "+00:00"))
+    uuid.UUID(value["id"])
+    assert "@" in value["contact"]

@@ -225,7 +225,7 @@ def test_another_organizations_dedicated_deployment_cannot_be_called_over_the_we
     (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}),
      "response_format"),
     (CHAT, chat(response_format={"type": "json_schema", "json_schema": {
-        "name": "s", "schema": {"type": "object", "properties": {"e": {"type": "string", "format": "email"}}}}}),
+        "name": "s", "schema": {"type": "object", "properties": {"e": {"type": "string", "format": "password"}}}}}),
      "response_format"),
     (CHAT, chat(response_format={"type": "json_schema", "json_schema": {
         "name": "s", "schema": {"type": "object", "required": ["a"]}}}), "response_format"),

@@ -24,6 +24,8 @@ value. A stack is a tuple of frames, each a small tuple:
                                         far of an undeclared key (None for a value)
     ("k", keys, at)                     inside a declared key: the candidates' JSON texts, ``at``
                                         bytes matched
+    ("p", node, states, length)         inside a string with a pattern or format: the states of
+                                        its regex (see byte_regex), ``length`` characters written
     ("n", integer, phase)               inside a number
     ("l", texts, at)                    inside a literal (true, false, null, an enum's values)
 
@@ -44,6 +46,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from .byte_regex import RegexError, compile_format, compile_pattern
+
 MAX_WS_BYTES = 48
 MAX_WS_LINES = 2
 MAX_DEPTH = 32  # objects and arrays nested where any value may go; schemas nested
@@ -61,7 +65,7 @@ _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id",
                 "discriminator"}  # pydantic's, beside the oneOf that does the work
 _KEYWORDS = _ANNOTATIONS | {"type", "properties", "required", "additionalProperties", "items",
                             "minItems", "maxItems", "minLength", "maxLength", "enum", "const", "anyOf",
-                            "oneOf", "$ref"}
+                            "oneOf", "$ref", "pattern", "format"}
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _DEF_TABLES = ("$defs", "definitions")
 
@@ -86,6 +90,7 @@ class Node:
     max_length: int | None = None
     literals: tuple[bytes, ...] = ()  # a literal's possible JSON texts
     options: tuple["Node", ...] = ()
+    regex: Any = None  # a string's pattern or format (byte_regex.ByteRegex)
     target: str = ""  # a ref's definition ("$defs/name"; "" for the root)
     defs: dict[str, "Node"] | None = None  # a ref's table
 
@@ -202,7 +207,7 @@ class _Compiler:
         if unknown:
             raise SchemaError(f"{where}: the keyword {unknown[0]!r} is not supported (supported: type, "
                               "properties, required, additionalProperties, items, minItems, maxItems, "
-                              "minLength, maxLength, enum, const, anyOf, oneOf, $ref, $defs)")
+                              "minLength, maxLength, pattern, format, enum, const, anyOf, oneOf, $ref, $defs)")
         meaningful = set(schema) - _ANNOTATIONS
         for key in ("$ref", "anyOf", "oneOf"):
             if key in schema and meaningful != {key}:
@@ -253,12 +258,12 @@ class _Compiler:
             return Node("array", where, items=items, min_items=low, max_items=high)
         if kind == "string":
             low, high = _bounds(schema, "minLength", "maxLength", where)
-            return Node("string", where, min_length=low, max_length=high)
+            return Node("string", where, min_length=low, max_length=high, regex=_regex(schema, low, high, where))
         if kind == "boolean":
             return Node("literal", where, literals=(b"true", b"false"))
         if kind == "null":
             return Node("literal", where, literals=(b"null",))
-        return Node(kind, where)
+        return Node(kind, where)  # pattern and format constrain strings alone (JSON Schema's rule)
 
     def _object(self, schema: dict, where: str, depth: int) -> Node:
         properties = schema.get("properties", {})
@@ -290,6 +295,22 @@ class _Compiler:
             if isinstance(ref, str) and ref.startswith(prefix) and ref[2:] in self.raw_defs:
                 return Node("ref", where, target=ref[2:], defs=self.defs)
         raise SchemaError(f"{where}: $ref {ref!r} must name '#' or an entry of $defs")
+
+
+def _regex(schema: dict, low: int, high: int | None, where: str):
+    """A string's ``pattern`` or ``format`` compiled (None without either)."""
+    pattern, named = schema.get("pattern"), schema.get("format")
+    if pattern is None and named is None:
+        return None
+    if pattern is not None and named is not None:
+        raise SchemaError(f"{where}: pattern beside format is not supported (use one)")
+    try:
+        regex = compile_pattern(pattern) if pattern is not None else compile_format(named)
+    except RegexError as exc:
+        raise SchemaError(f"{where}: {'pattern' if pattern is not None else 'format'}: {exc}") from None
+    if not regex.fits(regex.start, 0, low, high):
+        raise SchemaError(f"{where}: no string of the pattern fits minLength/maxLength")
+    return regex
 
 
 def _type_of(value: Any) -> str:
@@ -544,8 +565,12 @@ def _start(node: Node, b: int, below: tuple) -> list[tuple]:
     if kind == "array":
         return [below + (("a", node, 0, "["),)] if b == 0x5B else []
     if kind == "string":
+        if b != 0x22:
+            return []
+        if node.regex is not None:
+            return [below + (("p", node, node.regex.start, 0),)]
         limited = node.min_length or node.max_length is not None
-        return [below + (("s", 0, 0, 0, node if limited else None, None),)] if b == 0x22 else []
+        return [below + (("s", 0, 0, 0, node if limited else None, None),)]
     if kind in ("number", "integer"):
         integer = kind == "integer"
         if b == 0x2D:
@@ -702,4 +727,19 @@ def _number(top: tuple, b: int):
     return None
 
 
-_STEPS = {"v": _value, "o": _object, "a": _array, "s": _string, "k": _key, "l": _literal}
+def _patterned(stack: tuple, top: tuple, b: int) -> list[tuple]:
+    """Inside a string with a pattern: its bytes as they are (no escapes), each kept only if a
+    match of the pattern, within the length bounds, can still follow."""
+    _, node, states, length = top
+    regex = node.regex
+    if b == 0x22:
+        return [stack[:-1]] if regex.matches(states) and length >= node.min_length else []
+    states = regex.step(states, b)
+    if b < 0x80 or b >= 0xC0:  # a character starts
+        length += 1
+    if not states or not regex.fits(states, length, node.min_length, node.max_length):
+        return []
+    return [stack[:-1] + (("p", node, states, length),)]
+
+
+_STEPS = {"v": _value, "o": _object, "a": _array, "s": _string, "k": _key, "l": _literal, "p": _patterned}

@@ -1,0 +1,150 @@
+"""Patterns and formats as byte automata: they match what Python's ``re`` matches, formats accept
+the values parsers read, and inside JSON output no prefix of a string is a dead end."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import random
+import re
+import uuid
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from workers.engine.byte_regex import FORMATS, RegexError, compile_format, compile_pattern
+from workers.engine.json_grammar import JsonGrammar
+
+
+def matches(regex, text: str) -> bool:
+    states = regex.start
+    for b in text.encode():
+        states = regex.step(states, b)
+        if not states:
+            return False
+    return regex.matches(states)
+
+
+PATTERNS = [
+    r"^[a-z]+$", r"ab+c", r"^(\d{3})-\d{4}$", r"^(foo|ba[rz])*$", r"^a{2,3}b?$", r"^[^aeiou ]{1,4}$", r"x.y",
+    r"^\w+@\w+\.(com|org)$", r"^[A-Z][a-z]*( [A-Z][a-z]*)*$", r"^-?\d+(\.\d+)?$", r"^(?:ab|a)(?:bc|c)$", r"^\S+\s\S+$",
+    r"^é+ü?$", r"^[\d\-]+$", r"^\x41\u0042$", r"^a{0}b$", r"^(a|)+$", r"^.{2}$",
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(pattern=st.sampled_from(PATTERNS), text=st.text(alphabet="abcxyzAB019-. @éü_", max_size=12))
+def test_a_pattern_matches_what_python_matches(pattern, text):
+    assert matches(compile_pattern(pattern), text) == bool(re.search(pattern, text))
+
+
+@pytest.mark.parametrize("name, good, bad", [
+    ("date-time", ["2024-05-01T12:30:00Z", "1999-12-31T23:59:59.123456+05:30"], ["2024-5-01T12:30:00Z", "2024-05-01 12:30"]),
+    ("date", ["2024-02-29", "0001-01-01"], ["2024-13-01", "24-01-01"]),
+    ("time", ["12:30:00", "23:59:59.5Z"], ["24:00:00", "12:30"]),
+    ("uuid", ["123e4567-e89b-12d3-a456-426614174000"], ["123e4567e89b12d3a456426614174000", "g23e4567-e89b-12d3-a456-426614174000"]),
+    ("email", ["ada.lovelace+x@example.co.uk"], ["ada@", "ada@example", "a da@example.com"]),
+    ("ipv4", ["192.168.0.1", "0.0.0.0"], ["256.0.0.1", "1.2.3"]),
+    ("hostname", ["example.org", "a-b"], ["-a.org", "a..b"]),
+    ("uri", ["https://example.org/a?b=c#d", "mailto:ada@example.com"], ["example.org", "http:// x"]),
+    ("duration", ["P1D", "PT1H30M", "P1Y2M3DT4H5M6.5S", "-P2W"], ["P", "PT", "P1DT", "1D"]),
+])
+def test_formats_accept_the_values_parsers_read(name, good, bad):
+    regex = compile_format(name)
+    for text in good:
+        assert matches(regex, text), text
+    for text in bad:
+        assert not matches(regex, text), text
+
+
+@pytest.mark.parametrize("name, parse", [
+    ("date-time", lambda s: datetime.datetime.fromisoformat(s.replace("Z", "+00:00"))),
+    ("date", datetime.date.fromisoformat), ("uuid", uuid.UUID), ("ipv4", ipaddress.IPv4Address),
+])
+def test_random_values_of_a_format_parse(name, parse):
+    """Walk the automaton at random to a match: what it allows, the parser reads (a day past the
+    month's end aside, which a pattern cannot know)."""
+    regex, rng = compile_format(name), random.Random(name)
+    for _ in range(50):
+        states, data = regex.start, b""
+        while not (regex.matches(states) and rng.random() < 0.3) or not data:
+            allowed = [b for b in range(256) if regex.step(states, b)]
+            if not allowed:
+                assert regex.matches(states)
+                break
+            b = rng.choice(allowed)
+            states, data = regex.step(states, b), data + bytes((b,))
+        text = data.decode()
+        if name in ("date-time", "date") and int(text[8:10]) > 28:
+            continue
+        parse(text)
+
+
+@pytest.mark.parametrize("pattern, why", [
+    ("(?=a)", "lookarounds"), ("(?<!a)b", "lookarounds"), (r"(a)\1", "backreferences"), (r"\bword", "word boundaries"),
+    ("a^b", "ends of the pattern"), ("a{3,2}", "out of range"), ("a{5000}", "out of range"), ('^"$', "escapes"),
+    (r"^\n$", "escapes"), ("[z-a]", "backwards"), ("[é-ü]", "ASCII"), ("[éa]", "non-ASCII"), ("(ab", "not closed"), ("*a", "nothing to repeat"),
+    ("(a{1,1000}){1,1000}", "too large"),
+])
+def test_what_cannot_be_compiled_is_refused_saying_why(pattern, why):
+    with pytest.raises(RegexError, match=why):
+        compile_pattern(pattern)
+
+
+def test_an_unknown_format_names_the_known_ones():
+    with pytest.raises(RegexError, match="'password'.*date-time"):
+        compile_format("password")
+    assert set(FORMATS) >= {"date-time", "date", "time", "uuid", "email", "uri", "duration", "ipv4", "hostname"}
+
+
+def grammar(schema) -> JsonGrammar:
+    return JsonGrammar.from_response_format({"type": "json_schema", "json_schema": {"name": "t", "schema": schema}})
+
+
+def accepts(g: JsonGrammar, value) -> bool:
+    m = g.matcher()
+    data = json.dumps(value, ensure_ascii=False).encode()
+    if not m.accepts(data):
+        return False
+    m.advance(data)
+    return m.done
+
+
+def test_in_json_output_a_pattern_constrains_string_values_only():
+    g = grammar({"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-\\d+$"},
+                                                  "any": {"type": ["string", "integer"], "pattern": "^x"}},
+                 "required": ["code"], "additionalProperties": False})
+    assert accepts(g, {"code": "AB-12"}) and accepts(g, {"code": "AB-1", "any": 5}) and accepts(g, {"code": "ZZ-0", "any": "xy"})
+    assert not accepts(g, {"code": "ab-12"}) and not accepts(g, {"code": "AB-"}) and not accepts(g, {"code": "AB-1", "any": "y"})
+    # Written as it is: an escape could spell any character, so none is taken.
+    assert not grammar({"type": "string", "pattern": "^a+$"}).matcher().accepts(b'"\\u0061"')
+
+
+@settings(max_examples=60, deadline=None)
+@given(schema=st.sampled_from([
+    {"type": "string", "pattern": r"^[a-z]+\d*$", "maxLength": 5},
+    {"type": "string", "pattern": r"^(ab|abcdef)$", "minLength": 3},
+    {"type": "string", "pattern": r"x", "minLength": 2, "maxLength": 4},
+    {"type": "string", "format": "email", "maxLength": 12},
+    {"type": "string", "pattern": "^(é|ü)+-?$", "maxLength": 3},
+    {"type": "array", "items": {"type": "string", "format": "date"}, "maxItems": 2},
+]), seed=st.integers(0, 2**32))
+def test_no_prefix_of_a_patterned_value_is_a_dead_end(schema, seed):
+    """A random walk through what the grammar allows always reaches a whole value, whose strings
+    are instances of the schema (lengths counted in characters)."""
+    import jsonschema
+
+    g, rng = grammar(schema), random.Random(seed)
+    m, data = g.matcher(), b""
+    while not (m.done and rng.random() < 0.2):
+        allowed = [b for b, ok in enumerate(m.allowed_first_bytes()) if ok]
+        assert allowed or m.done, data
+        if not allowed:
+            break
+        b = rng.choice(allowed)
+        m.advance(bytes((b,)))
+        data += bytes((b,))
+        assert len(data) < 2000, data  # every schema here bounds its values
+    jsonschema.validate(json.loads(data), schema)
