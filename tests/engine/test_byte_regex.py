@@ -30,7 +30,7 @@ def matches(regex, text: str) -> bool:
 PATTERNS = [
     r"^[a-z]+$", r"ab+c", r"^(\d{3})-\d{4}$", r"^(foo|ba[rz])*$", r"^a{2,3}b?$", r"^[^aeiou ]{1,4}$", r"x.y",
     r"^\w+@\w+\.(com|org)$", r"^[A-Z][a-z]*( [A-Z][a-z]*)*$", r"^-?\d+(\.\d+)?$", r"^(?:ab|a)(?:bc|c)$", r"^\S+\s\S+$",
-    r"^é+ü?$", r"^[\d\-]+$", r"^\x41\u0042$", r"^a{0}b$", r"^(a|)+$", r"^.{2}$",
+    r"^é+ü?$", r"^[\d\-]+$", r"^\x41\u0042$", r"^a{0}b$", r"^(a|)+$", r"^.{2}$", r"^(?P<word>[a-z]+)-\d$",
 ]
 
 
@@ -86,11 +86,15 @@ def test_random_values_of_a_format_parse(name, parse):
     ("(?=a)", "lookarounds"), ("(?<!a)b", "lookarounds"), (r"(a)\1", "backreferences"), (r"\bword", "word boundaries"),
     ("a^b", "ends of the pattern"), ("a{3,2}", "out of range"), ("a{5000}", "out of range"), ('^"$', "escapes"),
     (r"^\n$", "escapes"), ("[z-a]", "backwards"), ("[é-ü]", "ASCII"), ("[éa]", "non-ASCII"), ("(ab", "not closed"), ("*a", "nothing to repeat"),
-    ("(a{1,1000}){1,1000}", "too large"),
+    ("(a{1,1000}){1,1000}", "too large"), ("(?<name", "name"), ("\ud800", "UTF-16"), (r"\uD83D", "UTF-16"),
 ])
 def test_what_cannot_be_compiled_is_refused_saying_why(pattern, why):
     with pytest.raises(RegexError, match=why):
         compile_pattern(pattern)
+
+
+def test_a_utf16_pair_spells_one_character():
+    assert matches(compile_pattern(r"^\uD83D\uDE00+$"), "\U0001F600\U0001F600")
 
 
 def test_an_unknown_format_names_the_known_ones():

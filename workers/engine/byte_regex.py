@@ -185,7 +185,10 @@ class _Parser:
                 self.at += 2
             elif self.text.startswith("?<", self.at) and not self.text.startswith(("?<=", "?<!"), self.at) \
                     or self.text.startswith("?P<", self.at):
-                self.at = self.text.index(">", self.at) + 1
+                close = self.text.find(">", self.at)
+                if close < 0:
+                    raise RegexError("a group's name is not closed with >")
+                self.at = close + 1
             elif self._peek() == "?":
                 raise RegexError(f"lookarounds and inline flags are not supported (at {self.at - 1})")
             tree = self._alternation()
@@ -219,7 +222,13 @@ class _Parser:
             if len(code) != digits or any(d not in "0123456789abcdefABCDEF" for d in code):
                 raise RegexError(f"\\{c} needs {digits} hex digits")
             self.at += digits
-            return _char(chr(int(code, 16)))
+            value = int(code, 16)
+            low = self.text[self.at + 2:self.at + 6] if self.text.startswith("\\u", self.at) else ""
+            if 0xD800 <= value < 0xDC00 and len(low) == 4 and all(d in "0123456789abcdefABCDEF" for d in low) \
+                    and 0xDC00 <= int(low, 16) < 0xE000:  # a UTF-16 pair, as JavaScript spells an emoji
+                self.at += 6
+                value = 0x10000 + ((value - 0xD800) << 10) + (int(low, 16) - 0xDC00)
+            return _char(chr(value))
         controls = {"t": "\t", "n": "\n", "r": "\r", "f": "\f", "v": "\v", "0": "\0", "b": "\b"}
         return _char(controls.get(c, c))
 
@@ -259,7 +268,9 @@ class _Parser:
 def _char(c: str):
     if ord(c) < 0x80:
         return ("set", frozenset({ord(c)}) & _PLAIN, False)
-    return ("seq", c.encode("utf-8", errors="strict"))
+    if 0xD800 <= ord(c) < 0xE000:
+        raise RegexError(f"the pattern holds half of a UTF-16 pair (\\u{ord(c):04x}), which is no character")
+    return ("seq", c.encode("utf-8"))
 
 
 def _escaped_at(text: str, at: int) -> bool:
