@@ -44,8 +44,8 @@ def test_a_required_call_comes_back_as_tool_calls_with_valid_arguments(openai_cl
 
 
 def test_streamed_calls_add_up_to_the_whole_reply(openai_client):
-    whole = create(openai_client, tool_choice="required").choices[0]
-    chunks = list(create(openai_client, tool_choice="required", stream=True))
+    whole = create(openai_client, tool_choice="required", parallel_tool_calls=False, max_tokens=60).choices[0]
+    chunks = list(create(openai_client, tool_choice="required", parallel_tool_calls=False, max_tokens=60, stream=True))
     calls: dict[int, dict] = {}
     for chunk in chunks:
         for delta in chunk.choices[0].delta.tool_calls or []:
@@ -90,9 +90,9 @@ def test_results_sent_back_get_an_answer_in_text(openai_client):
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": "Rain, 11 degrees."},
     ]
-    reply = create(openai_client, messages=conversation, tool_choice="none", max_tokens=40).choices[0]
+    reply = create(openai_client, messages=conversation, tool_choice="none", max_tokens=24).choices[0]
     assert reply.message.tool_calls is None and reply.message.content
     # The result reached the model: the same conversation with another result reads differently.
     other = conversation[:-1] + [{**conversation[-1], "content": "Sunny, 30 degrees."}]
-    assert create(openai_client, messages=other, tool_choice="none", max_tokens=40).choices[0].message.content \
+    assert create(openai_client, messages=other, tool_choice="none", max_tokens=24).choices[0].message.content \
         != reply.message.content

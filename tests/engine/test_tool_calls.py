@@ -123,8 +123,9 @@ def test_stop_strings_apply_to_text_but_not_inside_calls():
 
 def test_none_means_plain_text_and_schemas_are_checked():
     assert tool_grammar_for(TOOLS, "none", True) is None
-    with pytest.raises(ValueError, match=r"tools\[0\] \(bad\).*pattern"):
-        tool_grammar_for([{"name": "bad", "parameters": {"type": "string", "pattern": "a+"}}], "auto", True)
+    with pytest.raises(ValueError, match=r"tools\[0\] \(bad\).*minimum"):
+        tool_grammar_for([{"name": "bad", "parameters": {"type": "object", "properties": {
+            "n": {"type": "integer", "minimum": 1}}}}], "auto", True)
     with pytest.raises(ValueError, match="not in tools"):
         tool_grammar_for(TOOLS, {"name": "missing"}, True)
 

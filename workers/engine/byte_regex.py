@@ -1,61 +1,67 @@
 """Regular expressions as automata over the bytes of a JSON string's content: JSON Schema's
 ``pattern``, and the ``format``s that have one (date-time, uuid, email, ...).
 
-A pattern compiles to an NFA whose edges read bytes; a character outside ASCII is the UTF-8
-sequence of bytes it is written as, and "any character" (``.``, ``\\S``, ``[^a]``) includes every
-one of them. The text is written unescaped, so the characters a JSON string must escape (``"``,
-``\\``, control characters) are never allowed: a pattern that needs one matches nothing here and
-is refused. Each state knows the fewest and the most characters that can still lead to a match,
-which lets a string's length bounds apply beside the pattern without leading into a dead end.
+A pattern compiles to an NFA whose edges read bytes: a character class is a set of code points,
+written as the UTF-8 byte ranges that spell them, so ``.``, ``\\S`` or ``[^a]`` include every
+character outside ASCII they should, and no broken UTF-8. The text is written unescaped, so the
+characters a JSON string must escape (``"``, ``\\``, control characters) are never allowed: a
+pattern that needs one matches nothing here and is refused. Each state knows the lengths (in
+characters) that can still lead to a match, so that a string's length bounds apply beside the
+pattern without leading into a dead end.
 
-The syntax is ECMAScript's, as JSON Schema's: alternation, groups (also ``(?:``, named), classes
-with ranges, ``\\d \\w \\s`` and their negations, ``.``, ``* + ? {n} {n,} {n,m}`` (lazy ones too),
-``\\xHH``, ``\\uHHHH``, and ``^``/``$`` at the ends (a pattern matches anywhere in the string
-unless anchored). Lookarounds, backreferences and word boundaries are refused.
+The syntax and meaning are ECMAScript's, as JSON Schema's: alternation, groups (also ``(?:``,
+named), classes with ranges, ``\\d \\w \\s`` and their negations, ``.``, ``* + ? {n} {n,} {n,m}``
+(lazy ones too), ``\\xHH``, ``\\uHHHH``, and ``^``/``$`` at the ends of the pattern or of its
+top-level alternatives (a pattern matches anywhere in the string unless anchored). Lookarounds,
+backreferences, word boundaries and unknown letter escapes are refused.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MAX_STATES = 5000
+MAX_CLOSURE = 100_000  # empty-edge links summed over states: (a?){1000} makes a million
 MAX_REPEAT = 1000
-# Bytes a JSON string may hold as they are: printable ASCII but the quote and the backslash.
-_PLAIN = frozenset(range(0x20, 0x80)) - {0x22, 0x5C}
-_DIGIT = frozenset(range(0x30, 0x3A))
-_WORD = _DIGIT | frozenset(range(0x41, 0x5B)) | frozenset(range(0x61, 0x7B)) | {0x5F}
-_SPACE = frozenset(b" \t\n\r\f\v")
-# A character outside ASCII, in strict UTF-8: per lead bytes, the ranges of the bytes that follow.
-_UTF8 = (((0xC2, 0xDF), ((0x80, 0xBF),)),
-         ((0xE0, 0xE0), ((0xA0, 0xBF), (0x80, 0xBF))),
-         ((0xE1, 0xEC), ((0x80, 0xBF), (0x80, 0xBF))),
-         ((0xED, 0xED), ((0x80, 0x9F), (0x80, 0xBF))),
-         ((0xEE, 0xEF), ((0x80, 0xBF), (0x80, 0xBF))),
-         ((0xF0, 0xF0), ((0x90, 0xBF), (0x80, 0xBF), (0x80, 0xBF))),
-         ((0xF1, 0xF3), ((0x80, 0xBF), (0x80, 0xBF), (0x80, 0xBF))),
-         ((0xF4, 0xF4), ((0x80, 0x8F), (0x80, 0xBF), (0x80, 0xBF))))
+MAX_CODE = 0x10FFFF
+# Code points a JSON string may hold as they are: printable ASCII but the quote and the
+# backslash, and every character outside ASCII (surrogates are no characters).
+_PLAIN = ((0x20, 0x21), (0x23, 0x5B), (0x5D, 0x7F), (0x80, 0xD7FF), (0xE000, MAX_CODE))
+_DIGIT = ((0x30, 0x39),)
+_WORD = ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
+_SPACE = ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029),
+          (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF))  # ECMAScript's \s
+_LINE_ENDS = ((0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029))  # what ``.`` does not match
 
-# Formats as patterns: what a JSON Schema validator, pydantic and most parsers accept.
-_OCTET = r"(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
+# Formats as patterns: the values validators, pydantic and the common parsers accept.
+_YEAR = r"(000[1-9]|00[1-9]\d|0[1-9]\d\d|[1-9]\d{3})"
+_LEAP_YEAR = r"(\d\d(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+_MONTH_DAY = r"((0[13578]|1[02])-(0[1-9]|[12]\d|3[01])|(0[469]|11)-(0[1-9]|[12]\d|30)|02-(0[1-9]|1\d|2[0-8]))"
+_DATE = f"({_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)"
 _TIME = r"([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{1,6})?"
 _ZONE = r"(Z|[+-]([01]\d|2[0-3]):[0-5]\d)"
-_DATE = r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
+_OCTET = r"(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_PORT = r"(:([1-9]\d{0,3}|[1-5]\d{4}|6[0-4]\d{3}|65[0-4]\d\d|655[0-2]\d|6553[0-5]))?"
+_N = r"\d{1,6}"  # a duration's number: pydantic refuses huge ones
+_CLOCK = f"T({_N}H({_N}M)?({_N}(\\.\\d{{1,6}})?S)?|{_N}M({_N}(\\.\\d{{1,6}})?S)?|{_N}(\\.\\d{{1,6}})?S)"
+_HEX = "[0-9a-fA-F]"
 FORMATS = {
     "date-time": f"^{_DATE}T{_TIME}{_ZONE}$",
     "date": f"^{_DATE}$",
     "time": f"^{_TIME}{_ZONE}?$",
-    "uuid": r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$",
-    "email": r"^[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(\.[A-Za-z0-9-]{1,63})*\.[A-Za-z]{2,24}$",
+    "duration": f"^-?P(({_N}Y({_N}M)?({_N}W)?({_N}D)?|{_N}M({_N}W)?({_N}D)?|{_N}W({_N}D)?|{_N}D)({_CLOCK})?|{_CLOCK})$",
+    "uuid": f"^{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}$",
+    "email": f"^[A-Za-z0-9_%+-]{{1,32}}(\\.[A-Za-z0-9_%+-]{{1,32}}){{0,3}}@({_LABEL}\\.){{1,4}}[A-Za-z]{{2,24}}$",
     "ipv4": f"^({_OCTET}\\.){{3}}{_OCTET}$",
-    "hostname": r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$",
-    "uri": r"^[A-Za-z][A-Za-z0-9+.-]*:[^\s]+$",
+    "hostname": f"^{_LABEL}(\\.{_LABEL})*$",
+    "uri": f"^[A-Za-z][A-Za-z0-9+.-]*://({_LABEL}(\\.{_LABEL})*|\\[[0-9a-fA-F:.]{{2,45}}\\]){_PORT}([/?#]\\S*)?$",
 }
-# An ISO 8601 duration (pydantic's timedelta): at least one part after P, and after T.
-FORMATS["duration"] = (r"^-?P((\d+Y(\d+M)?(\d+W)?(\d+D)?|\d+M(\d+W)?(\d+D)?|\d+W(\d+D)?|\d+D)"
-                       r"(T(\d+H(\d+M)?(\d+(\.\d+)?S)?|\d+M(\d+(\.\d+)?S)?|\d+(\.\d+)?S))?"
-                       r"|T(\d+H(\d+M)?(\d+(\.\d+)?S)?|\d+M(\d+(\.\d+)?S)?|\d+(\.\d+)?S))$")
+for _version in range(1, 9):  # pydantic's UUID1 ... UUID8
+    FORMATS[f"uuid{_version}"] = f"^{_HEX}{{8}}-{_HEX}{{4}}-{_version}{_HEX}{{3}}-[89abAB]{_HEX}{{3}}-{_HEX}{{12}}$"
 
 
 class RegexError(ValueError):
@@ -73,14 +79,25 @@ class ByteRegex:
     start: frozenset[int]
     min_left: list[int]  # per state: the fewest characters still to write to match
     max_left: list[float]  # the most (inf: any number)
+    moves: list[set[int]] = field(repr=False, default_factory=list)  # per state: the states one byte reaches
+    starts_char: list[bool] = field(repr=False, default_factory=list)  # whether its edges read a first byte
+    _lengths: dict[int, list[int]] = field(repr=False, default_factory=dict)  # see lengths_left
+    _steps: dict[tuple[frozenset[int], int], frozenset[int]] = field(repr=False, default_factory=dict)
 
     def step(self, states: frozenset[int], b: int) -> frozenset[int]:
-        out: set[int] = set()
-        for state in states:
-            for low, high, target in self.edges[state]:
-                if low <= b <= high:
-                    out |= self.closure[target]
-        return frozenset(out)
+        key = (states, b)
+        found = self._steps.get(key)
+        if found is None:
+            out: set[int] = set()
+            for state in states:
+                for low, high, target in self.edges[state]:
+                    if low <= b <= high:
+                        out |= self.closure[target]
+            found = frozenset(out)
+            if len(self._steps) > 20_000:  # a bounded memo: a small DFA, built as it is used
+                self._steps.clear()
+            self._steps[key] = found
+        return found
 
     def matches(self, states: frozenset[int]) -> bool:
         return self.accept in states
@@ -88,12 +105,40 @@ class ByteRegex:
     def fits(self, states: frozenset[int], length: int, low: int, high: int | None) -> bool:
         """Whether a match can still end with between ``low`` and ``high`` characters, ``length``
         of them written."""
+        if high is not None and length > high:
+            return False
+        if high is not None and low > 0 and high - low < len(self.edges):
+            # A narrow window may fall in a gap of the lengths a state leads to: ask exactly.
+            least = max(0, low - length)
+            window = ((1 << (high - length + 1)) - 1) >> least << least
+            lengths = self.lengths_left(high)
+            return any(lengths[s] & window for s in states)
         return any((high is None or length + self.min_left[s] <= high) and length + self.max_left[s] >= low
                    for s in states)
 
+    def lengths_left(self, most: int) -> list[int]:
+        """Per state, the numbers of characters (up to ``most``) that lead to a match, as bits."""
+        if most not in self._lengths:
+            n, mask = len(self.edges), (1 << (most + 1)) - 1
+            into: list[list[int]] = [[] for _ in range(n)]
+            for s in range(n):
+                for t in self.moves[s]:
+                    into[t].append(s)
+            bits = [1 if self.accept in self.closure[s] else 0 for s in range(n)]
+            work = deque(s for s in range(n) if bits[s])
+            while work:
+                t = work.popleft()
+                for s in into[t]:
+                    grown = bits[s] | ((bits[t] << self.starts_char[s]) & mask)
+                    if grown != bits[s]:
+                        bits[s] = grown
+                        work.append(s)
+            self._lengths[most] = bits
+        return self._lengths[most]
+
 
 def compile_format(name: str) -> ByteRegex:
-    if name not in FORMATS:
+    if not isinstance(name, str) or name not in FORMATS:
         raise RegexError(f"the format {name!r} is not supported (supported: {', '.join(FORMATS)})")
     return compile_pattern(FORMATS[name])
 
@@ -101,31 +146,44 @@ def compile_format(name: str) -> ByteRegex:
 def compile_pattern(pattern: str) -> ByteRegex:
     if not isinstance(pattern, str):
         raise RegexError("a pattern must be a string")
-    tree = _Parser(pattern).parse()
-    return _Builder(pattern).build(tree)
+    return _compiled(pattern)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(pattern: str) -> ByteRegex:
+    try:
+        tree = _Parser(pattern).parse()
+        return _Builder(pattern).build(tree)
+    except RecursionError:
+        raise RegexError("the pattern's groups are nested too deep") from None
 
 
 # -- parsing ------------------------------------------------------------------------------------
-# The tree: ("set", bytes frozenset, any non-ASCII character too: bool), ("seq", bytes) for one
-# non-ASCII character, ("cat", [..]), ("alt", [..]), ("rep", tree, least, most or None).
+# The tree: ("class", code point ranges), ("cat", [..]), ("alt", [..]), ("rep", tree, least,
+# most or None), and, parsed only at the ends of top-level alternatives, ("^",) and ("$",).
+
+_ESCAPES = {"t": 0x09, "n": 0x0A, "v": 0x0B, "f": 0x0C, "r": 0x0D, "0": 0x00}
+_CLASS_ESCAPES = {"d": _DIGIT, "w": _WORD, "s": _SPACE}
 
 
 class _Parser:
     def __init__(self, pattern: str):
         self.text = pattern
         self.at = 0
+        self.depth = 0
 
     def parse(self):
-        text = self.text
-        start = 1 if text.startswith("^") else 0
-        end = len(text) - 1 if text.endswith("$") and not _escaped_at(text, len(text) - 1) and len(text) > start else len(text)
-        self.text, self.at = text[:end], start
-        tree = self._alternation()
+        options = self._alternation()
         if self.at != len(self.text):
             raise RegexError(f"unexpected {self.text[self.at]!r} at {self.at}")
-        anything = ("rep", ("set", _PLAIN, True), 0, None)
-        parts = ([] if start else [anything]) + [tree] + ([] if end < len(text) else [anything])
-        return ("cat", parts)
+        anything = ("rep", ("class", _PLAIN), 0, None)
+        anchored = []
+        for option in options:  # a top-level alternative matches anywhere unless anchored
+            items = option[1]
+            head = [] if items[:1] == [("^",)] else [anything]
+            tail = [] if items[-1:] == [("$",)] else [anything]
+            anchored.append(("cat", head + [i for i in items if i[0] not in "^$"] + tail))
+        return anchored[0] if len(anchored) == 1 else ("alt", anchored)
 
     def _peek(self) -> str | None:
         return self.text[self.at] if self.at < len(self.text) else None
@@ -136,148 +194,197 @@ class _Parser:
         self.at += 1
         return self.text[self.at - 1]
 
-    def _alternation(self):
+    def _alternation(self) -> list:
         options = [self._sequence()]
         while self._peek() == "|":
             self.at += 1
             options.append(self._sequence())
-        return options[0] if len(options) == 1 else ("alt", options)
+        return options
 
     def _sequence(self):
         items = []
         while self._peek() not in (None, "|", ")"):
-            items.append(self._quantified(self._atom()))
+            items.append(self._quantified(self._atom(first=not items)))
         return ("cat", items)
 
     def _quantified(self, atom):
+        quantified = False
         while True:
             c = self._peek()
-            if c in ("*", "+", "?"):
+            bounds = self._bounds() if c == "{" else None
+            if c not in ("*", "+", "?") and bounds is None:
+                return atom
+            if quantified or atom[0] in "^$":
+                raise RegexError(f"nothing to repeat at {self.at}")
+            if bounds is None:
                 self.at += 1
                 atom = ("rep", atom, 0 if c != "+" else 1, 1 if c == "?" else None)
-            elif c == "{" and self._bounds() is not None:
-                least, most = self._bounds(consume=True)
-                atom = ("rep", atom, least, most)
             else:
-                return atom
+                self.at = self.text.index("}", self.at) + 1
+                atom = ("rep", atom, *bounds)
+            quantified = True
             if self._peek() == "?":  # lazy: the same strings
                 self.at += 1
 
-    def _bounds(self, consume: bool = False):
-        close = self.text.find("}", self.at)
+    def _bounds(self):
+        """``{n}``, ``{n,}`` or ``{n,m}`` at the cursor (None: a literal brace)."""
+        close = self.text.find("}", self.at, self.at + 12)
         if close < 0:
             return None
-        inside = self.text[self.at + 1:close]
-        low, comma, high = inside.partition(",")
-        if not low.isdigit() or (high and not high.isdigit()):
+        low, comma, high = self.text[self.at + 1:close].partition(",")
+        if not _digits(low) or (high and not _digits(high)):
             return None
         least, most = int(low), (int(high) if high else None) if comma else int(low)
         if (most is not None and most < least) or max(least, most or 0) > MAX_REPEAT:
-            raise RegexError(f"the repeat {{{inside}}} is out of range (at most {MAX_REPEAT})")
-        if consume:
-            self.at = close + 1
+            raise RegexError(f"the repeat {self.text[self.at:close + 1]} is out of range (at most {MAX_REPEAT})")
         return least, most
 
-    def _atom(self):
+    def _atom(self, *, first: bool):
         c = self._take()
         if c == "(":
             if self.text.startswith("?:", self.at):
                 self.at += 2
-            elif self.text.startswith("?<", self.at) and not self.text.startswith(("?<=", "?<!"), self.at) \
-                    or self.text.startswith("?P<", self.at):
+            elif self.text.startswith(("?<", "?P<"), self.at) and not self.text.startswith(("?<=", "?<!"), self.at):
                 close = self.text.find(">", self.at)
-                if close < 0:
-                    raise RegexError("a group's name is not closed with >")
+                if close < 0 or close == self.text.index("<", self.at) + 1:
+                    raise RegexError("a group's name is missing or not closed with >")
                 self.at = close + 1
             elif self._peek() == "?":
                 raise RegexError(f"lookarounds and inline flags are not supported (at {self.at - 1})")
-            tree = self._alternation()
+            self.depth += 1
+            options = self._alternation()
+            self.depth -= 1
             if self._peek() != ")":
                 raise RegexError("a group is not closed")
             self.at += 1
-            return tree
+            return options[0] if len(options) == 1 else ("alt", options)
         if c == "[":
-            return self._class()
+            return ("class", self._class())
         if c == ".":
-            return ("set", _PLAIN, True)
+            return ("class", _minus(_PLAIN, _LINE_ENDS))
         if c == "\\":
-            return self._escape(in_class=False)
+            return ("class", self._escape(in_class=False))
+        if c == "^" and first and not self.depth:
+            return ("^",)
+        if c == "$" and not self.depth and self._peek() in (None, "|"):
+            return ("$",)
         if c in ("^", "$"):
-            raise RegexError(f"{c} is supported only at the ends of the pattern")
+            raise RegexError(f"{c} is supported only at the ends of the pattern or of its top-level alternatives")
         if c in ("*", "+", "?", ")"):
             raise RegexError(f"nothing to repeat, or an unopened group, at {self.at - 1}")
-        return _char(c)
+        return ("class", _point(ord(c)))
 
-    def _escape(self, *, in_class: bool):
+    def _escape(self, *, in_class: bool) -> tuple:
+        """The code point ranges an escape stands for (after the backslash)."""
         c = self._take()
-        classes = {"d": (_DIGIT, False), "w": (_WORD, False), "s": (_SPACE & _PLAIN, False)}
-        if c.lower() in classes:
-            members, _ = classes[c.lower()]
-            return ("set", members, False) if c.islower() else ("set", _PLAIN - members, True)
-        if c in "bB" and not in_class or c.isdigit() and c != "0" or c in "kcpP":
-            raise RegexError(f"\\{c} (word boundaries, backreferences, Unicode properties) is not supported")
+        if c.lower() in _CLASS_ESCAPES:
+            members = _CLASS_ESCAPES[c.lower()]
+            return members if c.islower() else _minus(((0, MAX_CODE),), members)
+        if c == "b" and in_class:
+            return _point(0x08)
+        if c in _ESCAPES and not (c == "0" and (self._peek() or "").isdigit()):
+            return _point(_ESCAPES[c])
         if c in "xu":
-            digits = 2 if c == "x" else 4
-            code = self.text[self.at:self.at + digits]
-            if len(code) != digits or any(d not in "0123456789abcdefABCDEF" for d in code):
-                raise RegexError(f"\\{c} needs {digits} hex digits")
-            self.at += digits
-            value = int(code, 16)
-            low = self.text[self.at + 2:self.at + 6] if self.text.startswith("\\u", self.at) else ""
-            if 0xD800 <= value < 0xDC00 and len(low) == 4 and all(d in "0123456789abcdefABCDEF" for d in low) \
-                    and 0xDC00 <= int(low, 16) < 0xE000:  # a UTF-16 pair, as JavaScript spells an emoji
-                self.at += 6
-                value = 0x10000 + ((value - 0xD800) << 10) + (int(low, 16) - 0xDC00)
-            return _char(chr(value))
-        controls = {"t": "\t", "n": "\n", "r": "\r", "f": "\f", "v": "\v", "0": "\0", "b": "\b"}
-        return _char(controls.get(c, c))
+            return _point(self._hex(c))
+        if c.isascii() and c.isalnum():
+            raise RegexError(f"\\{c} is not supported (word boundaries, backreferences, anchors and "
+                             "Unicode properties are not)")
+        return _point(ord(c))
 
-    def _class(self):
+    def _hex(self, c: str) -> int:
+        digits = 2 if c == "x" else 4
+        code = self.text[self.at:self.at + digits]
+        if len(code) != digits or not all(d in "0123456789abcdefABCDEF" for d in code):
+            raise RegexError(f"\\{c} needs {digits} hex digits")
+        self.at += digits
+        value = int(code, 16)
+        low = self.text[self.at + 2:self.at + 6] if self.text.startswith("\\u", self.at) else ""
+        if 0xD800 <= value < 0xDC00 and len(low) == 4 and all(d in "0123456789abcdefABCDEF" for d in low) \
+                and 0xDC00 <= int(low, 16) < 0xE000:  # a UTF-16 pair, as JavaScript spells an emoji
+            self.at += 6
+            value = 0x10000 + ((value - 0xD800) << 10) + (int(low, 16) - 0xDC00)
+        return value
+
+    def _class(self) -> tuple:
         negate = self._peek() == "^"
         if negate:
             self.at += 1
-        members: set[int] = set()
-        non_ascii = False
-        first = True
+        ranges: list[tuple[int, int]] = []
         while True:
             c = self._take()
-            if c == "]" and not first:
+            if c == "]":  # ECMAScript's: [] matches nothing, [^] any character
                 break
-            first = False
-            item = self._escape(in_class=True) if c == "\\" else _char(c)
+            item = self._escape(in_class=True) if c == "\\" else _point(ord(c))
             if self._peek() == "-" and self.at + 1 < len(self.text) and self.text[self.at + 1] != "]":
                 self.at += 1
                 d = self._take()
-                high = self._escape(in_class=True) if d == "\\" else _char(d)
-                if item[0] != "set" or high[0] != "set" or len(item[1]) != 1 or len(high[1]) != 1:
-                    raise RegexError("a range in a class must join two ASCII characters")
-                low_b, high_b = min(item[1]), min(high[1])
-                if high_b < low_b:
-                    raise RegexError(f"the class range {chr(low_b)}-{chr(high_b)} is backwards")
-                members |= set(range(low_b, high_b + 1))
+                high = self._escape(in_class=True) if d == "\\" else _point(ord(d))
+                if len(item) != 1 or len(high) != 1 or item[0][0] != item[0][1] or high[0][0] != high[0][1]:
+                    raise RegexError("a range in a class must join two characters")
+                if high[0][0] < item[0][0]:
+                    raise RegexError(f"the class range {chr(item[0][0])}-{chr(high[0][0])} is backwards")
+                ranges.append((item[0][0], high[0][0]))
+            else:
+                ranges.extend(item)
+        return _minus(((0, MAX_CODE),), ranges) if negate else _merge(ranges)
+
+
+def _digits(text: str) -> bool:
+    return text.isascii() and text.isdigit() and len(text) <= 4
+
+
+def _point(code: int) -> tuple:
+    if 0xD800 <= code < 0xE000:
+        raise RegexError(f"the pattern holds half of a UTF-16 pair (\\u{code:04x}), which is no character")
+    return ((code, code),)
+
+
+def _merge(ranges) -> tuple:
+    out: list[list[int]] = []
+    for low, high in sorted(ranges):
+        if out and low <= out[-1][1] + 1:
+            out[-1][1] = max(out[-1][1], high)
+        else:
+            out.append([low, high])
+    return tuple((low, high) for low, high in out)
+
+
+def _minus(ranges, removed) -> tuple:
+    out, removed = [], _merge(removed)
+    for low, high in _merge(ranges):
+        for r_low, r_high in removed:
+            if r_high < low or r_low > high:
                 continue
-            if item[0] == "seq":
-                raise RegexError("non-ASCII characters in a class are not supported")
-            members |= item[1]
-            non_ascii = non_ascii or item[2]
-        if negate:
-            return ("set", _PLAIN - members, not non_ascii)
-        return ("set", frozenset(members) & _PLAIN, non_ascii)
+            if r_low > low:
+                out.append((low, r_low - 1))
+            low = max(low, r_high + 1)
+            if low > high:
+                break
+        if low <= high:
+            out.append((low, high))
+    return tuple(out)
 
 
-def _char(c: str):
-    if ord(c) < 0x80:
-        return ("set", frozenset({ord(c)}) & _PLAIN, False)
-    if 0xD800 <= ord(c) < 0xE000:
-        raise RegexError(f"the pattern holds half of a UTF-16 pair (\\u{ord(c):04x}), which is no character")
-    return ("seq", c.encode("utf-8"))
+def _intersect(ranges, kept) -> tuple:
+    return _minus(ranges, _minus(((0, MAX_CODE),), kept))
 
 
-def _escaped_at(text: str, at: int) -> bool:
-    backslashes = 0
-    while at - backslashes - 1 >= 0 and text[at - backslashes - 1] == "\\":
-        backslashes += 1
-    return backslashes % 2 == 1
+def _utf8(low: int, high: int) -> list[list[tuple[int, int]]]:
+    """Code points low..high (no surrogates) as UTF-8: sequences of byte ranges, each sequence
+    matching a run of them byte by byte."""
+    for limit in (0x7F, 0x7FF, 0xFFFF):  # one byte length each
+        if low <= limit < high:
+            return _utf8(low, limit) + _utf8(limit + 1, high)
+    if high < 0x80:
+        return [[(low, high)]]
+    for i in range(1, 4):  # split until the bytes after the first differing one span all values
+        m = (1 << (6 * i)) - 1
+        if low & ~m != high & ~m:
+            if low & m:
+                return _utf8(low, low | m) + _utf8((low | m) + 1, high)
+            if high & m != m:
+                return _utf8(low, (high & ~m) - 1) + _utf8(high & ~m, high)
+    return [list(zip(chr(low).encode(), chr(high).encode()))]
 
 
 # -- building -----------------------------------------------------------------------------------
@@ -288,46 +395,44 @@ class _Builder:
         self.pattern = pattern
         self.edges: list[list[tuple[int, int, int]]] = []
         self.empty: list[list[int]] = []
-        self.first_byte: list[bool] = []  # whether a state's edges start a character
+        self.starts_char: list[bool] = []  # whether a state's edges read a character's first byte
 
-    def state(self, first: bool = True) -> int:
+    def state(self, starts_char: bool = True) -> int:
         if len(self.edges) >= MAX_STATES:
             raise RegexError(f"the pattern is too large (more than {MAX_STATES} states)")
         self.edges.append([])
         self.empty.append([])
-        self.first_byte.append(first)
+        self.starts_char.append(starts_char)
         return len(self.edges) - 1
 
     def build(self, tree) -> ByteRegex:
         start = self.state()
         accept = self.add(tree, start)
-        closure = [self._closure(s) for s in range(len(self.edges))]
+        closure = self._closures()
         alive = self._co_reachable(accept, closure)
         if not any(s in alive for s in closure[start]):
             raise RegexError("the pattern matches no string that JSON writes without escapes (it needs a quote, "
                              "a backslash or a control character)")
         edges = [[e for e in out if e[2] in alive] for out in self.edges]
         closure = [frozenset(s for s in c if s in alive) for c in closure]
-        min_left, max_left = self._distances(accept, edges, closure)
-        return ByteRegex(self.pattern, edges, closure, accept, closure[start], min_left, max_left)
+        moves = [{t2 for _, _, t in edges[s] for t2 in closure[t]} for s in range(len(edges))]
+        min_left, max_left = self._distances(accept, moves, closure)
+        return ByteRegex(self.pattern, edges, closure, accept, closure[start], min_left, max_left,
+                         moves=moves, starts_char=self.starts_char)
 
     def add(self, tree, source: int) -> int:
         """Wire ``tree`` from ``source``; returns the state where it ends."""
         kind = tree[0]
-        if kind == "set":
+        if kind == "class":
             target = self.state()
-            for low, high in _ranges(tree[1]):
-                self.edges[source].append((low, high, target))
-            if tree[2]:
-                self._any_non_ascii(source, target)
+            for low, high in _intersect(tree[1], _PLAIN):
+                for sequence in _utf8(low, high):
+                    at = source
+                    for i, (b_low, b_high) in enumerate(sequence):
+                        nxt = target if i == len(sequence) - 1 else self.state(starts_char=False)
+                        self.edges[at].append((b_low, b_high, nxt))
+                        at = nxt
             return target
-        if kind == "seq":
-            at = source
-            for i, b in enumerate(tree[1]):
-                nxt = self.state(first=i == len(tree[1]) - 1)
-                self.edges[at].append((b, b, nxt))
-                at = nxt
-            return at
         if kind == "cat":
             for part in tree[1]:
                 source = self.add(part, source)
@@ -352,23 +457,20 @@ class _Builder:
         self.empty[source].append(end)
         return end
 
-    def _any_non_ascii(self, source: int, target: int) -> None:
-        for (lead_low, lead_high), follow in _UTF8:
-            at = self.state(first=False)
-            self.edges[source].append((lead_low, lead_high, at))
-            for i, (low, high) in enumerate(follow):
-                nxt = target if i == len(follow) - 1 else self.state(first=False)
-                self.edges[at].append((low, high, nxt))
-                at = nxt
-
-    def _closure(self, state: int) -> frozenset[int]:
-        seen, stack = {state}, [state]
-        while stack:
-            for nxt in self.empty[stack.pop()]:
-                if nxt not in seen:
-                    seen.add(nxt)
-                    stack.append(nxt)
-        return frozenset(seen)
+    def _closures(self) -> list[frozenset[int]]:
+        closures, total = [], 0
+        for state in range(len(self.edges)):
+            seen, stack = {state}, [state]
+            while stack:
+                for nxt in self.empty[stack.pop()]:
+                    if nxt not in seen:
+                        seen.add(nxt)
+                        stack.append(nxt)
+            total += len(seen)
+            if total > MAX_CLOSURE:
+                raise RegexError("the pattern is too complex (optional parts nested in repeats)")
+            closures.append(frozenset(seen))
+        return closures
 
     def _co_reachable(self, accept: int, closure: list[frozenset[int]]) -> set[int]:
         into: dict[int, set[int]] = {}
@@ -385,12 +487,11 @@ class _Builder:
                     stack.append(s)
         return alive
 
-    def _distances(self, accept, edges, closure) -> tuple[list[int], list[float]]:
+    def _distances(self, accept, moves, closure) -> tuple[list[int], list[float]]:
         """Per state, the fewest and most characters on a way to ``accept`` (a byte that starts
         a character counts one; one that continues it, none; every loop writes characters)."""
-        n = len(edges)
-        moves = [{t2 for _, _, t in edges[s] for t2 in closure[t]} for s in range(n)]
-        weight = [1 if self.first_byte[s] else 0 for s in range(n)]
+        n = len(moves)
+        weight = [1 if self.starts_char[s] else 0 for s in range(n)]
         into: list[list[int]] = [[] for _ in range(n)]
         for s in range(n):
             for t in moves[s]:
@@ -419,13 +520,3 @@ class _Builder:
                 if not waiting[p]:
                     ready.append(p)
         return [int(v) if v != math.inf else 0 for v in low], high
-
-
-def _ranges(members: frozenset[int]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for b in sorted(members):
-        if out and out[-1][1] == b - 1:
-            out[-1] = (out[-1][0], b)
-        else:
-            out.append((b, b))
-    return out
