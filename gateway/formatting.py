@@ -92,7 +92,7 @@ def chunk(ctx: Context, *, text: str | None, logprobs: list[dict] | None = None,
         delta: dict = {}
         if first:
             delta["role"] = "assistant"
-        if text is not None:
+        if text is not None or first:
             delta["content"] = text
         if tool_calls:
             delta["tool_calls"] = tool_calls

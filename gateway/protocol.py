@@ -16,7 +16,7 @@ from typing import Any
 from workers.dispatch import response_format_problem
 
 from .errors import invalid, text_only
-from .tools import calls_tools, message_tool_fields, parse_tools
+from .tools import ToolTurns, calls_tools, parse_tools
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_STOP = 4  # OpenAI allows up to four stop sequences
@@ -193,7 +193,7 @@ def _messages(messages: Any) -> list[dict]:
         raise invalid("messages", "messages is required", code="missing_required_parameter")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "messages must be a non-empty array")
-    clean, call_ids = [], set()
+    clean, turns = [], ToolTurns()
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -215,7 +215,8 @@ def _messages(messages: Any) -> list[dict]:
             raise invalid(f"{where}.content", f"{where}.content must be a string or an array of text parts")
         text_only(content, f"{where}.content")
         clean.append({"role": "system" if role == "developer" else role, "content": content,
-                      **message_tool_fields(message, where, call_ids)})
+                      **turns.fields(message, where)})
+    turns.end()
     return clean
 
 

@@ -94,44 +94,75 @@ def _choice(choice: Any, names: list[str]) -> str | dict:
     return {"name": name}
 
 
-def message_tool_fields(message: dict, where: str, call_ids: set[str]) -> dict:
-    """The tool fields of one chat message, checked: an assistant's ``tool_calls`` (whose ids
-    join ``call_ids``) or a tool result's ``tool_call_id`` (which must answer one of them)."""
-    role = message["role"]
-    if role == "assistant" and message.get("tool_calls") is not None:
-        calls = message["tool_calls"]
-        if not isinstance(calls, list):
-            raise invalid(f"{where}.tool_calls", f"{where}.tool_calls must be an array")
-        clean = []
-        for j, call in enumerate(calls):
-            at = f"{where}.tool_calls[{j}]"
-            function = call.get("function") if isinstance(call, dict) else None
-            if not (isinstance(call, dict) and isinstance(call.get("id"), str) and call.get("type") == "function"
-                    and isinstance(function, dict) and isinstance(function.get("name"), str)
-                    and isinstance(function.get("arguments"), str)):
-                raise invalid(at, f'{at} must be {{"id": ..., "type": "function", "function": '
-                                  '{"name": ..., "arguments": "<JSON text>"}}')
-            if not TOOL_NAME.fullmatch(function["name"]):
-                raise invalid(at, f"{at}.function.name must be 1 to 64 letters, digits, underscores or dashes")
-            call_ids.add(call["id"])
-            arguments = text_only(function["arguments"], f"{at}.function.arguments")
-            clean.append({"id": call["id"], "type": "function",
-                          "function": {"name": function["name"], "arguments": arguments}})
-        return {"tool_calls": clean} if clean else {}
-    if role == "tool":
+class ToolTurns:
+    """Reads a conversation's tool fields, checking that calls and results pair up as OpenAI
+    requires: an assistant message's calls are answered by the ``tool`` messages right after it,
+    one per call, before the conversation goes on."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, None] = {}  # the ids of the last calls not answered yet
+        self.asked = ""  # the message that made them
+
+    def fields(self, message: dict, where: str) -> dict:
+        """The checked tool fields of one message (``tool_calls``, ``tool_call_id``)."""
+        role = message["role"]
+        if role == "tool":
+            return {"tool_call_id": self._answer(message, where)}
+        self._all_answered()
+        if role == "assistant" and message.get("tool_calls") is not None:
+            self.asked = where
+            calls = [self._call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(_list(message, where))]
+            return {"tool_calls": calls} if calls else {}
+        return {}
+
+    def end(self) -> None:
+        self._all_answered()
+
+    def _all_answered(self) -> None:
+        if self.waiting:
+            raise invalid(f"{self.asked}.tool_calls", f"{self.asked} calls {', '.join(map(repr, self.waiting))}, "
+                                                      "which no tool message right after it answers")
+
+    def _call(self, call: Any, at: str) -> dict:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(call, dict) and isinstance(call.get("id"), str) and call["id"]
+                and call.get("type") == "function" and isinstance(function, dict)
+                and isinstance(function.get("name"), str) and isinstance(function.get("arguments"), str)):
+            raise invalid(at, f'{at} must be {{"id": "<non-empty>", "type": "function", "function": '
+                              '{"name": ..., "arguments": "<JSON text>"}}')
+        if not TOOL_NAME.fullmatch(function["name"]):
+            raise invalid(at, f"{at}.function.name must be 1 to 64 letters, digits, underscores or dashes")
+        if call["id"] in self.waiting:
+            raise invalid(at, f"{at} has the id {call['id']!r} of another call in the same message")
+        self.waiting[call["id"]] = None
+        arguments = text_only(function["arguments"], f"{at}.function.arguments")
+        return {"id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+
+    def _answer(self, message: dict, where: str) -> str:
         call_id = message.get("tool_call_id")
         if not isinstance(call_id, str):
-            raise invalid(f"{where}.tool_call_id", f"{where}.tool_call_id is required: the id of the call it answers",
-                          code="missing_required_parameter" if call_id is None else None)
-        if call_id not in call_ids:
-            raise invalid(f"{where}.tool_call_id", f"{where} answers {call_id!r}, which no earlier assistant "
-                                                   "message's tool_calls holds")
-        return {"tool_call_id": call_id}
-    return {}
+            raise invalid(f"{where}.tool_call_id", f"{where}.tool_call_id must be the id (a string) of the call "
+                                                   "it answers", code="missing_required_parameter" if call_id is None else None)
+        if call_id not in self.waiting:
+            raise invalid(f"{where}.tool_call_id", f"{where} answers {call_id!r}, which is no call of the assistant "
+                                                   "message before it still waiting for its result")
+        del self.waiting[call_id]
+        return call_id
+
+
+def _list(message: dict, where: str) -> list:
+    if not isinstance(message["tool_calls"], list):
+        raise invalid(f"{where}.tool_calls", f"{where}.tool_calls must be an array")
+    return message["tool_calls"]
 
 
 def calls_tools(sampling: dict) -> bool:
     return bool(sampling.get("tools")) and sampling.get("tool_choice") != "none"
+
+
+def calls_only(sampling: dict) -> bool:
+    """Whether the reply can hold nothing but calls (tool_choice "required" or a function)."""
+    return calls_tools(sampling) and sampling.get("tool_choice") != "auto"
 
 
 def finish_reason(sampling: dict, reason: str, reader: "ToolCallStream") -> str:
@@ -146,8 +177,8 @@ class ToolCallStream:
     """Reads a reply's text as it streams and says what the message gains: text for its content,
     and OpenAI ``tool_calls`` entries (the first of each call with its id and name)."""
 
-    def __init__(self) -> None:
-        self._parser = tool_call_parser()
+    def __init__(self, sampling: dict) -> None:
+        self._parser = tool_call_parser(text=not calls_only(sampling))
         self._ids: list[str] = []
 
     def feed(self, text: str) -> tuple[str, list[dict]]:

@@ -84,7 +84,7 @@ async def _collect(call: calls.Call, ctx: formatting.Context) -> dict:
             content, calls = "".join(text), None
             reason = formatting.openai_finish_reason(event["finish_reason"])
             if tools.calls_tools(call.request.sampling):
-                reader = tools.ToolCallStream()
+                reader = tools.ToolCallStream(call.request.sampling)
                 content = reader.feed(content)[0] + reader.finish()[0]
                 calls, reason = reader.calls, tools.finish_reason(call.request.sampling, reason, reader)
             return formatting.response(
@@ -96,9 +96,11 @@ async def _collect(call: calls.Call, ctx: formatting.Context) -> dict:
 
 async def stream_chunks(call: calls.Call, ctx: formatting.Context, include_usage: bool):
     """OpenAI chunk dicts for a started call; shared by SSE and the WebSocket."""
-    yield formatting.chunk(ctx, text="", first=True, include_usage=include_usage)
+    # A reply that can only call tools has no content: null from the start, as OpenAI's.
+    yield formatting.chunk(ctx, text=None if tools.calls_only(call.request.sampling) else "", first=True,
+                           include_usage=include_usage)
     offset = 0
-    reader = tools.ToolCallStream() if tools.calls_tools(call.request.sampling) else None
+    reader = tools.ToolCallStream(call.request.sampling) if tools.calls_tools(call.request.sampling) else None
     async for event in call.events():
         if event["type"] == "inference.delta" and reader is None:
             yield formatting.chunk(ctx, text=event["text"], logprobs=event["logprobs"], text_offset=offset,

@@ -81,12 +81,12 @@ def tools_problem(tools: list[dict], tool_choice, parallel: bool) -> str | None:
     return None
 
 
-def tool_call_parser():
+def tool_call_parser(*, text: bool):
     """A reader of a reply's tool calls, in the form the engine makes the model write them
     (``workers.engine.tool_calls.ToolCallParser``; plain Python)."""
     from workers.engine.tool_calls import ToolCallParser
 
-    return ToolCallParser()
+    return ToolCallParser(text=text)
 
 
 def serving_key(name: str) -> str:

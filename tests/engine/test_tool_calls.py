@@ -148,6 +148,12 @@ def test_text_that_only_looks_like_a_call_is_kept_whole(reply):
     assert parse_tool_calls(reply) == (reply, [])
 
 
+def test_a_reply_that_can_only_call_keeps_no_cut_tag_as_text():
+    assert parse_tool_calls("<tool_c", free=False) == ("", [])
+    assert parse_tool_calls("<", free=False) == ("", [])
+    assert parse_tool_calls(PARIS[:3], free=True) == (PARIS[:3], [])  # with auto it may be text
+
+
 def test_a_reply_cut_inside_a_call():
     assert parse_tool_calls(PARIS[:-20]) == ("", [{"name": "get_weather", "arguments": '{"city": "Paris", "unit": "cel'}])
     # Cut before the name was whole: no call began, and its tag is no text either.

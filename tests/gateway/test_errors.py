@@ -39,6 +39,10 @@ def no_usage(org):
 
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+ASK = {"role": "user", "content": "x"}
+CALLED = {"role": "assistant", "content": None,
+          "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+ANSWER = {"role": "tool", "tool_call_id": "call_1", "content": "done"}
 
 
 def chat(model="smollm2-135m-instruct", **extra):
@@ -200,7 +204,7 @@ def test_another_organizations_dedicated_deployment_cannot_be_called_over_the_we
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "get weather"}}]), "tools[0]"),
     (CHAT, chat(tools=[TOOL, TOOL]), "tools"),
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"when": {"type": "string", "format": "date-time"}}}}}]), "tools"),
+        "type": "object", "properties": {"when": {"type": "string", "format": "password"}}}}}]), "tools"),
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]), "tools"),
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "description": "cut \ud83d"}}]),
      "tools[0].function.description"),
@@ -209,6 +213,13 @@ def test_another_organizations_dedicated_deployment_cannot_be_called_over_the_we
     (CHAT, chat(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": "\ud800"}'}}]}]),
      "messages[1].tool_calls[0].function.arguments"),
+    (CHAT, chat(messages=[ASK, CALLED, {"role": "user", "content": "and?"}]), "messages[1].tool_calls"),
+    (CHAT, chat(messages=[ASK, CALLED]), "messages[1].tool_calls"),
+    (CHAT, chat(messages=[ASK, CALLED, ANSWER, ANSWER]), "messages[3].tool_call_id"),
+    (CHAT, chat(messages=[ASK, {**CALLED, "tool_calls": CALLED["tool_calls"] * 2}, ANSWER]), "messages[1].tool_calls[1]"),
+    (CHAT, chat(messages=[ASK, {**CALLED, "tool_calls": [{**CALLED["tool_calls"][0], "id": ""}]}]),
+     "messages[1].tool_calls[0]"),
+    (CHAT, chat(messages=[ASK, CALLED, {**ANSWER, "tool_call_id": 7}]), "messages[2].tool_call_id"),
     (CHAT, chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice"),
     (CHAT, chat(tools=[TOOL], tool_choice="always"), "tool_choice"),
     (CHAT, chat(tools=[TOOL], parallel_tool_calls="yes"), "parallel_tool_calls"),
@@ -270,6 +281,9 @@ def test_openais_parameters_that_ask_for_nothing_are_accepted():
     assert request.messages == [{"role": "user", "content": "Hi"}] and request.include_usage
     # Tools the model may not call: their definitions change nothing.
     parse_chat(chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none"))
+    # Calls answered, then the conversation goes on.
+    assert [m["role"] for m in parse_chat(chat(messages=[ASK, CALLED, ANSWER, ASK])).messages] == \
+        ["user", "assistant", "tool", "user"]
     assert parse_chat(chat(logprobs=False, top_logprobs=0)).sampling["logprobs"] is False
     assert 0 < parse_chat(chat(top_p=0)).sampling["top_p"] < 1e-3  # OpenAI's "only the likeliest token"
 

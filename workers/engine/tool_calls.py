@@ -245,8 +245,11 @@ class ToolCallParser:
     before its name is whole is dropped; a reply that breaks the form (which a guided one cannot)
     is text from where it broke."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, text: bool = True) -> None:
+        """``text``: whether the reply may hold text (tool_choice "auto"); without, what is held
+        back at the end is the start of a cut call's tag, and goes nowhere."""
         self.calls: list[dict] = []  # {"name", "arguments"} so far
+        self._free = text
         self._buffer = ""
         self._state = "text"  # text | head | args | tail | between
         self._gap = ""  # the whitespace between the text and a call's tag
@@ -263,7 +266,7 @@ class ToolCallParser:
     def finish(self) -> list[tuple]:
         """The events of what is still held back once the reply has ended."""
         events: list[tuple] = []
-        if self._state == "text":
+        if self._state == "text" and self._free:
             self._text(events, self._buffer)
         self._buffer = ""
         return events
@@ -355,8 +358,8 @@ def _may_become_head(text: str) -> bool:
     return len(name) <= 64 and _HEAD_END.startswith(rest[len(name):])
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
-    """A whole reply's text and calls ({"name", "arguments"})."""
-    parser = ToolCallParser()
+def parse_tool_calls(text: str, *, free: bool = True) -> tuple[str, list[dict]]:
+    """A whole reply's text and calls ({"name", "arguments"}); ``free`` as ``ToolCallParser``'s ``text``."""
+    parser = ToolCallParser(text=free)
     events = parser.feed(text) + parser.finish()
     return "".join(e[1] for e in events if e[0] == "text"), parser.calls
