@@ -116,3 +116,15 @@ def test_a_character_split_over_tokens_is_allowed_only_whole():
 @pytest.mark.parametrize("bad", [CONTROL, EOS])
 def test_control_and_early_end_tokens_are_refused(bad):
     assert not guide(b"{").allows(bad, VOCAB)
+
+
+def test_a_drawn_token_the_grammar_allows_is_kept_ties_and_all():
+    """Guiding changes a row's token only where the grammar refuses it: a greedy row keeps the
+    argmax, the lowest id among equal logits, as an unguided row would."""
+    logits = torch.full((1, len(PIECES) + 2), -5.0)
+    inside = guide(b'{"ab')  # inside a key: any letter may follow
+    logits[0, token(b"x")] = logits[0, token(b"c")] = 2.0
+    assert sample(logits, [SamplingParams(temperature=0)], [inside]) == [min(token(b"x"), token(b"c"))]
+    logits[0, token(b"\n")] = 9.0  # the argmax, refused inside a key: the best allowed instead
+    logits[0, token(b"c")] = 1.5
+    assert sample(logits, [SamplingParams(temperature=0)], [guide(b'{"ab')]) == [token(b"x")]

@@ -446,6 +446,7 @@ class JsonMatcher:
 
     def __init__(self, grammar: JsonGrammar):
         self.states: tuple[State, ...] = start_states(grammar)
+        self._checked: tuple[bytes, tuple] | None = None  # the last bytes accepts() read, and where they led
 
     @property
     def done(self) -> bool:
@@ -457,12 +458,18 @@ class JsonMatcher:
         return not self.states
 
     def accepts(self, data: bytes) -> bool:
-        return bool(data) and bool(step_states(self.states, data))
+        if not data:
+            return False
+        self._checked = (data, step_states(self.states, data))
+        return bool(self._checked[1])
 
     def advance(self, data: bytes) -> None:
-        """Take bytes the sampler chose (an end token adds none)."""
+        """Take bytes the sampler chose (an end token adds none); the token the sampler just
+        checked (the usual case) is not read again."""
         if data:
-            self.states = step_states(self.states, data)
+            checked = self._checked
+            self.states = checked[1] if checked is not None and checked[0] == data else step_states(self.states, data)
+        self._checked = None
 
     def allowed_first_bytes(self) -> list[bool]:
         """Per byte value, whether a token may start with it."""

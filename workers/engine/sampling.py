@@ -283,15 +283,21 @@ class Sampler:
     def _guide(token_ids: torch.Tensor, logits: torch.Tensor, race: torch.Tensor | None,
                batch: SamplingBatch) -> None:
         """Replace the guided rows' tokens by the best their grammars allow: a greedy row ranks by
-        logit, a random one by its race key (the same draw, restricted to the allowed tokens)."""
-        rows = [row for row, _ in batch.guided]
+        logit, a random one by its race key (the same draw, restricted to the allowed tokens).
+        The token drawn is the best-ranked one: where the grammar allows it (mostly), it stays."""
+        drawn = token_ids[[row for row, _ in batch.guided]].tolist()
+        refused = [(row, guide) for (row, guide), token in zip(batch.guided, drawn)
+                   if not guide.allows(token, batch.vocab)]
+        if not refused:
+            return
+        rows = [row for row, _ in refused]
         keys = logits[rows]
         position = {row: i for i, row in enumerate(batch.sampled_index)}
         for i, row in enumerate(rows):
             if row in position:  # a key of 0: a token the filters dropped
                 row_keys = race[position[row]]
                 keys[i] = row_keys.masked_fill(row_keys == 0, float("-inf"))
-        chosen = pick(keys, logits[rows], [g for _, g in batch.guided], batch.vocab)
+        chosen = pick(keys, logits[rows], [guide for _, guide in refused], batch.vocab)
         token_ids[torch.tensor(rows, device=token_ids.device)] = torch.tensor(chosen, device=token_ids.device)
 
     def _race_keys(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

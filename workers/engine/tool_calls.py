@@ -157,6 +157,7 @@ class ToolCallMatcher:
         self._heads = [(OPEN + _HEAD.format(name=name)).encode() for name, _ in grammar.tools]
         self._tail = _TAIL.encode()
         self.threads: tuple = (("free", 0),) if grammar.free else self._call_starts(0)
+        self._checked: tuple[bytes, tuple] | None = None  # as JsonMatcher's
 
     @property
     def done(self) -> bool:
@@ -173,11 +174,16 @@ class ToolCallMatcher:
         return not self.threads
 
     def accepts(self, data: bytes) -> bool:
-        return bool(data) and bool(self._run(self.threads, data))
+        if not data:
+            return False
+        self._checked = (data, self._run(self.threads, data))
+        return bool(self._checked[1])
 
     def advance(self, data: bytes) -> None:
         if data:
-            self.threads = self._run(self.threads, data)
+            checked = self._checked
+            self.threads = checked[1] if checked is not None and checked[0] == data else self._run(self.threads, data)
+        self._checked = None
 
     def allowed_first_bytes(self) -> list[bool]:
         return [bool(self._run(self.threads, bytes((b,)))) for b in range(256)]
