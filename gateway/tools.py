@@ -3,7 +3,7 @@ and the assistant ``tool_calls`` and ``tool`` results a conversation carries bac
 
 The request side checks and flattens them for the worker (a tool becomes {"name", "description",
 "parameters"}); ``ToolCallStream`` turns the reply's text into OpenAI's ``tool_calls``, whole or as
-stream deltas.
+stream deltas, and ``stream_chunks`` streams them.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 from workers.dispatch import tool_call_parser, tools_problem
 
+from . import formatting
 from .errors import invalid, text_only
 
 MAX_TOOLS = 128
@@ -210,3 +211,27 @@ class ToolCallStream:
                 entry = deltas.setdefault(event[1], {"index": event[1], "function": {"arguments": ""}})
                 entry["function"]["arguments"] += event[2]
         return "".join(text), list(deltas.values())
+
+
+async def stream_chunks(events, ctx: formatting.Context, sampling: dict, include_usage: bool):
+    """The chunks after the first of a reply that may call tools: text and call deltas as the
+    reply is read, each carrying the logprobs of the tokens since the last (a call's tags are
+    tokens too, and no chunk goes out for them alone), then the end."""
+    reader, pending = ToolCallStream(sampling), []
+    async for event in events:
+        if event["type"] == "inference.delta":
+            text, calls = reader.feed(event["text"])
+            pending += event["logprobs"] or []
+            if text or calls:
+                yield formatting.chunk(ctx, text=text or None, tool_calls=calls, logprobs=pending or None,
+                                       include_usage=include_usage)
+                pending = []
+            continue
+        text, calls = reader.finish()
+        if text or calls:
+            yield formatting.chunk(ctx, text=text or None, tool_calls=calls, include_usage=include_usage)
+        reason = finish_reason(sampling, formatting.openai_finish_reason(event["finish_reason"]), reader)
+        yield formatting.chunk(ctx, text=None, finish_reason=reason, logprobs=pending or None,
+                               include_usage=include_usage)
+        if include_usage:
+            yield formatting.usage_chunk(ctx, event["usage"])

@@ -96,28 +96,21 @@ async def _collect(call: calls.Call, ctx: formatting.Context) -> dict:
 
 async def stream_chunks(call: calls.Call, ctx: formatting.Context, include_usage: bool):
     """OpenAI chunk dicts for a started call; shared by SSE and the WebSocket."""
+    sampling = call.request.sampling
     # A reply that can only call tools has no content: null from the start, as OpenAI's.
-    yield formatting.chunk(ctx, text=None if tools.calls_only(call.request.sampling) else "", first=True,
-                           include_usage=include_usage)
+    yield formatting.chunk(ctx, text=None if tools.calls_only(sampling) else "", first=True, include_usage=include_usage)
+    if tools.calls_tools(sampling):
+        async for chunk in tools.stream_chunks(call.events(), ctx, sampling, include_usage):
+            yield chunk
+        return
     offset = 0
-    reader = tools.ToolCallStream(call.request.sampling) if tools.calls_tools(call.request.sampling) else None
     async for event in call.events():
-        if event["type"] == "inference.delta" and reader is None:
+        if event["type"] == "inference.delta":
             yield formatting.chunk(ctx, text=event["text"], logprobs=event["logprobs"], text_offset=offset,
                                    include_usage=include_usage)
             offset += len(event["text"])
-        elif event["type"] == "inference.delta":
-            text, calls = reader.feed(event["text"])
-            if text or calls or event["logprobs"]:
-                yield formatting.chunk(ctx, text=text or None, tool_calls=calls, logprobs=event["logprobs"],
-                                       include_usage=include_usage)
         else:
             reason = formatting.openai_finish_reason(event["finish_reason"])
-            if reader is not None:
-                text, calls = reader.finish()
-                if text or calls:
-                    yield formatting.chunk(ctx, text=text or None, tool_calls=calls, include_usage=include_usage)
-                reason = tools.finish_reason(call.request.sampling, reason, reader)
             yield formatting.chunk(ctx, text=None if ctx.kind == "chat" else "", finish_reason=reason,
                                    include_usage=include_usage)
             if include_usage:

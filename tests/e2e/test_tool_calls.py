@@ -44,8 +44,9 @@ def test_a_required_call_comes_back_as_tool_calls_with_valid_arguments(openai_cl
 
 
 def test_streamed_calls_add_up_to_the_whole_reply(openai_client):
-    whole = create(openai_client, tool_choice="required", parallel_tool_calls=False, max_tokens=60).choices[0]
-    chunks = list(create(openai_client, tool_choice="required", parallel_tool_calls=False, max_tokens=60, stream=True))
+    ask = {"tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 60, "logprobs": True}
+    whole = create(openai_client, **ask).choices[0]
+    chunks = list(create(openai_client, **ask, stream=True))
     calls: dict[int, dict] = {}
     for chunk in chunks:
         for delta in chunk.choices[0].delta.tool_calls or []:
@@ -57,6 +58,10 @@ def test_streamed_calls_add_up_to_the_whole_reply(openai_client):
         [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
     assert all(c.choices[0].delta.content is None for c in chunks)  # no text can come: null, as OpenAI's
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+    # Every token's logprob, the tags' too, each riding on a chunk that says something.
+    streamed = [e.token for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == [e.token for e in whole.logprobs.content]
+    assert all(c.choices[0].delta.tool_calls for c in chunks[1:-1])
 
 
 def test_a_named_function_is_the_one_called_once(openai_client):
