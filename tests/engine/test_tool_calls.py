@@ -121,8 +121,12 @@ def test_stop_strings_apply_to_text_but_not_inside_calls():
     assert not matcher.stops_apply and matcher.done  # after a call only calls may follow
 
 
-def test_none_means_plain_text_and_schemas_are_checked():
-    assert tool_grammar_for(TOOLS, "none", True) is None
+def test_none_means_text_that_never_opens_a_call_and_schemas_are_checked():
+    matcher = tool_grammar_for(TOOLS, "none", True).matcher()
+    assert matcher.done and matcher.accepts(b"It is sunny. <tool_call")  # the tag's start may be text
+    assert not matcher.accepts(b"Let me check.\n<tool_call>")
+    assert SamplingParams(tools=TOOLS, tool_choice="none", response_format={"type": "json_object"}).grammar \
+        is not tool_grammar_for(TOOLS, "none", True)  # JSON output applies, tools or not
     with pytest.raises(ValueError, match=r"tools\[0\] \(bad\).*minimum"):
         tool_grammar_for([{"name": "bad", "parameters": {"type": "object", "properties": {
             "n": {"type": "integer", "minimum": 1}}}}], "auto", True)
@@ -232,6 +236,8 @@ def test_sampling_params_check_tools():
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": {"name": "missing"}}, "tool_choice"),
         ({"tools": TOOLS, "response_format": "json"}, "response_format"),
+        ({"tools": TOOLS, "tool_choice": "none", "response_format": "json"}, "response_format"),
+        ({"tools": TOOLS, "tool_choice": "none", "ignore_eos": True}, "tools"),
         ({"tools": [{"name": "f", "parameters": {"type": "string"}}]}, "tools"),
         ({"tools": [{"name": "f", "parameters": {"type": "object", "minimum": 1}}]}, "tools"),
         ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
@@ -240,8 +246,6 @@ def test_sampling_params_check_tools():
         with pytest.raises(InvalidRequestError) as caught:
             SamplingParams(**kwargs)
         assert caught.value.param == param, kwargs
-    # Tools the model may not call leave JSON output free to apply.
-    assert SamplingParams(tools=TOOLS, tool_choice="none", response_format={"type": "json_object"}).grammar is not None
 
 
 # -- the real model -------------------------------------------------------------------------------
@@ -293,6 +297,15 @@ def test_with_auto_the_model_may_answer_in_text(engine):
     writes is either text or well-formed calls."""
     text, calls = _calls(engine, "auto")
     assert text and OPEN not in text and calls == []
+
+
+def test_with_none_the_model_sees_the_tools_and_answers_in_text(engine):
+    """The prompt is the one the turns that may call have (so the prefix cache serves it)."""
+    params = dict(max_tokens=12, temperature=0, tools=TOOLS)
+    auto = engine.submit_chat(ASK, SamplingParams(**params, tool_choice="auto")).result(timeout=300)
+    none = engine.submit_chat(ASK, SamplingParams(**params, tool_choice="none")).result(timeout=300)
+    assert none.prompt_tokens == auto.prompt_tokens and none.cached_prompt_tokens > 0
+    assert OPEN not in none.text and none.text
 
 
 def test_a_prompt_that_shows_tools_differs_from_one_that_does_not(engine):

@@ -407,7 +407,7 @@ class Engine:
             if not isinstance(message, dict) or "role" not in message:
                 raise InvalidRequestError("messages: each message needs a role",
                                           param="messages")
-        shown = params.tools if params is not None and params.calls_tools else None
+        shown = params.tools if params is not None else None
         try:
             messages = chat_messages(messages, shown)
         except (KeyError, TypeError, AttributeError) as exc:

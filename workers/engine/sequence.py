@@ -72,7 +72,7 @@ class SamplingParams:
     response_format: dict | None = None
     # Functions the model may call ({"name", "description", "parameters"}: OpenAI's "function"
     # objects), and whether it must: "auto" (it may answer in text), "required", {"name": ...}
-    # (that one), "none" (not shown them). See tool_calls: the calls are written as text.
+    # (that one), "none" (it sees them, and calls none). See tool_calls: calls are written as text.
     tools: list[dict] | None = None
     tool_choice: str | dict = "auto"
     parallel_tool_calls: bool = True
@@ -157,7 +157,9 @@ class SamplingParams:
     @property
     def guided_by(self) -> str:
         """The parameter that constrains the output (for errors)."""
-        return "tools" if self.calls_tools else "response_format"
+        rf = self.response_format
+        json_output = rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text")
+        return "tools" if self.calls_tools or (self.tools and not json_output) else "response_format"
 
     @staticmethod
     def _valid_stop(stop: Any) -> list[str]:
@@ -196,7 +198,10 @@ class SamplingParams:
         response_format, shared by the requests that ask for the same."""
         if self.calls_tools:
             return tool_grammar_for(self.tools, self.tool_choice, self.parallel_tool_calls)
-        return None if self.response_format is None else grammar_for(self.response_format)
+        grammar = None if self.response_format is None else grammar_for(self.response_format)
+        if grammar is None and self.tools:  # shown, never called
+            return tool_grammar_for(self.tools, "none", False)
+        return grammar
 
     @property
     def greedy(self) -> bool:

@@ -14,7 +14,7 @@ Nothing here trusts the model to follow the form: a ``ToolGrammar`` makes the sa
 exactly, with the arguments following the function's ``parameters`` schema (see ``json_grammar``).
 With ``tool_choice="auto"`` the reply is free text until the model writes ``<tool_call>``, and from
 there on the grammar holds; ``"required"`` starts with a call; a named function allows that one
-alone. ``ToolCallParser`` reads such a reply, streamed or whole, back into text and calls.
+alone; ``"none"`` allows text that never opens a call. ``ToolCallParser`` reads such a reply, streamed or whole, back into text and calls.
 """
 
 from __future__ import annotations
@@ -108,17 +108,22 @@ class ToolGrammar:
         return ToolCallMatcher(self)
 
 
-def tool_grammar_for(tools: list[dict], choice: Any, parallel: bool) -> ToolGrammar | None:
-    """The grammar of a reply to ``tools`` under ``tool_choice`` (None: plain text), compiled once
-    per distinct set; a SchemaError names the tool whose parameters cannot be followed."""
+def tool_grammar_for(tools: list[dict], choice: Any, parallel: bool) -> ToolGrammar:
+    """The grammar of a reply to ``tools`` under ``tool_choice``, compiled once per distinct set;
+    a SchemaError names the tool whose parameters cannot be followed."""
+    if choice == "none":
+        return NO_CALLS
     try:
         key = json.dumps([[t["name"], t.get("parameters")] for t in tools], sort_keys=True)
     except (TypeError, ValueError, RecursionError, KeyError) as exc:
         raise SchemaError(f"tools must be JSON: {str(exc)[:100]}") from None
-    if choice == "none":
-        return None
     named = choice.get("name") if isinstance(choice, dict) else None
     return _compiled(key, named, choice == "auto", bool(parallel) and named is None)
+
+
+# tool_choice "none": the model sees the tools (a prompt the same as the turns that may call
+# them, so the prefix cache holds) and writes text that never opens a call.
+NO_CALLS = ToolGrammar((), free=True, parallel=False)
 
 
 @functools.lru_cache(maxsize=64)
