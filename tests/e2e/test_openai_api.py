@@ -151,21 +151,24 @@ def test_json_mode_streams_a_json_object(openai_client):
     assert isinstance(json.loads(text), dict), text
 
 
-def test_structured_output_with_datetimes_and_uuids(openai_client):
-    """pydantic writes them as JSON Schema formats, which the engine enforces."""
+def test_structured_output_with_datetimes_uuids_and_bounds(openai_client):
+    """pydantic writes them as JSON Schema formats and bounds, which the engine enforces."""
     import datetime
     import uuid
 
-    from pydantic import BaseModel
+    from pydantic import BaseModel, Field
 
     class Booking(BaseModel):
         guest: str
         arrives: datetime.date
         booked_at: datetime.datetime
         reference: uuid.UUID
+        nights: int = Field(ge=1, le=30)
+        price: float = Field(gt=0)
 
-    ask = [{"role": "user", "content": "A hotel booking as JSON: guest, arrival date, when it was booked, reference."}]
+    ask = [{"role": "user", "content": "A hotel booking as JSON: guest, arrival date, when it was booked, reference, "
+                                       "nights and price."}]
     reply = openai_client.chat.completions.parse(model=DEPLOYMENT, messages=ask, response_format=Booking,
-                                                 temperature=0.7, seed=5, max_tokens=160)
+                                                 temperature=0.7, seed=5, max_tokens=300)
     choice = reply.choices[0]
     assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Booking), choice.message.content

@@ -14,7 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.engine.byte_regex import FORMATS, RegexError, compile_format, compile_pattern
+from workers.engine.byte_regex import (
+    FORMATS, RegexError, compile_format, compile_pattern, decimal_pattern, integer_pattern,
+)
 from workers.engine.json_grammar import JsonGrammar
 
 
@@ -191,3 +193,59 @@ def test_no_prefix_of_a_patterned_value_is_a_dead_end(schema, seed):
         data += bytes((b,))
         assert len(data) < 2000, data  # every schema here bounds its values
     jsonschema.validate(json.loads(data), schema)
+
+
+@settings(max_examples=200, deadline=None)
+@given(low=st.none() | st.integers(-10**6, 10**6), high=st.none() | st.integers(-10**6, 10**6),
+       values=st.lists(st.integers(-2 * 10**6, 2 * 10**6), max_size=20))
+def test_an_integer_range_matches_exactly_its_integers_as_json_writes_them(low, high, values):
+    if low is not None and high is not None and low > high:
+        low, high = high, low
+    regex = compile_pattern(integer_pattern(low, high))
+    edges = [v for bound in (low, high) if bound is not None for v in (bound - 1, bound, bound + 1)]
+    for value in values + edges + [0, 1, -1, 9, 10, -10]:
+        assert matches(regex, str(value)) == ((low is None or value >= low) and (high is None or value <= high))
+    assert not any(matches(regex, text) for text in ("01", "-0", "00", "-", "1.0", "+1", " 1"))
+
+
+def test_in_json_output_bounds_hold():
+    from workers.engine.json_grammar import SchemaError
+
+    g = grammar({"type": "object", "properties": {
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "rank": {"type": ["integer", "null"], "exclusiveMinimum": 0, "exclusiveMaximum": 10.5}},
+        "required": ["age"], "additionalProperties": False})
+    assert accepts(g, {"age": 0}) and accepts(g, {"age": 120, "rank": 10}) and accepts(g, {"age": 7, "rank": None})
+    assert not accepts(g, {"age": 121}) and not accepts(g, {"age": -1}) and not accepts(g, {"age": 7, "rank": 0})
+    assert not accepts(g, {"age": 7, "rank": 11}) and not accepts(g, {"age": 1.5})
+    assert accepts(grammar({"type": "integer", "minimum": 3}), 1234) and not accepts(grammar({"type": "integer", "minimum": 3}), 2)
+    lat = grammar({"type": "number", "minimum": -90, "maximum": 90})
+    assert all(accepts(lat, v) for v in (-90, -90.0, 0, 45.25, 90)) and not any(accepts(lat, v) for v in (-90.5, 90.01))
+    positive = grammar({"type": "number", "exclusiveMinimum": 0})
+    assert accepts(positive, 0.5) and accepts(positive, 12) and not accepts(positive, 0) and not accepts(positive, 0.0)
+    assert not accepts(positive, 1e30)  # bounded numbers are written without an exponent
+    for schema, words in [({"type": "number", "minimum": 0.5}, "whole number"),
+                          ({"type": "number", "maximum": 1, "exclusiveMinimum": 1}, "no number"),
+                          ({"type": "integer", "minimum": 5, "maximum": 4}, "no integer"),
+                          ({"type": "integer", "minimum": True}, "must be a number")]:
+        with pytest.raises(SchemaError, match=words):
+            grammar(schema)
+
+
+@settings(max_examples=200, deadline=None)
+@given(low=st.none() | st.integers(-300, 300), high=st.none() | st.integers(-300, 300), low_open=st.booleans(),
+       high_open=st.booleans(), values=st.lists(st.decimals(-400, 400, places=3, allow_nan=False), max_size=20))
+def test_a_decimal_range_matches_exactly_its_numbers(low, high, low_open, high_open, values):
+    from decimal import Decimal
+
+    if low is not None and high is not None and (low > high or (low == high and (low_open or high_open))):
+        with pytest.raises(RegexError):
+            decimal_pattern(low, high, low_open=low_open, high_open=high_open)
+        return
+    regex = compile_pattern(decimal_pattern(low, high, low_open=low_open, high_open=high_open))
+    around = [Decimal(b) + d for b in (low, high) if b is not None for d in (Decimal("-0.5"), 0, Decimal("0.001"))]
+    for value in values + around + [Decimal(0), Decimal("0.0"), Decimal("-0.25")]:
+        text = str(value) if value else "0"  # JSON's zero; "-0.0" is no number a writer makes
+        inside = (low is None or (value > low if low_open else value >= low)) and \
+            (high is None or (value < high if high_open else value <= high))
+        assert matches(regex, text) == inside, text

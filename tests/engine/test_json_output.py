@@ -96,16 +96,19 @@ def test_a_grammar_left_with_nothing_to_pick_fails_its_request_and_says_so(bundl
 
 
 def test_formatted_strings_are_values_their_parsers_read(engine):
-    """A pydantic model's datetime, UUID and e-mail fields come as JSON Schema formats."""
+    """A pydantic model's datetime, UUID and e-mail fields come as JSON Schema formats, its
+    Field(ge=..., le=...) as bounds."""
     import datetime
     import uuid
 
     event = {"type": "object", "properties": {
         "title": {"type": "string", "maxLength": 40}, "starts": {"type": "string", "format": "date-time"},
         "id": {"type": "string", "format": "uuid"}, "contact": {"type": "string", "format": "email", "maxLength": 40},
-        "room": {"type": "string", "pattern": "^[A-Z]\\d{3}$"}},
-        "required": ["title", "starts", "id", "contact", "room"], "additionalProperties": False}
-    ask_event = [{"role": "user", "content": "Describe a meeting as JSON: title, start time, id, contact e-mail, room."}]
+        "room": {"type": "string", "pattern": "^[A-Z]\\d{3}$"},
+        "seats": {"type": "integer", "minimum": 2, "maximum": 40}, "budget": {"type": "number", "exclusiveMinimum": 0}},
+        "required": ["title", "starts", "id", "contact", "room", "seats", "budget"], "additionalProperties": False}
+    ask_event = [{"role": "user", "content": "Describe a meeting as JSON: title, start time, id, contact e-mail, room, "
+                                             "seats and budget."}]
     out = engine.submit_chat(ask_event, SamplingParams(
         max_tokens=200, temperature=0.7, seed=1,
         response_format={"type": "json_schema", "json_schema": {"name": "event", "schema": event}})).result(timeout=300)

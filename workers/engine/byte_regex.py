@@ -520,3 +520,86 @@ class _Builder:
                 if not waiting[p]:
                     ready.append(p)
         return [int(v) if v != math.inf else 0 for v in low], high
+
+
+# -- integer ranges ------------------------------------------------------------------------------
+
+
+def integer_pattern(low: int | None, high: int | None) -> str:
+    """An anchored pattern of the JSON integers from ``low`` to ``high`` (None: no bound), as
+    JSON writes them: no leading zeros, no "-0"."""
+    if low is not None and high is not None and low > high:
+        raise RegexError(f"no integer is at least {low} and at most {high}")
+    options = []
+    if high is None or high >= 0:  # the non-negative ones
+        options += _naturals(max(low or 0, 0), high)
+    if low is None or low < 0:  # the negative ones, by magnitude
+        magnitudes = _naturals(1 if high is None or high >= 0 else -high, None if low is None else -low)
+        options.append("-(" + "|".join(magnitudes) + ")")
+    return "^(" + "|".join(options) + ")$"
+
+
+def _naturals(low: int, high: int | None) -> list[str]:
+    """Alternatives matching the integers low..high (high None: no end), low >= 0."""
+    out = []
+    while high is None or len(str(low)) < len(str(high)):
+        width = len(str(low))
+        out += _between(str(low), "9" * width)
+        if high is None:
+            return out + [f"[1-9]\\d{{{width},}}"]
+        low = 10 ** width
+    return out + _between(str(low), str(high))
+
+
+def _between(low: str, high: str) -> list[str]:
+    """Alternatives matching the digit strings of one length from ``low`` to ``high``."""
+    if low > high:
+        return []
+    if low == high:
+        return [low]
+    same = next(i for i, (a, b) in enumerate(zip(low, high)) if a != b)
+    prefix, rest = low[:same], len(low) - same - 1
+    first, last = low[same], high[same]
+    out = []
+    if low[same + 1:] != "0" * rest:  # the part that starts at low's digit
+        out += [prefix + first + tail for tail in _between(low[same + 1:], "9" * rest)]
+        first = chr(ord(first) + 1)
+    top = []
+    if high[same + 1:] != "9" * rest:  # the part that ends at high's digit
+        top = [prefix + last + tail for tail in _between("0" * rest, high[same + 1:])]
+        last = chr(ord(last) - 1)
+    if first <= last:
+        out.append(prefix + f"[{first}-{last}]" + (f"\\d{{{rest}}}" if rest else ""))
+    return out + top
+
+
+def decimal_pattern(low: int | None, high: int | None, *, low_open: bool = False, high_open: bool = False) -> str:
+    """An anchored pattern of the JSON numbers without exponent between ``low`` and ``high``
+    (whole numbers; ``*_open``: the bound itself excluded)."""
+    if low is not None and high is not None and (low > high or (low == high and (low_open or high_open))):
+        raise RegexError(f"no number lies between {low} and {high}")
+    options = []
+    if high is None or high > 0 or (high == 0 and not high_open):  # zero and up
+        zero_open = low is not None and low >= 0 and low_open
+        options += _unsigned(max(low, 0) if low is not None else 0, zero_open if low is not None and low >= 0 else False,
+                             high, high_open)
+    if low is None or low < 0:  # below zero, by magnitude, which is never 0
+        small = -high if high is not None and high < 0 else 0
+        options.append("-(" + "|".join(_unsigned(small, high_open if high is not None and high < 0 else True,
+                                                 None if low is None else -low, low_open)) + ")")
+    return "^(" + "|".join(options) + ")$"
+
+
+def _unsigned(low: int, low_open: bool, high: int | None, high_open: bool) -> list[str]:
+    """Alternatives matching the unsigned decimals from ``low`` to ``high`` (whole numbers, 0 <= low)."""
+    whole, zero, nonzero = r"(\.\d+)?", r"(\.0+)?", r"\.\d*[1-9]\d*"
+    start = low + 1 if low_open else low  # the integer parts whose every fraction is in
+    end = None if high is None else high - 1
+    out = []
+    if end is None or start <= end:
+        out += [f"({n}){whole}" for n in _naturals(start, end)]
+    if low_open and (high is None or low < high):
+        out.append(f"{low}{nonzero}")  # low itself is out, low.5 is in
+    if high is not None and not high_open and high >= low and not (high == low and low_open):
+        out.append(f"{high}{zero}")
+    return out

@@ -26,6 +26,8 @@ value. A stack is a tuple of frames, each a small tuple:
                                         bytes matched
     ("p", node, states, length)         inside a string with a pattern or format: the states of
                                         its regex (see byte_regex), ``length`` characters written
+    ("r", node, states)                 inside an integer with bounds: the states of the range's
+                                        pattern (see byte_regex.integer_pattern)
     ("n", integer, phase)               inside a number
     ("l", texts, at)                    inside a literal (true, false, null, an enum's values)
 
@@ -43,10 +45,11 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from .byte_regex import RegexError, compile_format, compile_pattern
+from .byte_regex import RegexError, compile_format, compile_pattern, decimal_pattern, integer_pattern
 
 MAX_WS_BYTES = 48
 MAX_WS_LINES = 2
@@ -65,7 +68,9 @@ _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id",
                 "discriminator"}  # pydantic's, beside the oneOf that does the work
 _KEYWORDS = _ANNOTATIONS | {"type", "properties", "required", "additionalProperties", "items",
                             "minItems", "maxItems", "minLength", "maxLength", "enum", "const", "anyOf",
-                            "oneOf", "$ref", "pattern", "format"}
+                            "oneOf", "$ref", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
+                            "exclusiveMaximum"}
+_NUMBER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _DEF_TABLES = ("$defs", "definitions")
 
@@ -207,7 +212,8 @@ class _Compiler:
         if unknown:
             raise SchemaError(f"{where}: the keyword {unknown[0]!r} is not supported (supported: type, "
                               "properties, required, additionalProperties, items, minItems, maxItems, "
-                              "minLength, maxLength, pattern, format, enum, const, anyOf, oneOf, $ref, $defs)")
+                              "minLength, maxLength, pattern, format, minimum, maximum, enum, "
+                              "const, anyOf, oneOf, $ref, $defs)")
         meaningful = set(schema) - _ANNOTATIONS
         for key in ("$ref", "anyOf", "oneOf"):
             if key in schema and meaningful != {key}:
@@ -266,6 +272,10 @@ class _Compiler:
             return Node("literal", where, literals=(b"true", b"false"))
         if kind == "null":
             return Node("literal", where, literals=(b"null",))
+        if any(schema.get(name) is not None for name in _NUMBER_BOUNDS):  # digits that follow the range's pattern
+            regex = compile_pattern(_range_pattern(schema, kind, where))
+            self.count(len(regex.edges) // 10, where)
+            return Node(kind, where, regex=regex)
         return Node(kind, where)  # pattern and format constrain strings alone (JSON Schema's rule)
 
     def _object(self, schema: dict, where: str, depth: int) -> Node:
@@ -314,6 +324,38 @@ def _regex(schema: dict, low: int, high: int | None, where: str):
     if not regex.fits(regex.start, 0, low, high):
         raise SchemaError(f"{where}: no string of the pattern fits minLength/maxLength")
     return regex
+
+
+def _range_pattern(schema: dict, kind: str, where: str) -> str:
+    """The pattern of the integers, or of the numbers (written without an exponent), that
+    ``minimum``, ``maximum`` and their exclusive forms allow."""
+    low = high = None  # (value, open)
+    for name in _NUMBER_BOUNDS:
+        value = schema.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise SchemaError(f"{where}: {name} must be a number")
+        if abs(value) > 1e18:
+            raise SchemaError(f"{where}: {name} {value} is beyond what this engine bounds (1e18)")
+        if kind == "number" and value != int(value):
+            raise SchemaError(f"{where}: {name} on a number must be a whole number here (got {value})")
+        if kind == "integer":  # the nearest integer inside, the bound included
+            bound = (math.ceil(value) if name == "minimum" else math.floor(value) + 1 if name == "exclusiveMinimum"
+                     else math.floor(value) if name == "maximum" else math.ceil(value) - 1, False)
+        else:
+            bound = (int(value), name.startswith("exclusive"))
+        if name.endswith("inimum"):  # the stricter of two: the larger, an open one on a tie
+            low = bound if low is None or (bound[0], bound[1]) > low else low
+        else:
+            high = bound if high is None or (-bound[0], bound[1]) > (-high[0], high[1]) else high
+    try:
+        if kind == "integer":
+            return integer_pattern(low and low[0], high and high[0])
+        return decimal_pattern(low and low[0], high and high[0], low_open=bool(low and low[1]),
+                               high_open=bool(high and high[1]))
+    except RegexError as exc:
+        raise SchemaError(f"{where}: {exc}") from None
 
 
 def _type_of(value: Any) -> str:
@@ -502,6 +544,8 @@ def step_states(states: tuple[State, ...], data: bytes) -> tuple[State, ...]:
 
 def _complete(stack: tuple) -> bool:
     """Empty, or only a number that may end here (a root number ends with the text)."""
+    if len(stack) == 1 and stack[0][0] == "r":
+        return stack[0][1].regex.matches(stack[0][2])
     return not stack or (len(stack) == 1 and stack[0][0] == "n" and stack[0][2] in _NUMBER_ENDS)
 
 
@@ -518,6 +562,12 @@ def _step(state: State, b: int) -> Iterable[State]:
         if top[2] not in _NUMBER_ENDS:
             return ()
         return _step((stack[:-1], 0, 0), b)  # the number ended: the byte is its parent's
+    if kind == "r":  # a bounded integer: its digits follow the range's pattern
+        regex = top[1].regex
+        states = regex.step(top[2], b)
+        if states:
+            return [(stack[:-1] + (("r", top[1], states),), 0, 0)]
+        return _step((stack[:-1], 0, 0), b) if regex.matches(top[2]) else ()
     if b in _WS and kind in "voa":
         return _blank(stack, top, ws, lines, b)
     return [(s, 0, 0) for s in _STEPS[kind](stack, top, b)]
@@ -581,6 +631,9 @@ def _start(node: Node, b: int, below: tuple) -> list[tuple]:
             return [below + (("p", node, node.regex.start, 0),)]
         limited = node.min_length or node.max_length is not None
         return [below + (("s", 0, 0, 0, node if limited else None, None),)]
+    if node.regex is not None:  # a bounded integer
+        states = node.regex.step(node.regex.start, b)
+        return [below + (("r", node, states),)] if states else []
     if kind in ("number", "integer"):
         integer = kind == "integer"
         if b == 0x2D:
