@@ -229,7 +229,9 @@ async def stream_chunks(events, ctx: formatting.Context, sampling: dict, include
             continue
         text, calls = reader.finish()
         if text or calls:
-            yield formatting.chunk(ctx, text=text or None, tool_calls=calls, include_usage=include_usage)
+            yield formatting.chunk(ctx, text=text or None, tool_calls=calls, logprobs=pending or None,
+                                   include_usage=include_usage)
+            pending = []
         reason = finish_reason(sampling, formatting.openai_finish_reason(event["finish_reason"]), reader)
         yield formatting.chunk(ctx, text=None, finish_reason=reason, logprobs=pending or None,
                                include_usage=include_usage)

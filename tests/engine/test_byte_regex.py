@@ -219,6 +219,8 @@ def test_in_json_output_bounds_hold():
     assert not accepts(g, {"age": 121}) and not accepts(g, {"age": -1}) and not accepts(g, {"age": 7, "rank": 0})
     assert not accepts(g, {"age": 7, "rank": 11}) and not accepts(g, {"age": 1.5})
     assert accepts(grammar({"type": "integer", "minimum": 3}), 1234) and not accepts(grammar({"type": "integer", "minimum": 3}), 2)
+    int64 = grammar({"type": "integer", "minimum": -2**63, "maximum": 2**63 - 1})  # as generated schemas bound
+    assert accepts(int64, 2**63 - 1) and not accepts(int64, 2**63)
     lat = grammar({"type": "number", "minimum": -90, "maximum": 90})
     assert all(accepts(lat, v) for v in (-90, -90.0, 0, 45.25, 90)) and not any(accepts(lat, v) for v in (-90.5, 90.01))
     positive = grammar({"type": "number", "exclusiveMinimum": 0})
@@ -227,7 +229,8 @@ def test_in_json_output_bounds_hold():
     for schema, words in [({"type": "number", "minimum": 0.5}, "whole number"),
                           ({"type": "number", "maximum": 1, "exclusiveMinimum": 1}, "no number"),
                           ({"type": "integer", "minimum": 5, "maximum": 4}, "no integer"),
-                          ({"type": "integer", "minimum": True}, "must be a number")]:
+                          ({"type": "integer", "minimum": True}, "must be a number"),
+                          ({"type": "integer", "maximum": 10**400}, "beyond")]:
         with pytest.raises(SchemaError, match=words):
             grammar(schema)
 

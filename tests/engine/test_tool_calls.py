@@ -237,7 +237,7 @@ def test_sampling_params_check_tools():
         ({"tools": TOOLS, "tool_choice": {"name": "missing"}}, "tool_choice"),
         ({"tools": TOOLS, "response_format": "json"}, "response_format"),
         ({"tools": TOOLS, "tool_choice": "none", "response_format": "json"}, "response_format"),
-        ({"tools": TOOLS, "tool_choice": "none", "ignore_eos": True}, "tools"),
+        ({"tools": TOOLS, "tool_choice": "required", "ignore_eos": True}, "tools"),
         ({"tools": [{"name": "f", "parameters": {"type": "string"}}]}, "tools"),
         ({"tools": [{"name": "f", "parameters": {"type": "object", "multipleOf": 1}}]}, "tools"),
         ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
@@ -246,6 +246,7 @@ def test_sampling_params_check_tools():
         with pytest.raises(InvalidRequestError) as caught:
             SamplingParams(**kwargs)
         assert caught.value.param == param, kwargs
+    assert SamplingParams(tools=TOOLS, tool_choice="none", ignore_eos=True).grammar.matcher().done  # text may run on
 
 
 # -- the real model -------------------------------------------------------------------------------

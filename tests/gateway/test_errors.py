@@ -245,6 +245,8 @@ def test_another_organizations_dedicated_deployment_cannot_be_called_over_the_we
      "response_format"),
     (CHAT, b'{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}], "response_format": '
            b'{"type": "json_schema", "json_schema": {"name": "s", "schema": {"const": [NaN]}}}}', "response_format"),
+    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": {
+        "type": "integer", "maximum": 10**400}}}), "response_format"),  # no float holds it
     (CHAT, chat(tool_choice="required"), "tool_choice"),
     (CHAT, chat(metadata={"a": 1}), "metadata"),
     (CHAT, chat(logit_bias={"²": 1}), "logit_bias"),  # a digit to str.isdigit, no token id to int()

@@ -517,7 +517,7 @@ class Engine:
     def _guide(self, params: SamplingParams, grammar: JsonGrammar | ToolGrammar) -> Guide:
         """The grammar state of a request whose output must be JSON, ended by its end tokens."""
         ends = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids)
-        if not ends:
+        if not ends and grammar.needs_end:
             raise InvalidRequestError(f"{params.guided_by}: this model has no end-of-sequence token to end "
                                       "guided output with", param=params.guided_by)
         if self.runner.vocab_bytes is None:  # once per engine; before the loop can see the request

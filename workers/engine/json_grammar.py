@@ -113,6 +113,7 @@ class JsonGrammar:
     """A compiled response format; ``matcher()`` starts a request on it."""
 
     root: Node
+    needs_end = True  # a value is whole only once the end-of-sequence token says so
 
     def matcher(self) -> "JsonMatcher":
         return JsonMatcher(self)
@@ -334,10 +335,11 @@ def _range_pattern(schema: dict, kind: str, where: str) -> str:
         value = schema.get(name)
         if value is None:
             continue
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) \
+                or (isinstance(value, float) and not math.isfinite(value)):
             raise SchemaError(f"{where}: {name} must be a number")
-        if abs(value) > 1e18:
-            raise SchemaError(f"{where}: {name} {value} is beyond what this engine bounds (1e18)")
+        if abs(value) > 2**64:  # (an int may be too large to be a float)
+            raise SchemaError(f"{where}: {name} is beyond what this engine bounds (2**64)")
         if kind == "number" and value != int(value):
             raise SchemaError(f"{where}: {name} on a number must be a whole number here (got {value})")
         if kind == "integer":  # the nearest integer inside, the bound included

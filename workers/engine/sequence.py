@@ -120,7 +120,7 @@ class SamplingParams:
             grammar = self.grammar
         except SchemaError as exc:
             _fail(self.guided_by, str(exc))
-        if grammar is not None and self.ignore_eos and not self.stop_token_ids:
+        if grammar is not None and grammar.needs_end and self.ignore_eos and not self.stop_token_ids:
             _fail(self.guided_by, "guided output ends with the end-of-sequence token: not with ignore_eos")
 
     def _valid_tools(self) -> None:

@@ -104,6 +104,11 @@ class ToolGrammar:
     free: bool
     parallel: bool
 
+    @property
+    def needs_end(self) -> bool:
+        """Whether a reply needs the end-of-sequence token to end (text alone can run to max_tokens)."""
+        return bool(self.tools)
+
     def matcher(self) -> "ToolCallMatcher":
         return ToolCallMatcher(self)
 
