@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .json_grammar import JsonMatcher
-from .tool_calls import ToolCallMatcher
+from .json_grammar import Matcher
 
 CANDIDATES = 32
 
@@ -26,7 +25,7 @@ CANDIDATES = 32
 class Guide:
     """A request's grammar state and the tokens that may end it (EOS, its stop tokens)."""
 
-    matcher: JsonMatcher | ToolCallMatcher
+    matcher: Matcher
     end_ids: frozenset[int]
     stuck: bool = False  # the grammar allowed no token at all (it never should): the request fails
 

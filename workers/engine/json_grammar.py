@@ -483,19 +483,16 @@ def _check_finite(root: Node) -> None:
 State = tuple  # (stack, whitespace bytes in the current run, newlines in it)
 
 
-class JsonMatcher:
-    """Where one request stands in its grammar: which bytes may come next."""
+class Matcher:
+    """Where one request stands in a nondeterministic byte automaton: the readings (states)
+    still alive, and which bytes may come next. A grammar's matcher says how readings move on
+    (``_run``) and when the request may end (``done``)."""
 
-    stops_apply = True  # a stop string may cut JSON (the caller asked for it)
+    stops_apply = True  # whether a stop string may end the reply here
 
-    def __init__(self, grammar: JsonGrammar):
-        self.states: tuple[State, ...] = start_states(grammar)
+    def __init__(self, states: tuple):
+        self.states = states
         self._checked: tuple[bytes, tuple] | None = None  # the last bytes accepts() read, and where they led
-
-    @property
-    def done(self) -> bool:
-        """Whether what came so far is a whole value (the request may end here)."""
-        return states_done(self.states)
 
     @property
     def failed(self) -> bool:
@@ -504,7 +501,7 @@ class JsonMatcher:
     def accepts(self, data: bytes) -> bool:
         if not data:
             return False
-        self._checked = (data, step_states(self.states, data))
+        self._checked = (data, self._run(self.states, data))
         return bool(self._checked[1])
 
     def advance(self, data: bytes) -> None:
@@ -512,12 +509,32 @@ class JsonMatcher:
         checked (the usual case) is not read again."""
         if data:
             checked = self._checked
-            self.states = checked[1] if checked is not None and checked[0] == data else step_states(self.states, data)
+            self.states = checked[1] if checked is not None and checked[0] == data else self._run(self.states, data)
         self._checked = None
 
     def allowed_first_bytes(self) -> list[bool]:
         """Per byte value, whether a token may start with it."""
-        return [bool(step_states(self.states, bytes((b,)))) for b in range(256)]
+        return [bool(self._run(self.states, bytes((b,)))) for b in range(256)]
+
+    def _run(self, states: tuple, data: bytes) -> tuple:
+        """The readings after ``data``: the grammar's own (see ``run_readings``)."""
+        raise NotImplementedError
+
+
+class JsonMatcher(Matcher):
+    """Where one request stands in its JSON grammar (a stop string may cut JSON: the caller
+    asked for it)."""
+
+    def __init__(self, grammar: JsonGrammar):
+        super().__init__(start_states(grammar))
+
+    @property
+    def done(self) -> bool:
+        """Whether what came so far is a whole value (the request may end here)."""
+        return states_done(self.states)
+
+    def _run(self, states: tuple, data: bytes) -> tuple:
+        return step_states(states, data)
 
 
 # The automaton as plain functions over immutable states, for grammars built around it (tool calls).
@@ -533,10 +550,16 @@ def states_done(states: tuple[State, ...]) -> bool:
 
 def step_states(states: tuple[State, ...], data: bytes) -> tuple[State, ...]:
     """The states after ``data``; empty when the grammar does not allow it."""
+    return run_readings(states, data, _step)
+
+
+def run_readings(states: tuple, data: bytes, step) -> tuple:
+    """The readings alive after ``data``, each byte taking every reading to its ``step``s (in
+    order, without repeats, at most ``MAX_ALTERNATIVES``)."""
     for byte in data:
-        following: dict[State, None] = {}
+        following: dict = {}
         for state in states:
-            for nxt in _step(state, byte):
+            for nxt in step(state, byte):
                 following[nxt] = None
         states = tuple(following)[:MAX_ALTERNATIVES]
         if not states:

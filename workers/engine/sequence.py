@@ -144,8 +144,7 @@ class SamplingParams:
             _fail("tool_choice", f"names {choice['name']!r}, which is not in tools")
         if not isinstance(self.parallel_tool_calls, bool):
             _fail("parallel_tool_calls", f"must be a boolean, got {self.parallel_tool_calls!r}")
-        if self.calls_tools and self.response_format is not None \
-                and not (isinstance(self.response_format, dict) and self.response_format.get("type") == "text"):
+        if self.calls_tools and self.json_output:
             _fail("response_format", "JSON output cannot be combined with tools yet; send tool_choice "
                                      "\"none\" or leave response_format out")
 
@@ -155,11 +154,15 @@ class SamplingParams:
         return bool(self.tools) and self.tool_choice != "none"
 
     @property
+    def json_output(self) -> bool:
+        """Whether response_format asks for anything but text."""
+        rf = self.response_format
+        return rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text")
+
+    @property
     def guided_by(self) -> str:
         """The parameter that constrains the output (for errors)."""
-        rf = self.response_format
-        json_output = rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text")
-        return "tools" if self.calls_tools or (self.tools and not json_output) else "response_format"
+        return "tools" if self.calls_tools or (self.tools and not self.json_output) else "response_format"
 
     @staticmethod
     def _valid_stop(stop: Any) -> list[str]:

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .json_grammar import MAX_ALTERNATIVES, JsonGrammar, SchemaError, compile_schema, only_objects, \
+from .json_grammar import JsonGrammar, Matcher, SchemaError, compile_schema, only_objects, run_readings, \
     start_states, states_done, step_states
 
 OPEN = "<tool_call>"
@@ -158,60 +158,32 @@ def _compiled(key: str, named: str | None, free: bool, parallel: bool) -> ToolGr
 _END = -1
 
 
-class ToolCallMatcher:
-    """Where one reply stands in its ``ToolGrammar``; the interface of ``JsonMatcher``."""
+class ToolCallMatcher(Matcher):
+    """Where one reply stands in its ``ToolGrammar``."""
 
     def __init__(self, grammar: ToolGrammar):
         self.grammar = grammar
         self._open = OPEN.encode()
         self._heads = [(OPEN + _HEAD.format(name=name)).encode() for name, _ in grammar.tools]
         self._tail = _TAIL.encode()
-        self.threads: tuple = (("free", 0),) if grammar.free else self._call_starts(0)
-        self._checked: tuple[bytes, tuple] | None = None  # as JsonMatcher's
+        super().__init__((("free", 0),) if grammar.free else self._call_starts(0))
 
     @property
     def done(self) -> bool:
         """Whether the reply may end here: free text, or after a whole call."""
-        return any(t[0] in ("free", "end") for t in self.threads)
+        return any(t[0] in ("free", "end") for t in self.states)
 
     @property
     def stops_apply(self) -> bool:
         """Whether a stop string may end the reply here: in free text, not inside the calls."""
-        return any(t[0] == "free" for t in self.threads)
-
-    @property
-    def failed(self) -> bool:
-        return not self.threads
-
-    def accepts(self, data: bytes) -> bool:
-        if not data:
-            return False
-        self._checked = (data, self._run(self.threads, data))
-        return bool(self._checked[1])
-
-    def advance(self, data: bytes) -> None:
-        if data:
-            checked = self._checked
-            self.threads = checked[1] if checked is not None and checked[0] == data else self._run(self.threads, data)
-        self._checked = None
-
-    def allowed_first_bytes(self) -> list[bool]:
-        return [bool(self._run(self.threads, bytes((b,)))) for b in range(256)]
+        return any(t[0] == "free" for t in self.states)
 
     def _call_starts(self, at: int) -> tuple:
         """A call of any of the tools, ``at`` bytes into its head (which names the tool)."""
         return tuple(("lit", head, at, i) for i, head in enumerate(self._heads))
 
     def _run(self, threads: tuple, data: bytes) -> tuple:
-        for byte in data:
-            following: dict = {}
-            for thread in threads:
-                for nxt in self._step(thread, byte):
-                    following[nxt] = None
-            threads = tuple(following)[:MAX_ALTERNATIVES]
-            if not threads:
-                break
-        return threads
+        return run_readings(threads, data, self._step)
 
     def _step(self, thread: tuple, b: int) -> list | tuple:
         kind = thread[0]
@@ -246,7 +218,7 @@ class ToolCallMatcher:
 # -- reading calls back ---------------------------------------------------------------------------
 
 _HEAD_START, _HEAD_END = _HEAD.format(name="\0").split("\0")
-_HEAD_TEXT = re.compile(re.escape(_HEAD_START) + r"([A-Za-z0-9_-]{1,64})" + re.escape(_HEAD_END))
+_HEAD_TEXT = re.compile(re.escape(_HEAD_START) + f"({NAME.pattern})" + re.escape(_HEAD_END))
 
 
 class ToolCallParser:
