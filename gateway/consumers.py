@@ -25,7 +25,8 @@ from inference_platform import jsonbody
 from . import calls, formatting
 from .errors import ApiError
 from .protocol import parse_chat, parse_completion
-from .views import INTERNAL_ERROR, stream_chunks
+from .answers import stream_chunks
+from .views import INTERNAL_ERROR
 
 log = logging.getLogger(__name__)
 PARSERS = {"chat.completions": parse_chat, "completions": parse_completion}

@@ -83,11 +83,11 @@ def _logprobs(ctx: Context, entries: list[dict] | None, text_offset: int) -> dic
     return chat_logprobs(entries) if ctx.kind == "chat" else completion_logprobs(entries, text_offset=text_offset)
 
 
-def chunk(ctx: Context, *, text: str | None, logprobs: list[dict] | None = None, finish_reason: str | None = None,
-          first: bool = False, text_offset: int = 0, include_usage: bool = False,
+def chunk(ctx: Context, *, text: str | None, index: int = 0, logprobs: list[dict] | None = None,
+          finish_reason: str | None = None, first: bool = False, text_offset: int = 0, include_usage: bool = False,
           tool_calls: list[dict] | None = None) -> dict:
-    """One streamed chunk carrying new text or tool call deltas (or, with ``finish_reason``, the
-    end of the choice)."""
+    """One streamed chunk of answer ``index``, carrying new text or tool call deltas (or, with
+    ``finish_reason``, the end of the answer)."""
     if ctx.kind == "chat":
         delta: dict = {}
         if first:
@@ -96,10 +96,10 @@ def chunk(ctx: Context, *, text: str | None, logprobs: list[dict] | None = None,
             delta["content"] = text
         if tool_calls:
             delta["tool_calls"] = tool_calls
-        choice = {"index": 0, "delta": delta, "logprobs": _logprobs(ctx, logprobs, text_offset),
+        choice = {"index": index, "delta": delta, "logprobs": _logprobs(ctx, logprobs, text_offset),
                   "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": _logprobs(ctx, logprobs, text_offset),
+        choice = {"index": index, "text": text or "", "logprobs": _logprobs(ctx, logprobs, text_offset),
                   "finish_reason": finish_reason}
     body = {**ctx.envelope(chunk=True), "choices": [choice]}
     if include_usage:
@@ -112,18 +112,29 @@ def usage_chunk(ctx: Context, usage: dict) -> dict:
     return {**ctx.envelope(chunk=True), "choices": [], "usage": usage_json(usage)}
 
 
-def response(ctx: Context, *, text: str, finish_reason: str, logprobs: list[dict] | None, usage: dict,
-             tool_calls: list[dict] | None = None) -> dict:
-    """A whole non-streamed response (a message that calls tools has no content unless the model
-    wrote some before its calls)."""
+def choice(ctx: Context, *, index: int, text: str, finish_reason: str, logprobs: list[dict] | None,
+           tool_calls: list[dict] | None = None) -> dict:
+    """One whole answer of a response (a message that calls tools has no content unless the
+    model wrote some before its calls)."""
     if ctx.kind == "chat":
         message = {"role": "assistant", "content": (text or None) if tool_calls else text, "refusal": None}
         if tool_calls:
             message["tool_calls"] = tool_calls
-        choice = {"index": 0, "message": message, "logprobs": _logprobs(ctx, logprobs, 0), "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": _logprobs(ctx, logprobs, 0), "finish_reason": finish_reason}
-    return {**ctx.envelope(chunk=False), "choices": [choice], "usage": usage_json(usage)}
+        return {"index": index, "message": message, "logprobs": _logprobs(ctx, logprobs, 0),
+                "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": _logprobs(ctx, logprobs, 0), "finish_reason": finish_reason}
+
+
+def response(ctx: Context, *, choices: list[dict], usage: dict) -> dict:
+    """A whole non-streamed response."""
+    return {**ctx.envelope(chunk=False), "choices": choices, "usage": usage_json(usage)}
+
+
+def choice_ends(event: dict) -> list[tuple[int, str]]:
+    """Each answer's index and OpenAI finish reason, from a worker's ``inference.finished`` event
+    (one from a worker that predates ``n`` names one answer's reason alone)."""
+    ends = event.get("choices") or [{"index": 0, "finish_reason": event["finish_reason"]}]
+    return [(end["index"], openai_finish_reason(end["finish_reason"])) for end in ends]
 
 
 def openai_finish_reason(reason: str) -> str:

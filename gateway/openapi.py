@@ -40,7 +40,9 @@ COMMON = {
     "top_k": {"type": "integer", "minimum": -1},
     "min_p": {**NUMBER, "minimum": 0, "maximum": 1},
     "repetition_penalty": {**NUMBER, "exclusiveMinimum": 0, "maximum": 10},
-    "n": {"type": "integer", "enum": [1]},
+    "n": {"type": "integer", "minimum": 1, "maximum": 128, "default": 1,
+          "description": "How many answers to generate; the prompt is billed once, the answers' tokens all. "
+                         "With a seed, answer i samples with seed + i."},
     "stop": {"oneOf": [{"type": "string", "minLength": 1},
                        {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4}]},
     "seed": {"type": "integer"},
@@ -113,7 +115,8 @@ COMPLETION_REQUEST = {
         "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
         "echo": {"type": "boolean", "enum": [False]},
         "suffix": {"type": "null"},
-        "best_of": {"type": "integer", "enum": [1]},
+        "best_of": {"type": "integer", "minimum": 1, "maximum": 128,
+                    "description": "Accepted only equal to n (every answer generated is returned)."},
     },
 }
 USAGE = {"type": "object", "properties": {

@@ -20,6 +20,7 @@ from .tools import ToolTurns, calls_tools, parse_tools
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_STOP = 4  # OpenAI allows up to four stop sequences
+MAX_CHOICES = 128  # OpenAI's limit on n
 MAX_MODEL_NAME = 200
 TOP_P_MIN = 1e-6  # top_p 0 asks for the likeliest token alone; the sampler keeps at least one
 COMMON_FIELDS = {
@@ -57,6 +58,7 @@ class InferenceRequest:
     messages: list[dict] | None = None
     prompt: str | list[int] | None = None
     user: str | None = None
+    n: int = 1  # answers to generate (OpenAI's ``n``)
     extra: dict = field(default_factory=dict)
     max_tokens_param: str = "max_tokens"  # the name the client gave the limit (for errors)
 
@@ -67,6 +69,7 @@ class InferenceRequest:
             "messages": self.messages,
             "prompt": self.prompt,
             "sampling": self.sampling,
+            "n": self.n,
         }
 
 
@@ -118,11 +121,17 @@ def parse_completion(body: Any) -> InferenceRequest:
         sampling["logprobs"], sampling["top_logprobs"] = True, count
     else:
         sampling["logprobs"], sampling["top_logprobs"] = False, 0
-    for name, allowed in (("echo", (None, False)), ("suffix", (None,)), ("best_of", (None, 1))):
+    for name, allowed in (("echo", (None, False)), ("suffix", (None,))):
         if body.get(name) not in allowed:
             raise invalid(name, f"{name}={json.dumps(body.get(name))[:200]} is not supported by this platform; "
                                 f"leave it out", code="unsupported_value")
-    return _request("completion", body, sampling, prompt=prompt)
+    request = _request("completion", body, sampling, prompt=prompt)
+    best_of = body.get("best_of")
+    if best_of is not None and (not _is_int(best_of) or best_of != request.n):
+        # best_of > n would rank answers by likelihood and return the best: not done here.
+        raise invalid("best_of", f"best_of={json.dumps(best_of)[:200]} is not supported by this platform; leave "
+                                 "it out or send it equal to n", code="unsupported_value")
+    return request
 
 
 def _request(kind: str, body: dict, sampling: dict, **content) -> InferenceRequest:
@@ -148,15 +157,13 @@ def _request(kind: str, body: dict, sampling: dict, **content) -> InferenceReque
         for name in ("include_usage", "include_obfuscation"):  # no obfuscation is ever added
             if not isinstance(options.get(name, False), bool):
                 raise invalid(f"stream_options.{name}", f"{name} must be a boolean")
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise invalid("n", "only n=1 is supported")
+    n = 1 if body.get("n") is None else _int(body, "n", minimum=1, maximum=MAX_CHOICES)
     for name in ("user", "prompt_cache_key", "safety_identifier"):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise invalid(name, f"{name} must be a string")
     user = body.get("user")
     return InferenceRequest(kind=kind, model=model, stream=stream, include_usage=include_usage,
-                            sampling=sampling, user=user, **content)
+                            sampling=sampling, user=user, n=n, **content)
 
 
 def _sampling(body: dict) -> dict:

@@ -3,7 +3,7 @@ and the assistant ``tool_calls`` and ``tool`` results a conversation carries bac
 
 The request side checks and flattens them for the worker (a tool becomes {"name", "description",
 "parameters"}); ``ToolCallStream`` turns the reply's text into OpenAI's ``tool_calls``, whole or as
-stream deltas, and ``stream_chunks`` streams them.
+stream deltas, and ``ToolAnswer`` streams them.
 """
 
 from __future__ import annotations
@@ -213,27 +213,28 @@ class ToolCallStream:
         return "".join(text), list(deltas.values())
 
 
-async def stream_chunks(events, ctx: formatting.Context, sampling: dict, include_usage: bool):
-    """The chunks after the first of a reply that may call tools: text and call deltas as the
-    reply is read, each carrying the logprobs of the tokens since the last (a call's tags are
-    tokens too, and no chunk goes out for them alone), then the end."""
-    reader, pending = ToolCallStream(sampling), []
-    async for event in events:
-        if event["type"] == "inference.delta":
-            text, calls = reader.feed(event["text"])
-            pending += event["logprobs"] or []
-            if text or calls:
-                yield formatting.chunk(ctx, text=text or None, tool_calls=calls, logprobs=pending or None,
-                                       include_usage=include_usage)
-                pending = []
-            continue
-        text, calls = reader.finish()
-        if text or calls:
-            yield formatting.chunk(ctx, text=text or None, tool_calls=calls, logprobs=pending or None,
-                                   include_usage=include_usage)
-            pending = []
-        reason = finish_reason(sampling, formatting.openai_finish_reason(event["finish_reason"]), reader)
-        yield formatting.chunk(ctx, text=None, finish_reason=reason, logprobs=pending or None,
-                               include_usage=include_usage)
-        if include_usage:
-            yield formatting.usage_chunk(ctx, event["usage"])
+class ToolAnswer:
+    """One streamed answer that may call tools: text and call deltas as the reply is read, each
+    chunk carrying the logprobs of the tokens since the last (a call's tags are tokens too, and
+    no chunk goes out for them alone), then the end."""
+
+    def __init__(self, ctx: formatting.Context, index: int, sampling: dict, include_usage: bool) -> None:
+        self._ctx, self._index, self._sampling, self._include_usage = ctx, index, sampling, include_usage
+        self._reader, self._pending = ToolCallStream(sampling), []
+
+    def feed(self, event: dict) -> list[dict]:
+        self._pending += event["logprobs"] or []
+        return self._flush(*self._reader.feed(event["text"]))
+
+    def end(self, reason: str) -> list[dict]:
+        chunks = self._flush(*self._reader.finish())
+        reason = finish_reason(self._sampling, reason, self._reader)
+        return chunks + [self._chunk(text=None, finish_reason=reason)]
+
+    def _flush(self, text: str, calls: list[dict]) -> list[dict]:
+        return [self._chunk(text=text or None, tool_calls=calls)] if text or calls else []
+
+    def _chunk(self, **fields) -> dict:
+        logprobs, self._pending = self._pending or None, []
+        return formatting.chunk(self._ctx, index=self._index, logprobs=logprobs, include_usage=self._include_usage,
+                                **fields)

@@ -14,7 +14,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from inference_platform import jsonbody
 
-from . import admission, calls, formatting, tools
+from . import admission, answers, calls, formatting
 from .errors import ApiError
 from .protocol import MAX_MODEL_NAME, parse_chat, parse_completion
 
@@ -61,7 +61,7 @@ async def _inference(request, parse, kind: str):
         response["X-Accel-Buffering"] = "no"
         return _with_headers(response, headers)
     try:
-        body = await _collect(call, ctx)
+        body = await answers.collect(call, ctx)
     except ApiError as exc:
         return _with_headers(exc.response(), headers)
     except asyncio.CancelledError:  # the client went away: stop generating
@@ -70,56 +70,9 @@ async def _inference(request, parse, kind: str):
     return _with_headers(JsonResponse(body), headers)
 
 
-async def _collect(call: calls.Call, ctx: formatting.Context) -> dict:
-    text, logprobs = [], []
-    wants_logprobs = call.request.sampling.get("logprobs")
-    async for event in call.events():
-        if event["type"] == "inference.delta":
-            text.append(event["text"])
-            logprobs.extend(event["logprobs"] or [])
-        elif event["type"] == "inference.restarted":  # its worker died: a copy runs it from the start
-            text.clear()
-            logprobs.clear()
-        else:
-            content, calls = "".join(text), None
-            reason = formatting.openai_finish_reason(event["finish_reason"])
-            if tools.calls_tools(call.request.sampling):
-                reader = tools.ToolCallStream(call.request.sampling)
-                content = reader.feed(content)[0] + reader.finish()[0]
-                calls, reason = reader.calls, tools.finish_reason(call.request.sampling, reason, reader)
-            return formatting.response(
-                ctx, text=content, finish_reason=reason, logprobs=logprobs if wants_logprobs else None,
-                usage=event["usage"], tool_calls=calls,
-            )
-    raise ApiError(500, "The worker ended the request without finishing it.")
-
-
-async def stream_chunks(call: calls.Call, ctx: formatting.Context, include_usage: bool):
-    """OpenAI chunk dicts for a started call; shared by SSE and the WebSocket."""
-    sampling = call.request.sampling
-    # A reply that can only call tools has no content: null from the start, as OpenAI's.
-    yield formatting.chunk(ctx, text=None if tools.calls_only(sampling) else "", first=True, include_usage=include_usage)
-    if tools.calls_tools(sampling):
-        async for chunk in tools.stream_chunks(call.events(), ctx, sampling, include_usage):
-            yield chunk
-        return
-    offset = 0
-    async for event in call.events():
-        if event["type"] == "inference.delta":
-            yield formatting.chunk(ctx, text=event["text"], logprobs=event["logprobs"], text_offset=offset,
-                                   include_usage=include_usage)
-            offset += len(event["text"])
-        else:
-            reason = formatting.openai_finish_reason(event["finish_reason"])
-            yield formatting.chunk(ctx, text=None if ctx.kind == "chat" else "", finish_reason=reason,
-                                   include_usage=include_usage)
-            if include_usage:
-                yield formatting.usage_chunk(ctx, event["usage"])
-
-
 async def _sse(call: calls.Call, ctx: formatting.Context, include_usage: bool):
     try:
-        async for chunk in stream_chunks(call, ctx, include_usage):
+        async for chunk in answers.stream_chunks(call, ctx, include_usage):
             yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
         yield "data: [DONE]\n\n"
     except ApiError as exc:  # after the first byte the status is sent: report in-band

@@ -6,8 +6,10 @@ Events sent to the reply channel, in order:
     inference.restarted only from a copy redelivered after its worker died, of a request whose
                         client does not stream: what the gateway holds of it is void
     inference.started   prompt_tokens, cached_prompt_tokens (the engine accepted the request)
-    inference.delta     text, token_ids, logprobs (per token: token, bytes, logprob, top)
-    inference.finished  finish_reason, usage, timings, error
+    inference.delta     index (of the answer, with ``n``), text, token_ids, logprobs (per token:
+                        token, bytes, logprob, top)
+    inference.finished  finish_reason, usage, timings, error, and choices: each answer's index
+                        and finish_reason (see ``workers.choices``)
 or, instead of all of them, inference.error (status, message, param, code) when the request is
 refused before it starts. Whatever happens after the engine accepted the request, a usage event
 leaves for billing before this returns, i.e. before Celery acknowledges the task; and it leaves
@@ -22,9 +24,11 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime, timezone
+from functools import partial
 
 from channels.exceptions import ChannelFull
 
+from . import choices
 from .relay import Superseded
 
 log = logging.getLogger(__name__)
@@ -51,16 +55,21 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
         log.exception("deployment %s failed to load", payload["deployment"]["name"])
         send_quietly(send, reply, _error(503, f"the model failed to load: {exc}", code="model_load_failed"))
         return None
-    stream = relay.stream(reply, lambda out: {
-        "type": "inference.delta", "text": out.text, "token_ids": out.token_ids,
-        "logprobs": _logprobs(engine.tokenizer, out.logprobs, payload["sampling"]),
-    }, ticket, client_streams=payload.get("stream", True))
+    n = payload.get("n", 1)
+    ids = choices.engine_ids(request_id, n)
+    answers = choices.Choices([
+        relay.stream(reply, _delta(engine.tokenizer, payload["sampling"], index), ticket,
+                     client_streams=payload.get("stream", True), request_id=request_id)
+        for index in range(n)
+    ])
     try:
         params = SamplingParams(**_engine_sampling(payload["sampling"]))
         if payload["kind"] == "chat":
-            handle = engine.submit_chat(payload["messages"], params, request_id=request_id, listener=stream)
+            submit = partial(engine.submit_chat, payload["messages"])
         else:
-            handle = engine.submit(payload["prompt"], params, request_id=request_id, listener=stream)
+            submit = partial(engine.submit, payload["prompt"])
+        answers.submit(lambda index, stream: submit(choices.params_for(params, index), request_id=ids[index],
+                                                    listener=stream))
     except InvalidRequestError as exc:
         send_quietly(send, reply, _refusal(exc, payload["kind"]))
         return None
@@ -75,42 +84,50 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
                                          code="internal_error"))
         return None
 
-    stream.handle = handle
-    cancels.watch(request_id, handle.abort)
+    cancels.watch(request_id, answers.abort)
     event, billing_tried = None, False
     try:
         if ticket is not None and ticket.superseded:  # handed on while this thread waited to run
-            handle.abort()
+            answers.abort()
             raise Superseded(request_id)
-        _send_or_abort(send, reply, {"type": "inference.started", "prompt_tokens": handle.prompt_tokens,
-                                     "worker": worker_name}, handle)
-        stream.open()
-        last = stream.wait(STALL_TIMEOUT_S)
-        finished = {"type": "inference.finished", "finish_reason": last.finish_reason, "error": last.error,
-                    "usage": _usage(last), "timings": _timings_ms(last.timings)}
+        _send_or_abort(send, reply, {"type": "inference.started", "prompt_tokens": answers.prompt_tokens,
+                                     "worker": worker_name}, answers)
+        answers.open()
+        outputs = answers.wait(STALL_TIMEOUT_S)
+        finished = {"type": "inference.finished", "finish_reason": choices.finish_reason(outputs),
+                    "error": choices.error(outputs), "usage": choices.usage(outputs),
+                    "timings": _timings_ms(choices.timings(outputs)),
+                    "choices": [{"index": i, "finish_reason": out.finish_reason} for i, out in enumerate(outputs)]}
         try:
             billing_tried = True
-            event = _bill(payload, stream, handle, cancels)
+            event = _bill(payload, answers, cancels)
         finally:  # the client gets its end even if billing failed (that error is raised on)
             send_quietly(send, reply, finished)
     except TimeoutError:
-        handle.abort()
+        answers.abort()
         send_quietly(send, reply, _error(504, "the engine produced nothing for too long", code="timeout"))
     except Superseded:  # the worker that took it over answers and bills it; the relay aborted this copy
+        answers.abort()  # the answers its relay has not reached yet
         billing_tried = True
         cancels.unwatch(request_id)
     finally:
         if not billing_tried:
-            event = _bill(payload, stream, handle, cancels)
+            event = _bill(payload, answers, cancels)
     return event
 
 
-def _bill(payload: dict, stream, handle, cancels) -> dict:
+def _delta(tokenizer, sampling: dict, index: int):
+    """An engine output of answer ``index`` -> the delta event the gateway gets."""
+    return lambda out: {"type": "inference.delta", "index": index, "text": out.text, "token_ids": out.token_ids,
+                        "logprobs": _logprobs(tokenizer, out.logprobs, sampling)}
+
+
+def _bill(payload: dict, answers: choices.Choices, cancels) -> dict:
     """The request is over (or failed on the way): stop it and emit its usage event."""
     cancels.unwatch(payload["request_id"])
-    if not stream.ended:  # it failed on the way: stop generating for nobody
-        handle.abort()
-    event = _usage_event(payload, stream.last, handle)
+    if not answers.ended:  # it failed on the way: stop generating for nobody
+        answers.abort()
+    event = _usage_event(payload, answers)
     emit_usage(event)
     return event
 
@@ -181,11 +198,6 @@ def _logprobs(tokenizer, entries, sampling: dict) -> list[dict] | None:
     return out
 
 
-def _usage(out) -> dict:
-    return {"prompt_tokens": out.prompt_tokens, "cached_prompt_tokens": out.cached_prompt_tokens,
-            "completion_tokens": out.completion_tokens}
-
-
 def _timings_ms(timings) -> dict:
     def ms(seconds):
         return None if seconds is None else round(seconds * 1000, 3)
@@ -194,23 +206,23 @@ def _timings_ms(timings) -> dict:
             "tpot_ms": ms(timings.time_per_output_token), "latency_ms": ms(timings.e2e_latency)}
 
 
-def _batch_size(last) -> float | None:
-    mean = last.timings.mean_batch_size if last is not None and last.finished else None
+def _batch_size(outputs: list) -> float | None:
+    mean = outputs[0].timings.mean_batch_size if all(out is not None and out.finished for out in outputs) else None
     return None if mean is None else round(mean, 3)
 
 
-def _usage_event(payload: dict, last, handle) -> dict:
+def _usage_event(payload: dict, answers: choices.Choices) -> dict:
     """What billing records, at the prices the gateway admitted the request at (a payload from a
-    gateway older than those has none: billing then applies the catalog's). Without a final output
-    (the worker failed mid-stream), the tokens counted are the prompt alone and the request is marked
-    failed."""
+    gateway older than those has none: billing then applies the catalog's). Without every final
+    output (the worker failed mid-stream), the tokens counted are the prompt and what was
+    generated so far, and the request is marked failed."""
     deployment = payload["deployment"]
-    if last is not None and last.finished:
-        usage, timings, status = _usage(last), _timings_ms(last.timings), STATUS_BY_FINISH.get(last.finish_reason, "failed")
+    outputs = answers.lasts
+    if all(out is not None and out.finished for out in outputs):
+        usage, timings = choices.usage(outputs), _timings_ms(choices.timings(outputs))
+        status = STATUS_BY_FINISH.get(choices.finish_reason(outputs), "failed")
     else:
-        usage = {"prompt_tokens": handle.prompt_tokens,
-                 "cached_prompt_tokens": last.cached_prompt_tokens if last else 0,
-                 "completion_tokens": last.completion_tokens if last else 0}
+        usage = choices.usage(outputs, prompt_tokens=answers.prompt_tokens)
         timings, status = {"queue_ms": None, "ttft_ms": None, "latency_ms": None}, "failed"
     return {
         "request_id": payload["request_id"],
@@ -224,7 +236,7 @@ def _usage_event(payload: dict, last, handle) -> dict:
         "queue_ms": timings.get("queue_ms"),
         "ttft_ms": timings.get("ttft_ms"),
         "latency_ms": timings.get("latency_ms"),
-        "batch_size": _batch_size(last),
+        "batch_size": _batch_size(outputs),
         "finished_at": datetime.now(timezone.utc).isoformat(),
         "prices": payload.get("prices"),
     }

@@ -50,8 +50,11 @@ class Stream:
     ``open()`` it once the gateway has the request's start, and ``wait()`` for its end."""
 
     def __init__(self, relay: "StreamRelay", channel: str, to_message: Callable[[object], dict], ticket=None,
-                 client_streams: bool = True):
+                 client_streams: bool = True, request_id: str | None = None):
         self.channel = channel
+        # The request the client sent (of which this stream may be one answer, see
+        # ``workers.choices``); None: the engine's id for it.
+        self.request_id = request_id
         self.to_message = to_message  # an engine output -> the message sent for it
         self.ticket = ticket  # this run of the request (``workers.agent.Ticket``): superseded or not
         # Whether its tokens reach the client as they come: else the gateway holds them until the
@@ -124,8 +127,8 @@ class StreamRelay:
         self._pumping.cancel()
 
     def stream(self, channel: str, to_message: Callable[[object], dict], ticket=None,
-               client_streams: bool = True) -> Stream:
-        return Stream(self, channel, to_message, ticket, client_streams)
+               client_streams: bool = True, request_id: str | None = None) -> Stream:
+        return Stream(self, channel, to_message, ticket, client_streams, request_id)
 
     def put(self, stream: Stream, item) -> None:
         with self._lock:
@@ -151,7 +154,7 @@ class StreamRelay:
     async def _relay(self, batch: list) -> None:
         outgoing: list[tuple[Stream, dict]] = []
         finishing: list[Stream] = []
-        first_tokens: list[str] = []
+        first_tokens: dict[str, None] = {}  # request ids, once each, in order
         self._drop_superseded(batch)
         for stream, item in batch:
             if item is _OPEN:
@@ -177,12 +180,12 @@ class StreamRelay:
                     if not stream.streaming:
                         stream.streaming = True
                         if stream.client_streams:
-                            first_tokens.append(out.request_id)
+                            first_tokens[stream.request_id or out.request_id] = None
                 if out.finished:
                     finishing.append(stream)
         if first_tokens and self._mark_streaming is not None:
             try:
-                self._mark_streaming(first_tokens)
+                self._mark_streaming(list(first_tokens))
             except Exception:  # the answer matters more than the record of its progress
                 log.exception("could not record that %d requests are streaming", len(first_tokens))
         results = await send_many(self._sender.layer, [(s.channel, m) for s, m in outgoing])

@@ -106,7 +106,7 @@ def refused(tenant, rng) -> Outcome:
         {"model": DEPLOYMENT, "messages": prompt(rng), "temperature": 7},
         {"model": "no-such-model", "messages": prompt(rng)},
         {"model": DEPLOYMENT, "messages": []},
-        {"model": DEPLOYMENT, "messages": prompt(rng), "n": 3},
+        {"model": DEPLOYMENT, "messages": prompt(rng), "n": 0},
     ])
     response = httpx.post(f"{tenant.base_url}/v1/chat/completions", json=body, timeout=60, headers=_auth(tenant))
     assert 400 <= response.status_code < 500 and "error" in response.json(), response.text

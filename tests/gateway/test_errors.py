@@ -191,7 +191,9 @@ def test_another_organizations_dedicated_deployment_cannot_be_called_over_the_we
     (CHAT, chat(top_p=-0.1), "top_p"),
     (CHAT, chat(max_tokens=0), "max_tokens"),
     (CHAT, chat(max_completion_tokens=-3), "max_completion_tokens"),
-    (CHAT, chat(n=2), "n"),
+    (CHAT, chat(n=0), "n"),
+    (CHAT, chat(n=129), "n"),
+    (CHAT, chat(n=1.5), "n"),
     (CHAT, chat(stop=["a", "b", "c", "d", "e"]), "stop"),
     (CHAT, chat(presence_penalty=3), "presence_penalty"),
     (CHAT, chat(logit_bias={"abc": 1}), "logit_bias"),
@@ -265,6 +267,8 @@ def test_another_organizations_dedicated_deployment_cannot_be_called_over_the_we
     (COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "x", "logprobs": True}, "logprobs"),
     (COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "x", "logprobs": 6}, "logprobs"),
     (COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "x", "echo": True}, "echo"),
+    (COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "x", "n": 2, "best_of": 3}, "best_of"),
+    (COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "x", "best_of": 2}, "best_of"),
 ])
 def test_invalid_parameters_are_400_naming_the_parameter(client, seeded, org_key, path, body, param):
     org, key, plaintext = org_key()

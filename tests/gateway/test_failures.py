@@ -114,17 +114,17 @@ def test_a_client_that_does_not_stream_gets_only_the_redelivered_copys_answer():
     from types import SimpleNamespace
 
     from gateway import formatting
-    from gateway.views import _collect
+    from gateway.answers import collect
 
     again = {"type": "inference.delta", "text": "Hello", "token_ids": [1, 2], "logprobs": None}
 
     async def scenario():
         call = new_call(await reply_channel_with(STARTED, DELTA, {"type": "inference.restarted"}, again,
                                                  finished("length")))
-        call.request = SimpleNamespace(sampling={})
+        call.request = SimpleNamespace(sampling={}, n=1)
         await call.start()
         ctx = formatting.Context(kind="chat", id=call.request_id, created=0, model="smol")
-        return call, await _collect(call, ctx)
+        return call, await collect(call, ctx)
 
     call, body = asyncio.run(scenario())
     assert body["choices"][0]["message"]["content"] == "Hello"

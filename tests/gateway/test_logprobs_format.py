@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway import formatting, views
+from gateway import answers, formatting
 from gateway.calls import Call
 from gateway.timing import Stages
 from tests.gateway.test_timeouts import reply_channel_with
@@ -54,7 +54,7 @@ def test_chat_top_logprobs_list_the_alternatives_alone():
 
 def new_call(reply_channel: str, sampling: dict) -> Call:
     caller = SimpleNamespace(key_id=f"test-{uuid.uuid4().hex}", org_id=f"test-{uuid.uuid4().hex}")
-    return Call(caller=caller, request=SimpleNamespace(sampling=sampling), spec={"name": "smol"},
+    return Call(caller=caller, request=SimpleNamespace(sampling=sampling, n=1), spec={"name": "smol"},
                 request_id=f"cmpl-{uuid.uuid4().hex}", reply_channel=reply_channel, headers={},
                 stages=Stages(), queue_timeout=5)
 
@@ -71,7 +71,7 @@ def test_a_completion_response_lists_the_sampled_token_through_the_gateway():
         call = new_call(await reply_channel_with(*events), {"logprobs": True, "top_logprobs": 0})
         await call.start()
         ctx = formatting.Context(kind="completion", id=call.request_id, created=0, model="smol")
-        return await views._collect(call, ctx)
+        return await answers.collect(call, ctx)
 
     body = asyncio.run(scenario())
     logprobs = body["choices"][0]["logprobs"]

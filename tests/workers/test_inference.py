@@ -4,6 +4,7 @@ error for the gateway at once (not a 30 s wait for nothing), and a dead engine l
 from __future__ import annotations
 
 import uuid
+from types import SimpleNamespace
 
 import pytest
 
@@ -37,8 +38,8 @@ class Host:
 
 
 class Relay:
-    def stream(self, reply, to_message, ticket=None, client_streams=True):
-        return object()
+    def stream(self, reply, to_message, ticket=None, client_streams=True, request_id=None):
+        return SimpleNamespace()
 
 
 class NoCancels:
@@ -203,7 +204,7 @@ def test_the_usage_event_leaves_before_the_last_message(monkeypatch):
 
     payload = {"request_id": f"chatcmpl-{uuid.uuid4().hex}", "reply_channel": "reply", "deployment": SPEC,
                "kind": "completion", "prompt": "Hi", "sampling": {"max_tokens": 2}, "organization_id": 1}
-    relay = type("R", (), {"stream": lambda self, reply, to_message, ticket=None, client_streams=True: Finished()})()
+    relay = type("R", (), {"stream": lambda self, reply, to_message, ticket=None, client_streams=True, request_id=None: Finished()})()
 
     def run():
         return inference.run(payload, host=Host(Engine()), send=lambda reply, message: happened.append(message["type"]),
@@ -243,7 +244,66 @@ def test_the_usage_event_carries_the_prices_the_gateway_admitted_the_request_at(
               "per_request": "0.000000"}
     payload = {"request_id": f"chatcmpl-{uuid.uuid4().hex}", "deployment": SPEC, "organization_id": 1,
                "prices": prices}
-    event = parse_usage_event(inference._usage_event(payload, final, handle=None))
+    event = parse_usage_event(inference._usage_event(payload, finished_answers(final)))
     assert event.prices.as_strings() == prices
     del payload["prices"]
-    assert parse_usage_event(inference._usage_event(payload, final, handle=None)).prices is None
+    assert parse_usage_event(inference._usage_event(payload, finished_answers(final))).prices is None
+
+
+def finished_answers(*outputs):
+    """A request's answers, each ended with its output."""
+    from workers.choices import Choices
+
+    return Choices([SimpleNamespace(last=out, ended=True) for out in outputs])
+
+
+def test_n_answers_run_as_n_engine_requests_billed_as_one(monkeypatch):
+    from workers.engine.sequence import RequestOutput, RequestTimings
+
+    def final(index, tokens, reason):
+        return RequestOutput(request_id=f"r/{index}", token_ids=list(range(tokens)), text="x" * tokens, logprobs=None,
+                             finished=True, finish_reason=reason, prompt_tokens=3, cached_prompt_tokens=0,
+                             completion_tokens=tokens, timings=RequestTimings(
+                                 arrival_time=0.0, queue_time=0.001, time_to_first_token=0.01 * (index + 1),
+                                 e2e_latency=0.02 * (index + 1), mean_batch_size=2.0))
+
+    finals, submitted, sent = [final(0, 4, "stop"), final(1, 6, "length")], [], []
+
+    class Handle:
+        prompt_tokens = 3
+
+        def abort(self):
+            raise AssertionError("nothing is aborted")
+
+    class Engine(StoppedEngine):
+        def submit(self, prompt, params, *, request_id, listener):
+            submitted.append((request_id, params.seed))
+            return Handle()
+
+    class Answer(SimpleNamespace):
+        def open(self):
+            pass
+
+        def wait(self, timeout):
+            return self.last
+
+    class Cancels(NoCancels):
+        def watch(self, request_id, abort):
+            pass
+
+        def unwatch(self, request_id):
+            pass
+
+    answers = iter(finals)
+    relay = SimpleNamespace(stream=lambda *a, **k: Answer(last=next(answers), ended=True))
+    monkeypatch.setattr(inference, "emit_usage", lambda event: None)
+    payload = {"request_id": "cmpl-x", "reply_channel": "reply", "deployment": SPEC, "kind": "completion",
+               "prompt": "Hi", "sampling": {"max_tokens": 6, "seed": 7}, "organization_id": 1, "n": 2}
+    event = inference.run(payload, host=Host(Engine()), send=lambda reply, message: sent.append(message),
+                          relay=relay, cancels=Cancels())
+    assert [seed for _, seed in submitted] == [7, 8] and len({rid for rid, _ in submitted}) == 2
+    assert (event["request_id"], event["prompt_tokens"], event["completion_tokens"]) == ("cmpl-x", 3, 10)
+    assert (event["status"], event["ttft_ms"], event["latency_ms"]) == ("completed", 10.0, 40.0)
+    finished = sent[-1]
+    assert finished["choices"] == [{"index": 0, "finish_reason": "stop"}, {"index": 1, "finish_reason": "length"}]
+    assert finished["usage"]["completion_tokens"] == 10

@@ -1,0 +1,80 @@
+"""A call's answers (``n`` of them) as OpenAI shapes them: streamed as chunks, or collected into
+one response. Each delta event names its answer by ``index``; the end names each answer's
+finish reason (``formatting.choice_ends``)."""
+
+from __future__ import annotations
+
+from . import formatting, tools
+from .errors import ApiError
+
+
+class TextAnswer:
+    """One streamed answer of free text."""
+
+    def __init__(self, ctx: formatting.Context, index: int, include_usage: bool) -> None:
+        self._ctx, self._index, self._include_usage = ctx, index, include_usage
+        self._offset = 0  # characters so far: where the next token starts (completions' logprobs)
+
+    def feed(self, event: dict) -> list[dict]:
+        chunk = formatting.chunk(self._ctx, index=self._index, text=event["text"], logprobs=event["logprobs"],
+                                 text_offset=self._offset, include_usage=self._include_usage)
+        self._offset += len(event["text"])
+        return [chunk]
+
+    def end(self, reason: str) -> list[dict]:
+        return [formatting.chunk(self._ctx, index=self._index, text=None if self._ctx.kind == "chat" else "",
+                                 finish_reason=reason, include_usage=self._include_usage)]
+
+
+async def stream_chunks(call, ctx: formatting.Context, include_usage: bool):
+    """OpenAI chunk dicts for a started call; shared by SSE and the WebSocket."""
+    sampling, n = call.request.sampling, call.request.n
+    if tools.calls_tools(sampling):
+        answers = [tools.ToolAnswer(ctx, index, sampling, include_usage) for index in range(n)]
+    else:
+        answers = [TextAnswer(ctx, index, include_usage) for index in range(n)]
+    # A reply that can only call tools has no content: null from the start, as OpenAI's.
+    opening = None if tools.calls_only(sampling) else ""
+    for index in range(n):
+        yield formatting.chunk(ctx, index=index, text=opening, first=True, include_usage=include_usage)
+    async for event in call.events():
+        if event["type"] == "inference.delta":
+            for chunk in answers[event.get("index", 0)].feed(event):
+                yield chunk
+        elif event["type"] == "inference.finished":
+            for index, reason in formatting.choice_ends(event):
+                for chunk in answers[index].end(reason):
+                    yield chunk
+            if include_usage:
+                yield formatting.usage_chunk(ctx, event["usage"])
+
+
+async def collect(call, ctx: formatting.Context) -> dict:
+    """The whole response of a call whose client does not stream."""
+    sampling, n = call.request.sampling, call.request.n
+    texts: list[list[str]] = [[] for _ in range(n)]
+    logprobs: list[list[dict]] = [[] for _ in range(n)]
+    async for event in call.events():
+        if event["type"] == "inference.delta":
+            index = event.get("index", 0)
+            texts[index].append(event["text"])
+            logprobs[index].extend(event["logprobs"] or [])
+        elif event["type"] == "inference.restarted":  # its worker died: a copy runs it from the start
+            for parts in (*texts, *logprobs):
+                parts.clear()
+        elif event["type"] == "inference.finished":
+            choices = [_whole(ctx, sampling, index, "".join(texts[index]), reason,
+                              logprobs[index] if sampling.get("logprobs") else None)
+                       for index, reason in formatting.choice_ends(event)]
+            return formatting.response(ctx, choices=choices, usage=event["usage"])
+    raise ApiError(500, "The worker ended the request without finishing it.")
+
+
+def _whole(ctx: formatting.Context, sampling: dict, index: int, text: str, reason: str,
+           logprobs: list[dict] | None) -> dict:
+    calls = None
+    if tools.calls_tools(sampling):
+        reader = tools.ToolCallStream(sampling)
+        text = reader.feed(text)[0] + reader.finish()[0]
+        calls, reason = reader.calls, tools.finish_reason(sampling, reason, reader)
+    return formatting.choice(ctx, index=index, text=text, finish_reason=reason, logprobs=logprobs, tool_calls=calls)

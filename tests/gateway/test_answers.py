@@ -1,0 +1,99 @@
+"""A request's ``n`` answers through the gateway: the worker's events name each answer by index,
+and the client gets OpenAI's choices, whole or streamed, each with its own finish reason."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from types import SimpleNamespace
+
+import pytest
+
+from gateway import answers, formatting
+from gateway.calls import Call
+from gateway.timing import Stages
+from tests.gateway.test_timeouts import reply_channel_with
+
+USAGE = {"prompt_tokens": 5, "cached_prompt_tokens": 0, "completion_tokens": 5}
+CALL = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+
+
+def delta(index: int, text: str, tokens: int = 1) -> dict:
+    return {"type": "inference.delta", "index": index, "text": text, "token_ids": list(range(tokens)),
+            "logprobs": None}
+
+
+def finished(*reasons: str) -> dict:
+    return {"type": "inference.finished", "finish_reason": reasons[0], "error": None, "timings": {},
+            "usage": USAGE, "choices": [{"index": i, "finish_reason": r} for i, r in enumerate(reasons)]}
+
+
+# Two answers, their tokens interleaved as the engine's steps made them.
+EVENTS = [{"type": "inference.started", "prompt_tokens": 5},
+          delta(1, "Blue"), delta(0, "Red"), delta(1, " sky", 2), delta(0, " rose", 2), finished("stop", "length")]
+
+
+def run(kind: str, events: list[dict], *, stream: bool, n: int = 2, sampling: dict | None = None):
+    async def scenario():
+        caller = SimpleNamespace(key_id=f"test-{uuid.uuid4().hex}", org_id=f"test-{uuid.uuid4().hex}")
+        call = Call(caller=caller, request=SimpleNamespace(sampling=sampling or {}, n=n), spec={"name": "smol"},
+                    request_id=f"cmpl-{uuid.uuid4().hex}", reply_channel=await reply_channel_with(*events),
+                    headers={}, stages=Stages(), queue_timeout=5)
+        await call.start()
+        ctx = formatting.Context(kind=kind, id=call.request_id, created=0, model="smol")
+        if stream:
+            return [chunk async for chunk in answers.stream_chunks(call, ctx, include_usage=True)]
+        return await answers.collect(call, ctx)
+
+    return asyncio.run(scenario())
+
+
+def test_a_whole_response_lists_each_answer_in_order_with_its_own_end():
+    body = run("chat", EVENTS, stream=False)
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert [c["message"]["content"] for c in body["choices"]] == ["Red rose", "Blue sky"]
+    assert [c["finish_reason"] for c in body["choices"]] == ["stop", "length"]
+    assert body["usage"]["completion_tokens"] == 5
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_stream_carries_each_answer_under_its_index(kind):
+    chunks = run(kind, EVENTS, stream=True)
+    texts, ends, roles = {0: "", 1: ""}, {}, []
+    for chunk in chunks[:-1]:
+        [choice] = chunk["choices"]
+        piece = choice["delta"].get("content") if kind == "chat" else choice["text"]
+        texts[choice["index"]] += piece or ""
+        if kind == "chat" and choice["delta"].get("role"):
+            roles.append(choice["index"])
+        if choice["finish_reason"]:
+            assert choice["index"] not in ends, "one end per answer"
+            ends[choice["index"]] = choice["finish_reason"]
+    assert texts == {0: "Red rose", 1: "Blue sky"}
+    assert ends == {0: "stop", 1: "length"}
+    assert roles == ([0, 1] if kind == "chat" else [])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_each_answer_reads_its_own_tool_calls():
+    sampling = {"tools": [{"name": "f", "parameters": {"type": "object"}}], "tool_choice": "auto"}
+    events = [EVENTS[0], delta(0, CALL[:20]), delta(1, "I cannot."), delta(0, CALL[20:]), finished("stop", "stop")]
+    body = run("chat", events, stream=False, sampling=sampling)
+    first, second = body["choices"]
+    assert first["message"]["content"] is None and first["finish_reason"] == "tool_calls"
+    assert [c["function"] for c in first["message"]["tool_calls"]] == [{"name": "f", "arguments": '{"a": 1}'}]
+    assert second["message"]["content"] == "I cannot." and second["finish_reason"] == "stop"
+    assert "tool_calls" not in second["message"]
+
+    chunks = run("chat", events, stream=True, sampling=sampling)
+    calls = [c for chunk in chunks for c in chunk["choices"] if c["delta"].get("tool_calls")]
+    assert {c["index"] for c in calls} == {0}
+    ends = {c["index"]: c["finish_reason"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]}
+    assert ends == {0: "tool_calls", 1: "stop"}
+
+
+def test_an_event_from_a_worker_without_answers_is_the_first_answer():
+    events = [EVENTS[0], {"type": "inference.delta", "text": "Hi", "token_ids": [1], "logprobs": None},
+              {"type": "inference.finished", "finish_reason": "stop", "error": None, "timings": {}, "usage": USAGE}]
+    body = run("completion", events, stream=False, n=1)
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [(0, "Hi", "stop")]

@@ -1,0 +1,51 @@
+"""How a request's answers add up to one request: its end, its tokens, its timings, its seeds."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from workers import choices
+from workers.engine import SamplingParams
+from workers.engine.sequence import RequestTimings
+
+
+def output(reason: str, completion: int, *, cached: int = 0, ttft: float = 0.5, latency: float = 2.0,
+           error: str | None = None):
+    timings = RequestTimings(arrival_time=0.0, queue_time=ttft / 2, time_to_first_token=ttft, e2e_latency=latency,
+                             mean_batch_size=3.0)
+    return SimpleNamespace(finish_reason=reason, prompt_tokens=10, cached_prompt_tokens=cached,
+                           completion_tokens=completion, timings=timings, error=error, finished=True)
+
+
+def test_one_answer_keeps_the_request_id():
+    assert choices.engine_ids("chatcmpl-1", 1) == ["chatcmpl-1"]
+    ids = choices.engine_ids("chatcmpl-1", 3)
+    assert len(set(ids)) == 3 and all(i.startswith("chatcmpl-1") for i in ids)
+
+
+def test_the_prompt_counts_once_and_the_answers_add_up():
+    usage = choices.usage([output("stop", 4, cached=0), output("length", 7, cached=10)])
+    assert usage == {"prompt_tokens": 10, "cached_prompt_tokens": 0, "completion_tokens": 11}
+    # Cut short (a failure mid-stream): what each answer produced so far, one not started at all.
+    assert choices.usage([output("stop", 4), None], prompt_tokens=10)["completion_tokens"] == 4
+
+
+def test_a_failed_or_aborted_answer_decides_the_requests_end():
+    assert choices.finish_reason([output("length", 1), output("stop", 1)]) == "length"
+    assert choices.finish_reason([output("stop", 1), output("abort", 1)]) == "abort"
+    failed = [output("abort", 1), output("error", 1, error="boom")]
+    assert choices.finish_reason(failed) == "error" and choices.error(failed) == "boom"
+
+
+def test_timings_run_from_the_first_token_of_any_answer_to_the_last_answer():
+    timings = choices.timings([output("stop", 1, ttft=0.4, latency=1.0), output("stop", 1, ttft=0.2, latency=3.0)])
+    assert (timings.time_to_first_token, timings.e2e_latency, timings.queue_time) == (0.2, 3.0, 0.1)
+
+
+def test_each_answer_of_a_seeded_request_has_its_own_seed():
+    params = SamplingParams(seed=41, temperature=0.7, max_tokens=9)
+    seeds = [choices.params_for(params, i).seed for i in range(3)]
+    assert seeds == [41, 42, 43]
+    assert choices.params_for(params, 2).max_tokens == 9 and params.seed == 41
+    unseeded = SamplingParams()
+    assert choices.params_for(unseeded, 2).seed is None

@@ -1,0 +1,107 @@
+"""The ``n`` answers of one request (OpenAI's ``n``): each is its own engine request with its own
+relay stream, and together they are one request to the gateway and to billing.
+
+The prompt is counted once, as OpenAI bills it (the engine's prefix cache shares its blocks
+between the answers), and the completions are summed. Answer ``i`` of a seeded request samples
+with ``seed + i``: reproducible, and not ``n`` copies of one answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+# The request's end, in order of precedence: one failed answer fails the request (billed as
+# failed, for what it produced), and one aborted answer makes it aborted.
+_OUTCOMES = ("error", "abort")
+
+
+def engine_ids(request_id: str, n: int) -> list[str]:
+    """The engine's id of each answer: the request's own when there is one answer."""
+    return [request_id] if n == 1 else [f"{request_id}/{i}" for i in range(n)]
+
+
+def params_for(params, index: int):
+    """The sampling of answer ``index``."""
+    if index == 0 or params.seed is None:
+        return params
+    return replace(params, seed=params.seed + index)
+
+
+class Choices:
+    """The streams of a request's answers, and their engine handles once submitted."""
+
+    def __init__(self, streams: list) -> None:
+        self.streams = streams
+        self.handles: list = []
+
+    def submit(self, submit_one) -> None:
+        """``submit_one(index, stream)`` each answer; if one cannot be submitted, the others stop."""
+        try:
+            for index, stream in enumerate(self.streams):
+                stream.handle = submit_one(index, stream)
+                self.handles.append(stream.handle)
+        except BaseException:
+            self.abort()
+            raise
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.handles[0].prompt_tokens
+
+    def abort(self) -> None:
+        for handle in self.handles:
+            handle.abort()
+
+    def open(self) -> None:
+        for stream in self.streams:
+            stream.open()
+
+    def wait(self, stall_timeout: float) -> list:
+        """Every answer's final output (each stream may stall ``stall_timeout`` s at most)."""
+        return [stream.wait(stall_timeout) for stream in self.streams]
+
+    @property
+    def ended(self) -> bool:
+        return all(stream.ended for stream in self.streams)
+
+    @property
+    def lasts(self) -> list:
+        return [stream.last for stream in self.streams]
+
+
+def finish_reason(outputs: list) -> str:
+    """The request's finish reason: an error or an abort of any answer, else the first answer's."""
+    reasons = [out.finish_reason for out in outputs]
+    return next((outcome for outcome in _OUTCOMES if outcome in reasons), reasons[0])
+
+
+def error(outputs: list) -> str | None:
+    return next((out.error for out in outputs if out.error), None)
+
+
+def usage(outputs: list, *, prompt_tokens: int | None = None) -> dict:
+    """The request's token counts from its answers' outputs (None for an answer that produced
+    none): the prompt once, the completions summed."""
+    first = outputs[0]
+    return {
+        "prompt_tokens": first.prompt_tokens if prompt_tokens is None else prompt_tokens,
+        "cached_prompt_tokens": first.cached_prompt_tokens if first is not None else 0,
+        "completion_tokens": sum(out.completion_tokens for out in outputs if out is not None),
+    }
+
+
+def timings(outputs: list):
+    """The request's timings: queued until its first answer was scheduled, its first token the
+    first of any answer, done when the last answer was."""
+    if len(outputs) == 1:
+        return outputs[0].timings
+    all_timings = [out.timings for out in outputs]
+
+    def earliest(name):
+        values = [getattr(t, name) for t in all_timings if getattr(t, name) is not None]
+        return min(values, default=None)
+
+    latencies = [t.e2e_latency for t in all_timings]
+    return replace(all_timings[0], queue_time=earliest("queue_time"),
+                   time_to_first_token=earliest("time_to_first_token"),
+                   e2e_latency=None if None in latencies else max(latencies))
