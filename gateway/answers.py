@@ -8,17 +8,32 @@ from . import formatting, tools
 from .errors import ApiError
 
 
+def echoed(event: dict, prompt) -> tuple[str, list[dict] | None]:
+    """A delta's text and logprob entries, after the prompt when the delta brings it (a
+    completion's ``echo``): the prompt as the client wrote it, or for a prompt of token ids, as
+    the model's tokens read."""
+    scored = event.get("prompt")
+    if scored is None:
+        return event["text"], event["logprobs"]
+    text = prompt if isinstance(prompt, str) else scored["text"]
+    if scored["logprobs"] is None:
+        return text + event["text"], event["logprobs"]
+    return text + event["text"], scored["logprobs"] + (event["logprobs"] or [])
+
+
 class TextAnswer:
     """One streamed answer of free text."""
 
-    def __init__(self, ctx: formatting.Context, index: int, include_usage: bool) -> None:
+    def __init__(self, ctx: formatting.Context, index: int, include_usage: bool, prompt=None) -> None:
         self._ctx, self._index, self._include_usage = ctx, index, include_usage
+        self._prompt = prompt  # what echo writes back
         self._offset = 0  # characters so far: where the next token starts (completions' logprobs)
 
     def feed(self, event: dict) -> list[dict]:
-        chunk = formatting.chunk(self._ctx, index=self._index, text=event["text"], logprobs=event["logprobs"],
+        text, logprobs = echoed(event, self._prompt)
+        chunk = formatting.chunk(self._ctx, index=self._index, text=text, logprobs=logprobs,
                                  text_offset=self._offset, include_usage=self._include_usage)
-        self._offset += len(event["text"])
+        self._offset += len(text)
         return [chunk]
 
     def end(self, reason: str) -> list[dict]:
@@ -32,7 +47,7 @@ async def stream_chunks(call, ctx: formatting.Context, include_usage: bool):
     if tools.calls_tools(sampling):
         answers = [tools.ToolAnswer(ctx, index, sampling, include_usage) for index in range(n)]
     else:
-        answers = [TextAnswer(ctx, index, include_usage) for index in range(n)]
+        answers = [TextAnswer(ctx, index, include_usage, call.request.prompt) for index in range(n)]
     # A reply that can only call tools has no content: null from the start, as OpenAI's.
     opening = None if tools.calls_only(sampling) else ""
     for index in range(n):
@@ -57,8 +72,9 @@ async def collect(call, ctx: formatting.Context) -> dict:
     async for event in call.events():
         if event["type"] == "inference.delta":
             index = event.get("index", 0)
-            texts[index].append(event["text"])
-            logprobs[index].extend(event["logprobs"] or [])
+            text, entries = echoed(event, call.request.prompt)
+            texts[index].append(text)
+            logprobs[index].extend(entries or [])
         elif event["type"] == "inference.restarted":  # its worker died: a copy runs it from the start
             for parts in (*texts, *logprobs):
                 parts.clear()

@@ -69,9 +69,12 @@ def completion_logprobs(entries: list[dict], *, text_offset: int) -> dict:
     }
 
 
-def _completion_top(entry: dict) -> dict:
+def _completion_top(entry: dict) -> dict | None:
     # The legacy endpoint always lists the sampled token beside the top alternatives (OpenAI:
-    # "up to logprobs+1 elements"), where chat lists the alternatives alone.
+    # "up to logprobs+1 elements"), where chat lists the alternatives alone. An echoed prompt's
+    # first token has neither (nothing comes before it).
+    if entry["top"] is None:
+        return None
     top = {token: logprob for token, logprob, _ in entry["top"]}
     top.setdefault(entry["token"], entry["logprob"])
     return top

@@ -113,7 +113,10 @@ COMPLETION_REQUEST = {
         "prompt": {"oneOf": [PROMPT_TEXT, PROMPT_TOKENS,  # or a batch of one of either
                              {"type": "array", "items": {"oneOf": [PROMPT_TEXT, PROMPT_TOKENS]}, "minItems": 1, "maxItems": 1}]},
         "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
-        "echo": {"type": "boolean", "enum": [False]},
+        "max_tokens": {"type": "integer", "minimum": 0, "default": 16, "description": "0 only with echo."},
+        "echo": {"type": "boolean", "description": "Write the prompt back before the answer; with logprobs, the "
+                                                   "prompt tokens' logprobs too (the first has none). max_tokens "
+                                                   "may then be 0: the prompt scored, nothing generated."},
         "suffix": {"type": "null"},
         "best_of": {"type": "integer", "minimum": 1, "maximum": 128,
                     "description": "Accepted only equal to n (every answer generated is returned)."},

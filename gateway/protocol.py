@@ -111,7 +111,11 @@ def parse_completion(body: Any) -> InferenceRequest:
     body = _object(body)
     _no_unknown(body, COMPLETION_FIELDS)
     prompt = _prompt(body.get("prompt"))
-    sampling = _sampling(body)
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise invalid("echo", "echo must be a boolean")
+    # With echo, max_tokens may be 0: the prompt alone comes back, scored (evaluation harnesses).
+    sampling = _sampling(body, least_max_tokens=0 if echo else 1)
     sampling.setdefault("max_tokens", 16)  # the legacy endpoint's documented default
     logprobs = body.get("logprobs")
     if logprobs is not None:
@@ -121,10 +125,11 @@ def parse_completion(body: Any) -> InferenceRequest:
         sampling["logprobs"], sampling["top_logprobs"] = True, count
     else:
         sampling["logprobs"], sampling["top_logprobs"] = False, 0
-    for name, allowed in (("echo", (None, False)), ("suffix", (None,))):
-        if body.get(name) not in allowed:
-            raise invalid(name, f"{name}={json.dumps(body.get(name))[:200]} is not supported by this platform; "
-                                f"leave it out", code="unsupported_value")
+    if echo:  # the prompt's own logprobs come back with it (computed whenever echoed: they carry its tokens)
+        sampling["prompt_logprobs"] = sampling["top_logprobs"]
+    if body.get("suffix") is not None:
+        raise invalid("suffix", f"suffix={json.dumps(body['suffix'])[:200]} is not supported by this platform; "
+                                "leave it out", code="unsupported_value")
     request = _request("completion", body, sampling, prompt=prompt)
     best_of = body.get("best_of")
     if best_of is not None and (not _is_int(best_of) or best_of != request.n):
@@ -166,10 +171,10 @@ def _request(kind: str, body: dict, sampling: dict, **content) -> InferenceReque
                             sampling=sampling, user=user, n=n, **content)
 
 
-def _sampling(body: dict) -> dict:
+def _sampling(body: dict, *, least_max_tokens: int = 1) -> dict:
     sampling: dict = {}
     if body.get("max_tokens") is not None:
-        sampling["max_tokens"] = _int(body, "max_tokens", minimum=1)
+        sampling["max_tokens"] = _int(body, "max_tokens", minimum=least_max_tokens)
     for name, low, high, default in (
         ("temperature", 0.0, 2.0, 1.0),
         ("top_p", 0.0, 1.0, 1.0),

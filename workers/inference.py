@@ -117,9 +117,17 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
 
 
 def _delta(tokenizer, sampling: dict, index: int):
-    """An engine output of answer ``index`` -> the delta event the gateway gets."""
-    return lambda out: {"type": "inference.delta", "index": index, "text": out.text, "token_ids": out.token_ids,
-                        "logprobs": _logprobs(tokenizer, out.logprobs, sampling)}
+    """An engine output of answer ``index`` -> the delta event the gateway gets (the first of a
+    request that scores its prompt carries the prompt too, for ``echo``)."""
+    def message(out) -> dict:
+        delta = {"type": "inference.delta", "index": index, "text": out.text, "token_ids": out.token_ids,
+                 "logprobs": _logprobs(tokenizer, out.logprobs, sampling)}
+        if out.prompt_logprobs is not None:
+            delta["prompt"] = {"text": tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False),
+                               "logprobs": _prompt_logprobs(tokenizer, out, sampling)}
+        return delta
+
+    return message
 
 
 def _bill(payload: dict, answers: choices.Choices, cancels) -> dict:
@@ -196,6 +204,16 @@ def _logprobs(tokenizer, entries, sampling: dict) -> list[dict] | None:
         out.append({"token": text, "bytes": raw, "logprob": entry.logprob,
                     "top": top[: sampling.get("top_logprobs", 0)]})
     return out
+
+
+def _prompt_logprobs(tokenizer, out, sampling: dict) -> list[dict] | None:
+    """The prompt's entries, the first (which nothing comes before) with no logprob and no top."""
+    if not sampling.get("logprobs"):
+        return None
+    text, raw = _token(tokenizer, out.prompt_token_ids[0])
+    first = {"token": text, "bytes": raw, "logprob": None, "top": None}
+    top = {**sampling, "top_logprobs": sampling.get("prompt_logprobs") or 0}
+    return [first, *_logprobs(tokenizer, out.prompt_logprobs[1:], top)]
 
 
 def _timings_ms(timings) -> dict:

@@ -172,3 +172,32 @@ def test_structured_output_with_datetimes_uuids_and_bounds(openai_client):
                                                  temperature=0.7, seed=5, max_tokens=300)
     choice = reply.choices[0]
     assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Booking), choice.message.content
+
+
+def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(openai_client, reference_engine):
+    """lm-evaluation-harness's loglikelihood: the prompt written back with each token's logprob
+    given the tokens before it (the first has none), and nothing generated with max_tokens=0."""
+    context_ids = reference_engine.tokenizer.encode("The capital of France is")
+    # The engine's own logprob of the token that follows, computed by generating it.
+    expected = reference_engine.submit(context_ids, SamplingParams(temperature=0, max_tokens=1, logprobs=True)) \
+        .result(timeout=120).logprobs[0]
+    ids = context_ids + [expected.token_id]
+    scored = openai_client.completions.create(model=DEPLOYMENT, prompt=ids, max_tokens=0, echo=True, logprobs=2,
+                                              temperature=0)
+    [choice] = scored.choices
+    logprobs = choice.logprobs
+    assert choice.text == reference_engine.tokenizer.decode(ids) and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
+    assert "".join(logprobs.tokens) == choice.text and len(logprobs.tokens) == len(ids)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(ids))]
+    assert logprobs.token_logprobs[-1] == pytest.approx(expected.logprob, abs=2e-3)
+    for top, logprob in zip(logprobs.top_logprobs[1:], logprobs.token_logprobs[1:]):
+        assert 1 <= len(top) <= 3 and max(top.values()) >= logprob - 1e-5
+
+    # Streamed, with an answer after the prompt: the prompt first, then the answer's tokens.
+    text = "One, two, three,"
+    chunks = list(openai_client.completions.create(model=DEPLOYMENT, prompt=text, max_tokens=4, echo=True,
+                                                   temperature=0, stream=True))
+    whole = openai_client.completions.create(model=DEPLOYMENT, prompt=text, max_tokens=4, temperature=0)
+    assert "".join(c.choices[0].text for c in chunks) == text + whole.choices[0].text

@@ -266,7 +266,9 @@ def test_another_organizations_dedicated_deployment_cannot_be_called_over_the_we
     (COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": ["a", "b"]}, "prompt"),
     (COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "x", "logprobs": True}, "logprobs"),
     (COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "x", "logprobs": 6}, "logprobs"),
-    (COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "x", "echo": True}, "echo"),
+    (COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "x", "echo": "yes"}, "echo"),
+    (COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    (COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "x", "echo": True, "max_tokens": -1}, "max_tokens"),
     (COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "x", "n": 2, "best_of": 3}, "best_of"),
     (COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "x", "best_of": 2}, "best_of"),
 ])
@@ -299,7 +301,7 @@ def test_an_unsupported_value_says_so_and_what_is_accepted(client, seeded, org_k
     response = post(client, CHAT, chat(function_call={"name": "f"}), key=plaintext)
     error = response.json()["error"]
     assert error["code"] == "unsupported_value" and '"none" or "auto"' in error["message"], error
-    response = post(client, COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "x", "echo": True}, key=plaintext)
+    response = post(client, COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "x", "suffix": "y"}, key=plaintext)
     assert response.json()["error"]["code"] == "unsupported_value"
 
 

@@ -103,6 +103,8 @@ class RequestHandle:
             logprobs = [lp for p in self._parts for lp in (p.logprobs or [])]
         return replace(
             last,
+            prompt_token_ids=self._parts[0].prompt_token_ids,
+            prompt_logprobs=self._parts[0].prompt_logprobs,
             token_ids=[t for p in self._parts for t in p.token_ids],
             text="".join(p.text for p in self._parts),
             logprobs=logprobs,
@@ -141,6 +143,7 @@ class _Live:
     pending_ids: list[int] = field(default_factory=list)
     pending_text: str = ""
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    delivered: bool = False  # an output went out (the first carries the prompt's logprobs)
 
 
 class Engine:
@@ -639,6 +642,8 @@ class Engine:
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             if seq.status is not SequenceStatus.FINISHED:  # a stop string ended it meanwhile
                 seq.num_computed_tokens += num_new
+        for seq, start, entries in result.prompt_logprobs:
+            seq.prompt_logprobs[start:start + len(entries)] = entries
         now = time.monotonic()
         batch_size = len(result.sampled)
         for row, seq in enumerate(result.sampled):
@@ -661,6 +666,10 @@ class Engine:
         live = self._live.get(seq.request_id)
         if live is None or live.seq is not seq:
             return  # aborted, or ended by a stop string while this step ran: token dropped
+        if seq.max_tokens == 0:  # its prompt is scored: the token after it is not wanted
+            self.scheduler.finish(seq, FinishReason.LENGTH)
+            self._finish_live(seq)
+            return
         if seq.guide is not None and seq.guide.stuck:  # a grammar left nothing to pick: a bug, said so
             seq.error = "the reply could not go on in the requested format"
             self.scheduler.finish(seq, FinishReason.ERROR)
@@ -786,6 +795,10 @@ class Engine:
             stop_reason=seq.stop_reason if finished else None,
             error=seq.error if finished else None,
         )
+        if not live.delivered and seq.prompt_logprobs is not None:
+            out.prompt_token_ids = seq.token_ids[:seq.num_prompt_tokens]
+            out.prompt_logprobs = seq.prompt_logprobs
+        live.delivered = True
         live.pending_ids, live.pending_text, live.pending_logprobs = [], "", []
         if finished:
             if locked:

@@ -34,6 +34,7 @@ class HasBlocks(Protocol):
     block_hashes: list[int]
     num_committed_blocks: int
     num_computed_tokens: int
+    uses_prefix_cache: bool  # False: computes its whole prompt (its blocks are still cached for others)
 
 
 class BlockManager:
@@ -192,7 +193,7 @@ class BlockManager:
 
         At least one token is always left to compute: its logits give the next token.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.uses_prefix_cache:
             return []
         num_candidates = (len(seq.token_ids) - 1) // self.block_size
         self._extend_hashes(seq, num_candidates)

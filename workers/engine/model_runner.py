@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,7 +26,8 @@ from .cpuinfo import cpuinfo_field
 from .cuda_graphs import DecodeGraphs, DecodeStep
 from .guided import VocabBytes
 from .sampling import HostCopy, Sampler, SamplerOutput, SamplingBatch
-from .sequence import SamplingParams, Sequence
+from . import prompt_scoring
+from .sequence import SamplingParams, Sequence, TokenLogprob
 
 
 def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
@@ -214,21 +215,25 @@ class StepResult:
     logprobs: list[float] | None
     top_ids: list[list[int]] | None
     top_logprobs: list[list[float]] | None
+    # Prompt tokens scored this step: (sequence, first prompt position, their logprobs).
+    prompt_logprobs: list[tuple[Sequence, int, list[TokenLogprob]]] = field(default_factory=list)
 
 
 class PendingStep:
     """A launched step; ``result()`` waits for the device (the step's one wait)."""
 
-    def __init__(self, sampled: list[Sequence], copy: HostCopy | None) -> None:
+    def __init__(self, sampled: list[Sequence], copy: HostCopy | None,
+                 prompt_logprobs: list[tuple[Sequence, int, list[TokenLogprob]]] | None = None) -> None:
         self._sampled = sampled
         self._copy = copy
+        self._prompt_logprobs = prompt_logprobs or []
 
     def result(self) -> StepResult:
         if self._copy is None:
-            return StepResult([], [], None, None, None)
+            return StepResult([], [], None, None, None, self._prompt_logprobs)
         token_ids, logprobs, top_ids, top_logprobs = self._copy.lists()
         return StepResult(sampled=self._sampled, token_ids=token_ids, logprobs=logprobs,
-                          top_ids=top_ids, top_logprobs=top_logprobs)
+                          top_ids=top_ids, top_logprobs=top_logprobs, prompt_logprobs=self._prompt_logprobs)
 
 
 class ModelRunner:
@@ -308,6 +313,10 @@ class ModelRunner:
                 return self._sample(seqs, logits)
         plan = self._plan(seqs, num_new_tokens)
         sampled = [seqs[i] for i in plan.sample_index.tolist()]
+        scoring = prompt_scoring.plan(seqs, num_new_tokens, plan.query_start)
+        if scoring:  # rare: prompts scored (echo), eagerly, their logits taken along the way
+            logits, scored = self._forward(plan, scoring)
+            return self._sample(sampled, logits, scored) if sampled else PendingStep([], None, scored)
         if graphs is not None and plan.max_query_len == 1 \
                 and graphs.fits(len(seqs), plan.block_tables.shape[1]):
             logits = graphs.run(DecodeStep(plan.tokens, plan.positions, plan.slots,
@@ -321,16 +330,21 @@ class ModelRunner:
             return PendingStep([], None)
         return self._sample(sampled, logits)
 
-    def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> "PendingStep":
+    def _sample(self, sampled: list[Sequence], logits: torch.Tensor, scored=None) -> "PendingStep":
         batch = SamplingBatch.build(
             [s.params for s in sampled], [s.token_ids for s in sampled],
             [s.num_prompt_tokens for s in sampled], vocab_size=logits.shape[-1],
             device=self.device, guides=[s.guide for s in sampled], vocab=self.vocab_bytes)
         out: SamplerOutput = self.sampler(logits, batch)
-        return PendingStep(sampled, out.to_host_async())
+        return PendingStep(sampled, out.to_host_async(), scored)
 
     def _run_eager(self, plan: "_StepPlan") -> torch.Tensor | None:
         """Logits of the sampled rows (None when no row samples)."""
+        return self._forward(plan)[0]
+
+    def _forward(self, plan: "_StepPlan", scoring: list | None = None):
+        """The eager step: the logits of the sampled rows (None when no row samples), and the
+        prompt logprobs ``scoring`` asks for (``prompt_scoring.plan``; None without)."""
         device = self.device
         meta = AttentionMetadata(
             slot_mapping=_on(plan.slots, device),
@@ -348,17 +362,19 @@ class ModelRunner:
         default_threads = torch.get_num_threads()
         if threads and threads != default_threads:
             torch.set_num_threads(threads)
+        logits = scored = None
         try:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
-            if plan.sample_index.shape[0] == 0:
-                return None
-            logits = self.model.compute_logits(hidden[_on(plan.last_rows, device)])
+            if scoring:
+                scored = prompt_scoring.score(self.model, hidden, scoring)
+            if plan.sample_index.shape[0]:
+                logits = self.model.compute_logits(hidden[_on(plan.last_rows, device)])
         finally:
             if threads and threads != default_threads:
                 torch.set_num_threads(default_threads)  # MKL's setting is process-wide
         if self.threads:
             self.threads.record(num_tokens, threads, time.perf_counter() - started)
-        return logits
+        return logits, scored
 
     def _plan(self, seqs: list[Sequence], num_new_tokens: list[int]) -> "_StepPlan":
         bs = self.block_size

@@ -67,6 +67,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    # The prompt's own logprobs (each prompt token's given the tokens before it), with this many
+    # alternatives each; None: not computed. Such a request computes its whole prompt (no prefix
+    # cache), and may ask for max_tokens=0: the prompt scored, nothing generated.
+    prompt_logprobs: int | None = None
     # OpenAI's response_format: {"type": "text" | "json_object" | "json_schema", ...}; the JSON
     # ones constrain the output to JSON text (see json_grammar and ``grammar``).
     response_format: dict | None = None
@@ -78,8 +82,13 @@ class SamplingParams:
     parallel_tool_calls: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            _fail("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        if self.prompt_logprobs is not None and (
+                not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            _fail("prompt_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, "
+                                     f"got {self.prompt_logprobs!r}")
+        least = 0 if self.prompt_logprobs is not None else 1
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < least):
+            _fail("max_tokens", f"must be a positive integer (0 only with prompt_logprobs), got {self.max_tokens!r}")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) \
                 or self.temperature < 0:
             _fail("temperature", f"must be a number >= 0, got {self.temperature!r}")
@@ -270,6 +279,10 @@ class RequestOutput:
     timings: RequestTimings
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None  # set when finish_reason == "error"
+    # On a request's first output, when it asked for ``prompt_logprobs``: its prompt, and each
+    # prompt token's logprob (None for the first, which nothing comes before).
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Sequence:
@@ -288,6 +301,11 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks
         self.num_committed_blocks = 0  # leading blocks of block_table the prefix cache has seen
         self.num_cached_prompt_tokens = 0  # prompt tokens served by the prefix cache
+        # Scoring the prompt needs the logits of every prompt position: none may come from the cache.
+        self.uses_prefix_cache = params.prompt_logprobs is None
+        # Per prompt position, filled as the prompt is computed; the first token has none.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            None if params.prompt_logprobs is None else [None] * self.num_prompt_tokens)
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
