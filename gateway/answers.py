@@ -1,4 +1,4 @@
-"""A call's answers (``n`` of them) as OpenAI shapes them: streamed as chunks, or collected into
+"""A call's answers (``n`` per prompt) as OpenAI shapes them: streamed as chunks, or collected into
 one response. Each delta event names its answer by ``index``; the end names each answer's
 finish reason (``formatting.choice_ends``)."""
 
@@ -43,14 +43,14 @@ class TextAnswer:
 
 async def stream_chunks(call, ctx: formatting.Context, include_usage: bool):
     """OpenAI chunk dicts for a started call; shared by SSE and the WebSocket."""
-    sampling, n = call.request.sampling, call.request.n
+    sampling, count = call.request.sampling, _count(call.request)
     if tools.calls_tools(sampling):
-        answers = [tools.ToolAnswer(ctx, index, sampling, include_usage) for index in range(n)]
+        answers = [tools.ToolAnswer(ctx, index, sampling, include_usage) for index in range(count)]
     else:
-        answers = [TextAnswer(ctx, index, include_usage, call.request.prompt) for index in range(n)]
+        answers = [TextAnswer(ctx, index, include_usage, _prompt_of(call.request, index)) for index in range(count)]
     # A reply that can only call tools has no content: null from the start, as OpenAI's.
     opening = None if tools.calls_only(sampling) else ""
-    for index in range(n):
+    for index in range(count):
         yield formatting.chunk(ctx, index=index, text=opening, first=True, include_usage=include_usage)
     async for event in call.events():
         if event["type"] == "inference.delta":
@@ -66,13 +66,13 @@ async def stream_chunks(call, ctx: formatting.Context, include_usage: bool):
 
 async def collect(call, ctx: formatting.Context) -> dict:
     """The whole response of a call whose client does not stream."""
-    sampling, n = call.request.sampling, call.request.n
-    texts: list[list[str]] = [[] for _ in range(n)]
-    logprobs: list[list[dict]] = [[] for _ in range(n)]
+    sampling, count = call.request.sampling, _count(call.request)
+    texts: list[list[str]] = [[] for _ in range(count)]
+    logprobs: list[list[dict]] = [[] for _ in range(count)]
     async for event in call.events():
         if event["type"] == "inference.delta":
             index = event.get("index", 0)
-            text, entries = echoed(event, call.request.prompt)
+            text, entries = echoed(event, _prompt_of(call.request, index))
             texts[index].append(text)
             logprobs[index].extend(entries or [])
         elif event["type"] == "inference.restarted":  # its worker died: a copy runs it from the start
@@ -84,6 +84,17 @@ async def collect(call, ctx: formatting.Context) -> dict:
                        for index, reason in formatting.choice_ends(event)]
             return formatting.response(ctx, choices=choices, usage=event["usage"])
     raise ApiError(500, "The worker ended the request without finishing it.")
+
+
+def _count(request) -> int:
+    """How many answers a request has: ``n`` for each of its prompts."""
+    return request.n * len(request.prompts or [None])
+
+
+def _prompt_of(request, index: int):
+    """The prompt answer ``index`` answers (a completion's; None for chat): answers go prompt by
+    prompt, ``n`` each, as OpenAI orders them."""
+    return request.prompts[index // request.n] if request.prompts else None
 
 
 def _whole(ctx: formatting.Context, sampling: dict, index: int, text: str, reason: str,

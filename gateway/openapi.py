@@ -110,8 +110,9 @@ COMPLETION_REQUEST = {
     "additionalProperties": False,
     "properties": {
         **COMMON,
-        "prompt": {"oneOf": [PROMPT_TEXT, PROMPT_TOKENS,  # or a batch of one of either
-                             {"type": "array", "items": {"oneOf": [PROMPT_TEXT, PROMPT_TOKENS]}, "minItems": 1, "maxItems": 1}]},
+        "prompt": {"oneOf": [PROMPT_TEXT, PROMPT_TOKENS,  # or a batch of either: n answers each, prompt by prompt
+                             {"type": "array", "items": {"oneOf": [PROMPT_TEXT, PROMPT_TOKENS]}, "minItems": 1,
+                              "maxItems": 128}]},
         "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
         "max_tokens": {"type": "integer", "minimum": 0, "default": 16, "description": "0 only with echo."},
         "echo": {"type": "boolean", "description": "Write the prompt back before the answer; with logprobs, the "

@@ -56,7 +56,7 @@ class InferenceRequest:
     include_usage: bool
     sampling: dict
     messages: list[dict] | None = None
-    prompt: str | list[int] | None = None
+    prompts: list[str | list[int]] | None = None  # a completion's: each is answered n times
     user: str | None = None
     n: int = 1  # answers to generate (OpenAI's ``n``)
     extra: dict = field(default_factory=dict)
@@ -67,7 +67,7 @@ class InferenceRequest:
         return {
             "kind": self.kind,
             "messages": self.messages,
-            "prompt": self.prompt,
+            "prompts": self.prompts,
             "sampling": self.sampling,
             "n": self.n,
         }
@@ -110,7 +110,7 @@ def parse_chat(body: Any) -> InferenceRequest:
 def parse_completion(body: Any) -> InferenceRequest:
     body = _object(body)
     _no_unknown(body, COMPLETION_FIELDS)
-    prompt = _prompt(body.get("prompt"))
+    prompts = _prompts(body.get("prompt"))
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise invalid("echo", "echo must be a boolean")
@@ -130,7 +130,10 @@ def parse_completion(body: Any) -> InferenceRequest:
     if body.get("suffix") is not None:
         raise invalid("suffix", f"suffix={json.dumps(body['suffix'])[:200]} is not supported by this platform; "
                                 "leave it out", code="unsupported_value")
-    request = _request("completion", body, sampling, prompt=prompt)
+    request = _request("completion", body, sampling, prompts=prompts)
+    if len(prompts) * request.n > MAX_CHOICES:
+        raise invalid("n", f"{len(prompts)} prompts with n={request.n} ask for {len(prompts) * request.n} answers; "
+                           f"at most {MAX_CHOICES} are allowed per request")
     best_of = body.get("best_of")
     if best_of is not None and (not _is_int(best_of) or best_of != request.n):
         # best_of > n would rank answers by likelihood and return the best: not done here.
@@ -232,18 +235,31 @@ def _messages(messages: Any) -> list[dict]:
     return clean
 
 
-def _prompt(prompt: Any) -> str | list[int]:
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """The prompts of a completion: one (a string, or an array of token ids), or a batch of them."""
     if prompt is None:
         raise invalid("prompt", "prompt is required", code="missing_required_parameter")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) or _is_tokens(prompt):
+        return [_one_prompt(prompt, "prompt")]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_CHOICES:
+            raise invalid("prompt", f"at most {MAX_CHOICES} prompts are allowed per request")
+        return [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    raise invalid("prompt", "prompt must be a non-empty string, an array of token ids, or an array of either")
+
+
+def _one_prompt(prompt: str | list, where: str) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
-            raise invalid("prompt", "prompt must not be empty")
+            raise invalid("prompt", f"{where} must not be empty")
         return text_only(prompt, "prompt")
-    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
-        return prompt
-    raise invalid("prompt", "prompt must be a non-empty string or an array of token ids (one prompt per request)")
+    if not _is_tokens(prompt):
+        raise invalid("prompt", f"{where} must be a non-empty string or a non-empty array of token ids")
+    return prompt
+
+
+def _is_tokens(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_int(t) and t >= 0 for t in value)
 
 
 def _stop(stop: Any) -> list[str]:

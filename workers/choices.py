@@ -1,9 +1,10 @@
-"""The ``n`` answers of one request (OpenAI's ``n``): each is its own engine request with its own
-relay stream, and together they are one request to the gateway and to billing.
+"""The answers of one request: ``n`` per prompt (OpenAI's ``n``, and a completion's batch of
+prompts), prompt by prompt. Each is its own engine request with its own relay stream, and
+together they are one request to the gateway and to billing.
 
-The prompt is counted once, as OpenAI bills it (the engine's prefix cache shares its blocks
-between the answers), and the completions are summed. Answer ``i`` of a seeded request samples
-with ``seed + i``: reproducible, and not ``n`` copies of one answer.
+Each prompt is counted once, as OpenAI bills it (the engine's prefix cache shares its blocks
+between its answers), and the completions are summed. Answer ``j`` of a prompt in a seeded
+request samples with ``seed + j``: reproducible, and not ``n`` copies of one answer.
 """
 
 from __future__ import annotations
@@ -15,23 +16,24 @@ from dataclasses import replace
 _OUTCOMES = ("error", "abort")
 
 
-def engine_ids(request_id: str, n: int) -> list[str]:
+def engine_ids(request_id: str, count: int) -> list[str]:
     """The engine's id of each answer: the request's own when there is one answer."""
-    return [request_id] if n == 1 else [f"{request_id}/{i}" for i in range(n)]
+    return [request_id] if count == 1 else [f"{request_id}/{i}" for i in range(count)]
 
 
-def params_for(params, index: int):
-    """The sampling of answer ``index``."""
-    if index == 0 or params.seed is None:
+def params_for(params, sample: int):
+    """The sampling of a prompt's answer number ``sample``."""
+    if sample == 0 or params.seed is None:
         return params
-    return replace(params, seed=params.seed + index)
+    return replace(params, seed=params.seed + sample)
 
 
 class Choices:
     """The streams of a request's answers, and their engine handles once submitted."""
 
-    def __init__(self, streams: list) -> None:
+    def __init__(self, streams: list, *, n: int = 1) -> None:
         self.streams = streams
+        self.n = n  # answers per prompt
         self.handles: list = []
 
     def submit(self, submit_one) -> None:
@@ -46,7 +48,8 @@ class Choices:
 
     @property
     def prompt_tokens(self) -> int:
-        return self.handles[0].prompt_tokens
+        """Each prompt's tokens, once."""
+        return sum(handle.prompt_tokens for handle in self.handles[::self.n])
 
     def abort(self) -> None:
         for handle in self.handles:
@@ -79,13 +82,14 @@ def error(outputs: list) -> str | None:
     return next((out.error for out in outputs if out.error), None)
 
 
-def usage(outputs: list, *, prompt_tokens: int | None = None) -> dict:
-    """The request's token counts from its answers' outputs (None for an answer that produced
-    none): the prompt once, the completions summed."""
-    first = outputs[0]
+def usage(outputs: list, *, n: int = 1, prompt_tokens: int | None = None) -> dict:
+    """The request's token counts from its answers' outputs (``n`` per prompt; None for an
+    answer that produced none): each prompt once, as its first answer read it, the completions
+    summed."""
+    firsts = [out for out in outputs[::n] if out is not None]
     return {
-        "prompt_tokens": first.prompt_tokens if prompt_tokens is None else prompt_tokens,
-        "cached_prompt_tokens": first.cached_prompt_tokens if first is not None else 0,
+        "prompt_tokens": sum(out.prompt_tokens for out in firsts) if prompt_tokens is None else prompt_tokens,
+        "cached_prompt_tokens": sum(out.cached_prompt_tokens for out in firsts),
         "completion_tokens": sum(out.completion_tokens for out in outputs if out is not None),
     }
 

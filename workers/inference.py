@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime, timezone
-from functools import partial
 
 from channels.exceptions import ChannelFull
 
@@ -55,21 +54,30 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
         log.exception("deployment %s failed to load", payload["deployment"]["name"])
         send_quietly(send, reply, _error(503, f"the model failed to load: {exc}", code="model_load_failed"))
         return None
-    n = payload.get("n", 1)
-    ids = choices.engine_ids(request_id, n)
+    n, prompts = payload.get("n", 1), _prompts(payload)
+    count = n * (len(prompts) if prompts is not None else 1)
+    ids = choices.engine_ids(request_id, count)
     answers = choices.Choices([
         relay.stream(reply, _delta(engine.tokenizer, payload["sampling"], index), ticket,
                      client_streams=payload.get("stream", True), request_id=request_id)
-        for index in range(n)
-    ])
+        for index in range(count)
+    ], n=n)
+
+    def submit(index: int, stream):
+        params_of = choices.params_for(params, index % n)
+        if prompts is None:
+            return engine.submit_chat(payload["messages"], params_of, request_id=ids[index], listener=stream)
+        try:
+            return engine.submit(prompts[index // n], params_of, request_id=ids[index], listener=stream)
+        except InvalidRequestError as exc:
+            if len(prompts) == 1:
+                raise
+            raise InvalidRequestError(f"prompt[{index // n}]: {str(exc).removeprefix('prompt: ')}",
+                                      param=exc.param) from None
+
     try:
         params = SamplingParams(**_engine_sampling(payload["sampling"]))
-        if payload["kind"] == "chat":
-            submit = partial(engine.submit_chat, payload["messages"])
-        else:
-            submit = partial(engine.submit, payload["prompt"])
-        answers.submit(lambda index, stream: submit(choices.params_for(params, index), request_id=ids[index],
-                                                    listener=stream))
+        answers.submit(submit)
     except InvalidRequestError as exc:
         send_quietly(send, reply, _refusal(exc, payload["kind"]))
         return None
@@ -95,7 +103,7 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
         answers.open()
         outputs = answers.wait(STALL_TIMEOUT_S)
         finished = {"type": "inference.finished", "finish_reason": choices.finish_reason(outputs),
-                    "error": choices.error(outputs), "usage": choices.usage(outputs),
+                    "error": choices.error(outputs), "usage": choices.usage(outputs, n=n),
                     "timings": _timings_ms(choices.timings(outputs)),
                     "choices": [{"index": i, "finish_reason": out.finish_reason} for i, out in enumerate(outputs)]}
         try:
@@ -114,6 +122,14 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
         if not billing_tried:
             event = _bill(payload, answers, cancels)
     return event
+
+
+def _prompts(payload: dict) -> list | None:
+    """A completion's prompts (None for chat); a payload queued by a gateway of before batches
+    has one, as ``prompt``."""
+    if payload["kind"] == "chat":
+        return None
+    return payload["prompts"] if "prompts" in payload else [payload["prompt"]]
 
 
 def _delta(tokenizer, sampling: dict, index: int):
@@ -237,10 +253,10 @@ def _usage_event(payload: dict, answers: choices.Choices) -> dict:
     deployment = payload["deployment"]
     outputs = answers.lasts
     if all(out is not None and out.finished for out in outputs):
-        usage, timings = choices.usage(outputs), _timings_ms(choices.timings(outputs))
+        usage, timings = choices.usage(outputs, n=answers.n), _timings_ms(choices.timings(outputs))
         status = STATUS_BY_FINISH.get(choices.finish_reason(outputs), "failed")
     else:
-        usage = choices.usage(outputs, prompt_tokens=answers.prompt_tokens)
+        usage = choices.usage(outputs, n=answers.n, prompt_tokens=answers.prompt_tokens)
         timings, status = {"queue_ms": None, "ttft_ms": None, "latency_ms": None}, "failed"
     return {
         "request_id": payload["request_id"],

@@ -78,3 +78,24 @@ def test_cancelling_a_request_stops_every_answer_and_frees_their_blocks(tenant, 
     assert 3 <= usage["completion_tokens"] < 3 * 2000
     stats = wait_idle(inference_worker, DEPLOYMENT)
     assert stats["requests_aborted"] >= aborted_before + 3
+
+
+def test_a_batch_of_prompts_is_answered_prompt_by_prompt(openai_client, reference_engine):
+    """lm-evaluation-harness and batch clients send several prompts at once: the choices come
+    n per prompt, in order, each the answer a lone request gets."""
+    prompts = ["The capital of France is", reference_engine.tokenizer.encode("One, two, three,")]
+    reply = openai_client.completions.create(model=DEPLOYMENT, prompt=prompts, n=2, max_tokens=6, temperature=0.8,
+                                             seed=3, echo=True)
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    alone = [openai_client.completions.create(model=DEPLOYMENT, prompt=prompt, max_tokens=6, temperature=0.8,
+                                              seed=3 + j) for prompt in prompts for j in range(2)]
+    echoed = [prompts[0], reference_engine.tokenizer.decode(prompts[1])]
+    assert [c.text for c in reply.choices] == [echoed[i // 2] + a.choices[0].text for i, a in enumerate(alone)]
+    assert reply.usage.prompt_tokens == alone[0].usage.prompt_tokens + alone[2].usage.prompt_tokens
+    assert reply.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+    too_long = openai_client.with_options(max_retries=0).completions.with_raw_response
+    import openai
+    with pytest.raises(openai.BadRequestError) as refused:
+        too_long.create(model=DEPLOYMENT, prompt=["Hi", "word " * 9000], max_tokens=4)
+    assert "prompt[1]" in refused.value.message and refused.value.body["param"] == "prompt"

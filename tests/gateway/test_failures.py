@@ -121,7 +121,7 @@ def test_a_client_that_does_not_stream_gets_only_the_redelivered_copys_answer():
     async def scenario():
         call = new_call(await reply_channel_with(STARTED, DELTA, {"type": "inference.restarted"}, again,
                                                  finished("length")))
-        call.request = SimpleNamespace(sampling={}, n=1, prompt=None)
+        call.request = SimpleNamespace(sampling={}, n=1, prompts=None)
         await call.start()
         ctx = formatting.Context(kind="chat", id=call.request_id, created=0, model="smol")
         return call, await collect(call, ctx)

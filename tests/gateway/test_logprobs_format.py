@@ -54,7 +54,7 @@ def test_chat_top_logprobs_list_the_alternatives_alone():
 
 def new_call(reply_channel: str, sampling: dict) -> Call:
     caller = SimpleNamespace(key_id=f"test-{uuid.uuid4().hex}", org_id=f"test-{uuid.uuid4().hex}")
-    return Call(caller=caller, request=SimpleNamespace(sampling=sampling, n=1, prompt=None), spec={"name": "smol"},
+    return Call(caller=caller, request=SimpleNamespace(sampling=sampling, n=1, prompts=None), spec={"name": "smol"},
                 request_id=f"cmpl-{uuid.uuid4().hex}", reply_channel=reply_channel, headers={},
                 stages=Stages(), queue_timeout=5)
 

@@ -24,10 +24,10 @@ def test_one_answer_keeps_the_request_id():
 
 
 def test_the_prompt_counts_once_and_the_answers_add_up():
-    usage = choices.usage([output("stop", 4, cached=0), output("length", 7, cached=10)])
+    usage = choices.usage([output("stop", 4, cached=0), output("length", 7, cached=10)], n=2)
     assert usage == {"prompt_tokens": 10, "cached_prompt_tokens": 0, "completion_tokens": 11}
     # Cut short (a failure mid-stream): what each answer produced so far, one not started at all.
-    assert choices.usage([output("stop", 4), None], prompt_tokens=10)["completion_tokens"] == 4
+    assert choices.usage([output("stop", 4), None], n=2, prompt_tokens=10)["completion_tokens"] == 4
 
 
 def test_a_failed_or_aborted_answer_decides_the_requests_end():
@@ -49,3 +49,13 @@ def test_each_answer_of_a_seeded_request_has_its_own_seed():
     assert choices.params_for(params, 2).max_tokens == 9 and params.seed == 41
     unseeded = SamplingParams()
     assert choices.params_for(unseeded, 2).seed is None
+
+
+def test_a_batch_of_prompts_counts_each_prompt_once():
+    # Two prompts (10 and 10 tokens), two answers each: the second prompt's first answer read 4
+    # tokens from the cache.
+    outputs = [output("stop", 1), output("stop", 2), output("stop", 3, cached=4), output("length", 4, cached=8)]
+    assert choices.usage(outputs, n=2) == {"prompt_tokens": 20, "cached_prompt_tokens": 4, "completion_tokens": 10}
+    answers = choices.Choices([SimpleNamespace() for _ in range(4)], n=2)
+    answers.handles = [SimpleNamespace(prompt_tokens=t) for t in (7, 7, 5, 5)]
+    assert answers.prompt_tokens == 12
