@@ -10,12 +10,12 @@ from .errors import ApiError
 
 def echoed(event: dict, prompt) -> tuple[str, list[dict] | None]:
     """A delta's text and logprob entries, after the prompt when the delta brings it (a
-    completion's ``echo``): the prompt as the client wrote it, or for a prompt of token ids, as
-    the model's tokens read."""
+    completion's ``echo``): the prompt as the model's tokens read it when the worker says (so
+    that the text and the tokens' offsets agree), else as the client wrote it."""
     scored = event.get("prompt")
     if scored is None:
         return event["text"], event["logprobs"]
-    text = prompt if isinstance(prompt, str) else scored["text"]
+    text = scored["text"] if scored["text"] is not None else prompt
     if scored["logprobs"] is None:
         return text + event["text"], event["logprobs"]
     return text + event["text"], scored["logprobs"] + (event["logprobs"] or [])

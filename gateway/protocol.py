@@ -125,8 +125,10 @@ def parse_completion(body: Any) -> InferenceRequest:
         sampling["logprobs"], sampling["top_logprobs"] = True, count
     else:
         sampling["logprobs"], sampling["top_logprobs"] = False, 0
-    if echo:  # the prompt's own logprobs come back with it (computed whenever echoed: they carry its tokens)
-        sampling["prompt_logprobs"] = sampling["top_logprobs"]
+    if echo:
+        sampling["echo"] = True
+        if sampling["logprobs"] or sampling["max_tokens"] == 0:  # the prompt's own logprobs, scored
+            sampling["prompt_logprobs"] = sampling["top_logprobs"]
     if body.get("suffix") is not None:
         raise invalid("suffix", f"suffix={json.dumps(body['suffix'])[:200]} is not supported by this platform; "
                                 "leave it out", code="unsupported_value")

@@ -60,8 +60,12 @@ class Choices:
             stream.open()
 
     def wait(self, stall_timeout: float) -> list:
-        """Every answer's final output (each stream may stall ``stall_timeout`` s at most)."""
-        return [stream.wait(stall_timeout) for stream in self.streams]
+        """Every answer's final output; ``TimeoutError`` once no answer made progress for
+        ``stall_timeout`` s (one queued in the engine behind its siblings has not stalled)."""
+        def progressed() -> float:
+            return max(stream.progressed for stream in self.streams)
+
+        return [stream.wait(stall_timeout, progressed) for stream in self.streams]
 
     @property
     def ended(self) -> bool:

@@ -58,7 +58,8 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
     count = n * (len(prompts) if prompts is not None else 1)
     ids = choices.engine_ids(request_id, count)
     answers = choices.Choices([
-        relay.stream(reply, _delta(engine.tokenizer, payload["sampling"], index), ticket,
+        relay.stream(reply, _Delta(engine.tokenizer, payload["sampling"], index,
+                                   prompts[index // n] if prompts is not None else None), ticket,
                      client_streams=payload.get("stream", True), request_id=request_id)
         for index in range(count)
     ], n=n)
@@ -118,6 +119,12 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
         answers.abort()  # the answers its relay has not reached yet
         billing_tried = True
         cancels.unwatch(request_id)
+    except Exception:  # the relay failed (a bug, or Redis down): answer now, not after a stall timeout
+        if not billing_tried:
+            log.exception("relaying request %s failed", request_id)
+            send_quietly(send, reply, _error(500, "the worker failed while relaying this request; it is logged",
+                                             code="internal_error"))
+        raise
     finally:
         if not billing_tried:
             event = _bill(payload, answers, cancels)
@@ -132,18 +139,27 @@ def _prompts(payload: dict) -> list | None:
     return payload["prompts"] if "prompts" in payload else [payload["prompt"]]
 
 
-def _delta(tokenizer, sampling: dict, index: int):
-    """An engine output of answer ``index`` -> the delta event the gateway gets (the first of a
-    request that scores its prompt carries the prompt too, for ``echo``)."""
-    def message(out) -> dict:
-        delta = {"type": "inference.delta", "index": index, "text": out.text, "token_ids": out.token_ids,
-                 "logprobs": _logprobs(tokenizer, out.logprobs, sampling)}
-        if out.prompt_logprobs is not None:
-            delta["prompt"] = {"text": tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False),
-                               "logprobs": _prompt_logprobs(tokenizer, out, sampling)}
-        return delta
+class _Delta:
+    """Engine outputs of answer ``index`` -> the delta events the gateway gets. The first of an
+    answer that echoes its prompt carries the prompt: its text as the model's tokens read it
+    (None for a text prompt not scored: the gateway has it), and its logprobs when scored."""
 
-    return message
+    def __init__(self, tokenizer, sampling: dict, index: int, prompt: str | list[int] | None) -> None:
+        self.tokenizer, self.sampling, self.index, self.prompt = tokenizer, sampling, index, prompt
+        self.echoing = bool(sampling.get("echo"))
+
+    def __call__(self, out) -> dict:
+        tokenizer, sampling = self.tokenizer, self.sampling
+        delta = {"type": "inference.delta", "index": self.index, "text": out.text, "token_ids": out.token_ids,
+                 "logprobs": _logprobs(tokenizer, out.logprobs, sampling)}
+        if self.echoing:
+            self.echoing = False
+            ids = out.prompt_token_ids or (self.prompt if isinstance(self.prompt, list) else None)
+            delta["prompt"] = {
+                "text": None if ids is None else tokenizer.decode(ids, skip_special_tokens=False),
+                "logprobs": _prompt_logprobs(tokenizer, out, sampling) if out.prompt_logprobs is not None else None,
+            }
+        return delta
 
 
 def _bill(payload: dict, answers: choices.Choices, cancels) -> dict:
@@ -165,6 +181,7 @@ def emit_usage(event: dict) -> None:
 
 def _engine_sampling(sampling: dict) -> dict:
     out = dict(sampling)
+    out.pop("echo", None)  # the worker's to do (``_Delta``), not the engine's
     if "logit_bias" in out:
         out["logit_bias"] = {int(k): v for k, v in out["logit_bias"].items()}
     return out

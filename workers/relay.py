@@ -78,11 +78,13 @@ class Stream:
         """From now on outputs go out (nothing may overtake the start message the caller sent)."""
         self._relay.put(self, _OPEN)
 
-    def wait(self, stall_timeout: float):
+    def wait(self, stall_timeout: float, progressed: Callable[[], float] | None = None):
         """Block until the final output was sent; return it. ``TimeoutError`` if no output came
-        for ``stall_timeout`` s; the send's error if the relay could not deliver."""
-        while not self._done.wait(timeout=max(0.0, self.progressed + stall_timeout - time.monotonic())):
-            if time.monotonic() - self.progressed >= stall_timeout:
+        for ``stall_timeout`` s (since ``progressed()``, when given: the last progress of the
+        request this stream is part of); the send's error if the relay could not deliver."""
+        progressed = progressed or (lambda: self.progressed)
+        while not self._done.wait(timeout=max(0.0, progressed() + stall_timeout - time.monotonic())):
+            if time.monotonic() - progressed() >= stall_timeout:
                 raise TimeoutError(f"no output for {stall_timeout} s")
         if self.error is not None:
             raise self.error

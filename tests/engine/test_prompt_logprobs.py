@@ -60,3 +60,12 @@ def test_nothing_to_generate_is_valid_only_when_scoring():
     with pytest.raises(InvalidRequestError):
         SamplingParams(prompt_logprobs=21)
     assert SamplingParams(max_tokens=0, prompt_logprobs=0).max_tokens == 0
+
+
+def test_a_request_ended_before_its_prompt_was_scored_hands_out_no_partial_scores(engine):
+    long = " ".join([PROMPT] * 60)  # hundreds of 16-token chunks to compute
+    handle = engine.submit(long, SamplingParams(max_tokens=0, prompt_logprobs=1))
+    handle.abort()
+    last = handle.result(timeout=120)
+    assert last.finish_reason == "abort"
+    assert last.prompt_logprobs is None and last.prompt_token_ids is None

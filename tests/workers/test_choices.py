@@ -59,3 +59,41 @@ def test_a_batch_of_prompts_counts_each_prompt_once():
     answers = choices.Choices([SimpleNamespace() for _ in range(4)], n=2)
     answers.handles = [SimpleNamespace(prompt_tokens=t) for t in (7, 7, 5, 5)]
     assert answers.prompt_tokens == 12
+
+
+def test_an_answer_waiting_behind_its_siblings_has_not_stalled():
+    """Answers queued in the engine behind the others of their request produce nothing for a
+    while: the request stalls only when none of its answers progresses."""
+    import threading
+    import time
+
+    import pytest
+
+    from workers.relay import Stream
+
+    def streams():
+        return [Stream(None, "reply", lambda out: {}) for _ in range(2)]
+
+    busy, queued = streams()
+    answers = choices.Choices([busy, queued])
+    queued.progressed -= 60  # created long ago, nothing since
+    done = threading.Event()
+
+    def generate():  # the first answer makes progress, ends, and then the second does
+        deadline = time.monotonic() + 0.6
+        while time.monotonic() < deadline:
+            busy.progressed = time.monotonic()
+            done.wait(0.02)
+        busy.end()
+        queued.progressed = time.monotonic()
+        queued.end()
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    try:
+        answers.wait(0.3)
+    finally:
+        worker.join()
+    silent = choices.Choices(streams())
+    with pytest.raises(TimeoutError):
+        silent.wait(0.05)

@@ -188,7 +188,7 @@ def test_the_usage_event_leaves_before_the_last_message(monkeypatch):
         def open(self):
             pass
 
-        def wait(self, timeout):
+        def wait(self, timeout, progressed=None):
             return final
 
     class Engine(StoppedEngine):
@@ -284,7 +284,7 @@ def test_n_answers_run_as_n_engine_requests_billed_as_one(monkeypatch):
         def open(self):
             pass
 
-        def wait(self, timeout):
+        def wait(self, timeout, progressed=None):
             return self.last
 
     class Cancels(NoCancels):
@@ -307,3 +307,44 @@ def test_n_answers_run_as_n_engine_requests_billed_as_one(monkeypatch):
     finished = sent[-1]
     assert finished["choices"] == [{"index": 0, "finish_reason": "stop"}, {"index": 1, "finish_reason": "length"}]
     assert finished["usage"]["completion_tokens"] == 10
+
+
+def test_a_relay_that_fails_answers_the_client_at_once_and_bills_what_ran(monkeypatch):
+    """Not a silent stall until the gateway's timeout: an error event, then the usual billing."""
+    sent, billed = [], []
+
+    class Handle:
+        prompt_tokens = 3
+
+        def abort(self):
+            pass
+
+    class Engine(StoppedEngine):
+        def submit(self, *args, **kwargs):
+            return Handle()
+
+    class Broken(SimpleNamespace):
+        def open(self):
+            pass
+
+        def wait(self, timeout, progressed=None):
+            raise RuntimeError("the relay broke")
+
+    class Cancels(NoCancels):
+        def watch(self, request_id, abort):
+            pass
+
+        def unwatch(self, request_id):
+            pass
+
+    monkeypatch.setattr(inference, "emit_usage", billed.append)
+    payload = {"request_id": "cmpl-y", "reply_channel": "reply", "deployment": SPEC, "kind": "completion",
+               "prompt": "Hi", "sampling": {"max_tokens": 6}, "organization_id": 1}
+    relay = SimpleNamespace(stream=lambda *a, **k: Broken(last=None, ended=False))
+    with pytest.raises(RuntimeError):
+        inference.run(payload, host=Host(Engine()), send=lambda reply, message: sent.append(message),
+                      relay=relay, cancels=Cancels())
+    assert [m["type"] for m in sent] == ["inference.started", "inference.error"]
+    assert (sent[-1]["status"], sent[-1]["code"]) == (500, "internal_error")
+    [event] = billed
+    assert (event["status"], event["prompt_tokens"], event["completion_tokens"]) == ("failed", 3, 0)

@@ -795,9 +795,11 @@ class Engine:
             stop_reason=seq.stop_reason if finished else None,
             error=seq.error if finished else None,
         )
-        if not live.delivered and seq.prompt_logprobs is not None:
+        # The prompt's logprobs go with the first output, if whole (a request ended while its
+        # prompt was being computed has some missing); a copy: a preemption recomputes them.
+        if not live.delivered and seq.prompt_logprobs is not None and None not in seq.prompt_logprobs[1:]:
             out.prompt_token_ids = seq.token_ids[:seq.num_prompt_tokens]
-            out.prompt_logprobs = seq.prompt_logprobs
+            out.prompt_logprobs = list(seq.prompt_logprobs)
         live.delivered = True
         live.pending_ids, live.pending_text, live.pending_logprobs = [], "", []
         if finished:

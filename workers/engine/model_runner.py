@@ -366,7 +366,7 @@ class ModelRunner:
         try:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
             if scoring:
-                scored = prompt_scoring.score(self.model, hidden, scoring)
+                scored = prompt_scoring.score(self.model, hidden, scoring, chunk_rows=self.max_batch_size)
             if plan.sample_index.shape[0]:
                 logits = self.model.compute_logits(hidden[_on(plan.last_rows, device)])
         finally:

@@ -3,7 +3,8 @@ harnesses ask for with ``echo``, to score a text under the model rather than con
 
 A step that computes prompt positions of such a sequence has their hidden states anyway: the
 logits of position ``p`` give the logprob of prompt token ``p + 1``. They are taken in chunks of
-rows, so that a long prompt never holds a logits tensor of its whole length times the vocabulary.
+rows no larger than a step's sampled rows (the runner's memory reserve is measured with those),
+so that a long prompt never holds a logits tensor of its whole length times the vocabulary.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import numpy as np
 import torch
 
 from .sequence import Sequence, TokenLogprob
-
-CHUNK_ROWS = 256
 
 
 @dataclass
@@ -44,15 +43,16 @@ def plan(seqs: list[Sequence], num_new_tokens: list[int], query_start: np.ndarra
     return scoring
 
 
-def score(model, hidden: torch.Tensor, scoring: list[Scoring]) -> list[tuple[Sequence, int, list[TokenLogprob]]]:
+def score(model, hidden: torch.Tensor, scoring: list[Scoring], *,
+          chunk_rows: int) -> list[tuple[Sequence, int, list[TokenLogprob]]]:
     """Each scored sequence, the prompt position its entries start at, and its entries."""
     rows = torch.from_numpy(np.concatenate([s.rows for s in scoring])).to(hidden.device)
     targets = torch.tensor([t for s in scoring for t in s.targets], device=hidden.device)
     k = max(s.seq.params.prompt_logprobs for s in scoring)
     chosen, top_values, top_ids = [], [], []
-    for at in range(0, rows.shape[0], CHUNK_ROWS):
-        logprobs = torch.log_softmax(model.compute_logits(hidden[rows[at:at + CHUNK_ROWS]]).float(), dim=-1)
-        chosen.append(logprobs.gather(1, targets[at:at + CHUNK_ROWS, None]).squeeze(1))
+    for at in range(0, rows.shape[0], chunk_rows):
+        logprobs = torch.log_softmax(model.compute_logits(hidden[rows[at:at + chunk_rows]]).float(), dim=-1)
+        chosen.append(logprobs.gather(1, targets[at:at + chunk_rows, None]).squeeze(1))
         if k:
             top = logprobs.topk(k, dim=-1)
             top_values.append(top.values)
