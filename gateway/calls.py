@@ -359,8 +359,11 @@ async def _send_cancel(request_id: str) -> bool:
     return True
 
 
+ID_PREFIXES = {"chat": "chatcmpl-", "completion": "cmpl-", "response": "resp_"}
+
+
 def new_request_id(kind: str) -> str:
-    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    return f"{ID_PREFIXES[kind]}{uuid.uuid4().hex}"
 
 
 def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], request_id: str, reply_channel: str,

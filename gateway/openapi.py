@@ -123,6 +123,44 @@ COMPLETION_REQUEST = {
                     "description": "Accepted only equal to n (every answer generated is returned)."},
     },
 }
+TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"type": "string", "enum": ["input_text", "output_text"]}, "text": {"type": "string"}}}
+RESPONSES_REQUEST = {
+    "type": "object",
+    "required": ["model", "input"],
+    "additionalProperties": False,
+    "properties": {
+        "model": COMMON["model"],
+        "input": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"oneOf": [
+            {"type": "object", "required": ["role", "content"], "properties": {
+                "type": {"type": "string", "enum": ["message"]},
+                "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
+                "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}]}}},
+            {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
+                "type": {"type": "string", "enum": ["function_call"]}, "call_id": {"type": "string"},
+                "name": TOOL_NAME, "arguments": {"type": "string"}}},
+            {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+                "type": {"type": "string", "enum": ["function_call_output"]}, "call_id": {"type": "string"},
+                "output": {"type": "string"}}}]}}]},
+        "instructions": {"type": "string"},
+        "max_output_tokens": {"type": "integer", "minimum": 1},
+        **{name: COMMON[name] for name in ("temperature", "top_p", "stream", "user")},
+        "tools": {"type": "array", "maxItems": 128, "items": {"type": "object", "required": ["type", "name"], "properties": {
+            "type": {"type": "string", "enum": ["function"]}, "name": TOOL_NAME, "description": {"type": "string"},
+            "parameters": {"type": "object"}, "strict": {"type": "boolean"}}}},
+        "tool_choice": {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]},
+                                  {"type": "object", "required": ["type", "name"], "properties": {
+                                      "type": {"type": "string", "enum": ["function"]}, "name": TOOL_NAME}}]},
+        "parallel_tool_calls": {"type": "boolean"},
+        "text": {"type": "object", "properties": {"format": {"type": "object", "required": ["type"], "properties": {
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]}, "name": {"type": "string"},
+            "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}},
+        "store": {"type": "boolean", "description": "Accepted; no response is stored (store is answered false)."},
+        "previous_response_id": {"type": "null", "description": "No response is stored: send the conversation in input."},
+        "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+        "truncation": {"type": "string", "enum": ["disabled", "auto"]},
+    },
+}
 USAGE = {"type": "object", "properties": {
     "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"},
     "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}}
@@ -156,13 +194,25 @@ def build() -> dict:
     document.setdefault("components", {}).setdefault("schemas", {})
     document["components"].setdefault("securitySchemes", {})["bearer"] = {"type": "http", "scheme": "bearer"}
     document["components"]["schemas"].update(
-        {"ChatCompletionRequest": CHAT_REQUEST, "CompletionRequest": COMPLETION_REQUEST, "Completion": RESPONSE, "Error": ERROR}
+        {"ChatCompletionRequest": CHAT_REQUEST, "CompletionRequest": COMPLETION_REQUEST, "ResponseRequest": RESPONSES_REQUEST,
+         "Completion": RESPONSE, "Error": ERROR}
     )
     model = {"type": "object", "properties": {"id": {"type": "string"}, "object": {"type": "string"},
                                               "created": {"type": "integer"}, "owned_by": {"type": "string"}}}
     document["paths"].update({
         "/v1/chat/completions": _inference_path("Create a chat completion", "ChatCompletionRequest"),
         "/v1/completions": _inference_path("Create a completion", "CompletionRequest"),
+        "/v1/responses": {"post": {
+            "summary": "Create a response (OpenAI's Responses API; stateless)",
+            "security": [{"bearer": []}],
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/ResponseRequest"}}}},
+            "responses": {"200": {"description": "The response object, or an SSE stream of typed events ending with "
+                                                 "response.completed (or response.incomplete)",
+                                  "content": {"application/json": {"schema": {"type": "object"}},
+                                              "text/event-stream": {"schema": {"type": "string"}}}},
+                          **ERRORS},
+        }},
         "/v1/models": {"get": {"summary": "List the models (deployments) you can call", "security": [{"bearer": []}],
                                "responses": {"200": {"description": "Models", "content": {"application/json": {"schema": {
                                    "type": "object", "properties": {"data": {"type": "array", "items": model}}}}}},

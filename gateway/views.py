@@ -14,9 +14,10 @@ from django.views.decorators.csrf import csrf_exempt
 
 from inference_platform import jsonbody
 
-from . import admission, answers, calls, formatting
+from . import admission, answers, calls, formatting, response_events
 from .errors import ApiError
 from .protocol import MAX_MODEL_NAME, parse_chat, parse_completion
+from .responses import parse_response_request
 
 log = logging.getLogger(__name__)
 INTERNAL_ERROR = ApiError(500, "The server failed while streaming this response; it is logged.", code="internal_error")
@@ -56,12 +57,21 @@ async def _inference(request, parse, kind: str):
         return exc.response()
     ctx = formatting.Context(kind=inference.kind, id=call.request_id, created=call.created, model=inference.model)
     if inference.stream:
-        response = StreamingHttpResponse(_sse(call, ctx, inference.include_usage), content_type="text/event-stream")
-        response["Cache-Control"] = "no-cache"
-        response["X-Accel-Buffering"] = "no"
-        return _with_headers(response, headers)
+        return _event_stream(_sse(call, ctx, inference.include_usage), headers)
+    return await _whole(call, answers.collect(call, ctx), headers)
+
+
+def _event_stream(events, headers: dict) -> StreamingHttpResponse:
+    response = StreamingHttpResponse(events, content_type="text/event-stream")
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"
+    return _with_headers(response, headers)
+
+
+async def _whole(call: calls.Call, body, headers: dict):
+    """The JSON response of a call whose client does not stream, once ``body`` has it."""
     try:
-        body = await answers.collect(call, ctx)
+        body = await body
     except ApiError as exc:
         return _with_headers(exc.response(), headers)
     except asyncio.CancelledError:  # the client went away: stop generating
@@ -81,6 +91,48 @@ async def _sse(call: calls.Call, ctx: formatting.Context, include_usage: bool):
         log.exception("streaming %s failed", call.request_id)
         yield f"data: {json.dumps(INTERNAL_ERROR.body())}\n\n"
     finally:  # normal end, error, or the client disconnected (CancelledError / GeneratorExit)
+        await asyncio.shield(call.cancel())
+
+
+@csrf_exempt
+async def responses(request):
+    """OpenAI's Responses API, on the chat path (``gateway.responses``)."""
+    if request.method != "POST":
+        return ApiError(405, f"Use POST for {request.path}.", code="method_not_allowed").response()
+    settings_of = {}
+
+    def read():
+        inference, settings_of["echo"] = parse_response_request(_read_json(request))
+        return inference
+
+    try:
+        call, inference, headers = await calls.begin_http(request.headers.get("Authorization"), read, kind="response")
+    except ApiError as exc:
+        return exc.response()
+
+    def new_builder():
+        return response_events.ResponseBuilder(response_id=call.request_id, created=call.created,
+                                               model=inference.model, sampling=inference.sampling,
+                                               settings=settings_of["echo"])
+
+    if inference.stream:
+        return _event_stream(_response_sse(call, new_builder()), headers)
+    return await _whole(call, response_events.collect(call, new_builder), headers)
+
+
+async def _response_sse(call: calls.Call, builder: response_events.ResponseBuilder):
+    def frame(event: dict) -> str:
+        return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+    try:
+        async for event in response_events.stream(call, builder):
+            yield frame(event)
+    except ApiError as exc:  # after the first byte the status is sent: report in-band
+        yield frame(builder.error(exc))
+    except Exception:
+        log.exception("streaming %s failed", call.request_id)
+        yield frame(builder.error(INTERNAL_ERROR))
+    finally:
         await asyncio.shield(call.cancel())
 
 

@@ -23,21 +23,36 @@ def bodies(schema: dict):
     known = st.dictionaries(st.sampled_from(names), values, max_size=len(names))
     required = st.fixed_dictionaries({
         "model": st.one_of(st.just("smollm2-135m-instruct"), values),
-        **({"messages": st.one_of(values, st.lists(st.fixed_dictionaries(
-            {"role": st.sampled_from(["user", "system", "assistant", "x"]), "content": values}), max_size=3))}
-           if "messages" in names else {"prompt": st.one_of(values, st.text(max_size=30))}),
+        **_content(names),
     })
     return st.builds(lambda a, b: {**b, **a}, known, required) | values
 
 
+def _content(names: list[str]) -> dict:
+    """What the request asks about: chat's messages, a completion's prompt, or a response's input items."""
+    messages = st.lists(st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant", "x"]), "content": values}), max_size=3)
+    if "messages" in names:
+        return {"messages": st.one_of(values, messages)}
+    if "prompt" in names:
+        return {"prompt": st.one_of(values, st.text(max_size=30))}
+    items = st.lists(st.one_of(
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "x"]), "content": values}),
+        st.fixed_dictionaries({"type": st.sampled_from(["function_call", "function_call_output", "x"]),
+                               "call_id": values, "name": values, "arguments": values, "output": values})),
+        max_size=3)
+    return {"input": st.one_of(values, st.text(max_size=30), items)}
+
+
 @pytest.fixture(scope="module")
 def schemas():
-    from gateway.openapi import CHAT_REQUEST, COMPLETION_REQUEST
+    from gateway.openapi import CHAT_REQUEST, COMPLETION_REQUEST, RESPONSES_REQUEST
 
-    return {"/v1/chat/completions": CHAT_REQUEST, "/v1/completions": COMPLETION_REQUEST}
+    return {"/v1/chat/completions": CHAT_REQUEST, "/v1/completions": COMPLETION_REQUEST,
+            "/v1/responses": RESPONSES_REQUEST}
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
 def test_no_body_makes_the_gateway_fail(client, seeded, broke_org_key, schemas, path):
     org, key, plaintext = broke_org_key
 

@@ -1,0 +1,180 @@
+"""A Responses API reply, built from a call's worker events: the stream of typed events
+(``response.created``, ``response.output_text.delta``, ``response.function_call_arguments.delta``,
+..., ``response.completed``), whose last one holds the whole response, which is also what a client
+that does not stream gets.
+
+The reply's text is read as chat reads it (``tools.ToolCallStream``): text goes into a message
+item, each call into a function_call item, in the order the model wrote them.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from . import tools
+from .errors import ApiError
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+def usage_json(usage: dict) -> dict:
+    prompt, completion = usage["prompt_tokens"], usage["completion_tokens"]
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": usage.get("cached_prompt_tokens", 0)},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion}
+
+
+class ResponseBuilder:
+    """Turns a call's events into Responses events; ``response`` is the response so far."""
+
+    def __init__(self, *, response_id: str, created: int, model: str, sampling: dict, settings: dict) -> None:
+        self.response = {
+            "id": response_id, "object": "response", "created_at": created, "status": "in_progress",
+            "error": None, "incomplete_details": None, "model": model, "output": [], "usage": None,
+            "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
+            **settings,
+        }
+        self._reader = tools.ToolCallStream(sampling) if tools.calls_tools(sampling) else None
+        self._sampling = sampling
+        self._sequence = 0
+        self._open: dict | None = None  # the item being written
+
+    def start(self) -> list[dict]:
+        return [self._event("response.created", response=self._snapshot()),
+                self._event("response.in_progress", response=self._snapshot())]
+
+    def feed(self, event: dict) -> list[dict]:
+        """Events for one worker ``inference.delta``."""
+        if self._reader is None:
+            return self._text(event["text"])
+        text, calls = self._reader.feed(event["text"])
+        return self._text(text) + self._calls(calls)
+
+    def finish(self, event: dict) -> list[dict]:
+        """Events for the worker's ``inference.finished``: the open item closes, the response ends."""
+        out = []
+        reason = "length" if event["finish_reason"] == "length" else "stop"
+        if self._reader is not None:
+            text, calls = self._reader.finish()
+            out += self._text(text) + self._calls(calls)
+        incomplete = reason == "length"
+        out += self._close(status="incomplete" if incomplete else "completed")
+        self.response["usage"] = usage_json(event["usage"])
+        if incomplete:
+            self.response["status"] = "incomplete"
+            self.response["incomplete_details"] = {"reason": "max_output_tokens"}
+        else:
+            self.response["status"] = "completed"
+        kind = "response.incomplete" if incomplete else "response.completed"
+        return out + [self._event(kind, response=self._snapshot())]
+
+    def error(self, error: ApiError) -> dict:
+        """The stream's end when the call fails after its first event."""
+        return self._event("error", code=error.code, message=error.message, param=error.param)
+
+    # ------------------------------------------------------------------------------ items
+
+    def _text(self, text: str) -> list[dict]:
+        if not text:
+            return []
+        out = []
+        if self._open is None or self._open["type"] != "message":
+            out += self._close(status="completed")
+            item = {"id": _id("msg"), "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+            out += self._add(item)
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item["content"].append(part)
+            out.append(self._event("response.content_part.added", item_id=item["id"], output_index=self._index,
+                                   content_index=0, part=dict(part)))
+        item = self._open
+        item["content"][0]["text"] += text
+        out.append(self._event("response.output_text.delta", item_id=item["id"], output_index=self._index,
+                               content_index=0, delta=text, logprobs=[]))
+        return out
+
+    def _calls(self, deltas: list[dict]) -> list[dict]:
+        out = []
+        for delta in deltas:
+            function = delta["function"]
+            if "id" in delta:  # a new call
+                out += self._close(status="completed")
+                item = {"id": _id("fc"), "type": "function_call", "status": "in_progress", "call_id": delta["id"],
+                        "name": function["name"], "arguments": ""}
+                out += self._add(item)
+            if function["arguments"]:
+                self._open["arguments"] += function["arguments"]
+                out.append(self._event("response.function_call_arguments.delta", item_id=self._open["id"],
+                                       output_index=self._index, delta=function["arguments"]))
+        return out
+
+    def _add(self, item: dict) -> list[dict]:
+        self.response["output"].append(item)
+        self._open = item
+        return [self._event("response.output_item.added", output_index=self._index, item=_copy(item))]
+
+    def _close(self, *, status: str) -> list[dict]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        index = self.response["output"].index(item)
+        out = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            out.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                                   content_index=0, text=part["text"], logprobs=[]))
+            out.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                   content_index=0, part=dict(part)))
+        else:
+            out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                   arguments=item["arguments"]))
+        item["status"] = status
+        out.append(self._event("response.output_item.done", output_index=index, item=_copy(item)))
+        return out
+
+    @property
+    def _index(self) -> int:
+        return len(self.response["output"]) - 1
+
+    def _event(self, kind: str, **fields) -> dict:
+        event = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return event
+
+    def _snapshot(self) -> dict:
+        return {**self.response, "output": [_copy(item) for item in self.response["output"]]}
+
+
+def _copy(item: dict) -> dict:
+    copied = dict(item)
+    if "content" in copied:
+        copied["content"] = [dict(part) for part in copied["content"]]
+    return copied
+
+
+async def stream(call, builder: ResponseBuilder):
+    """The Responses events of a started call."""
+    for event in builder.start():
+        yield event
+    async for event in call.events():
+        if event["type"] == "inference.delta":
+            for out in builder.feed(event):
+                yield out
+        elif event["type"] == "inference.finished":
+            for out in builder.finish(event):
+                yield out
+
+
+async def collect(call, new_builder) -> dict:
+    """The whole response of a call whose client does not stream."""
+    builder = new_builder()
+    async for event in call.events():
+        if event["type"] == "inference.delta":
+            builder.feed(event)
+        elif event["type"] == "inference.restarted":  # its worker died: a copy runs it from the start
+            builder = new_builder()
+        elif event["type"] == "inference.finished":
+            builder.finish(event)
+            return builder.response
+    raise ApiError(500, "The worker ended the request without finishing it.")

@@ -1,0 +1,197 @@
+"""OpenAI's Responses API (``POST /v1/responses``) read as a chat request: ``instructions`` and the
+``input`` items become messages, ``tools`` and ``text.format`` chat's tools and response_format,
+``max_output_tokens`` the token limit. Everything is then checked as chat checks it, and an error
+names the Responses parameter.
+
+Stateless: no response is stored, so ``previous_response_id`` is refused (send the conversation
+in ``input``), and every response says ``store: false``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .errors import ApiError, invalid
+from .protocol import InferenceRequest, parse_chat
+
+FIELDS = {
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "stream_options",
+    "tools", "tool_choice", "parallel_tool_calls", "text", "store", "metadata", "user", "previous_response_id",
+    "truncation", "reasoning", "include", "service_tier", "safety_identifier", "prompt_cache_key", "background",
+    "max_tool_calls", "top_logprobs",
+}
+# Parameters accepted at the values that ask for nothing this platform lacks.
+NO_OPS = {
+    "previous_response_id": (None,),
+    "background": (None, False),
+    "include": (None, []),
+    "reasoning": (None, {}),
+    "max_tool_calls": (None,),
+    "top_logprobs": (None, 0),
+    "truncation": (None, "disabled", "auto"),  # a conversation too long for the context is a 400 either way
+}
+# Chat's names in errors, as this API calls them.
+RENAMED = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+CHAT_ROLES = {"user", "system", "developer", "assistant"}
+TEXT_PARTS = {"input_text", "output_text"}
+
+
+def parse_response_request(body: Any) -> tuple[InferenceRequest, dict]:
+    """The chat request a Responses body asks for, and the settings its response echoes."""
+    if not isinstance(body, dict):
+        raise invalid(None, "the request body must be a JSON object")
+    for name in body:
+        if name not in FIELDS:
+            raise invalid(name, f"Unrecognized request argument supplied: {name}", code="unknown_parameter")
+    for name, accepted in NO_OPS.items():
+        value = body.get(name)
+        if value is not None and not any(value == ok and type(value) is type(ok) for ok in accepted):
+            hint = (" (no response is stored: send the conversation in input)" if name == "previous_response_id"
+                    else "")
+            raise invalid(name, f"{name}={json.dumps(value)[:200]} is not supported by this platform{hint}",
+                          code="unsupported_value")
+    if body.get("store") is not None and not isinstance(body["store"], bool):
+        raise invalid("store", "store must be a boolean")
+    chat = {name: body[name] for name in ("model", "temperature", "top_p", "stream", "stream_options",
+                                          "parallel_tool_calls", "metadata", "user", "service_tier",
+                                          "safety_identifier", "prompt_cache_key") if name in body}
+    chat["messages"] = _messages(body.get("input"), body.get("instructions"))
+    if body.get("max_output_tokens") is not None:
+        chat["max_completion_tokens"] = body["max_output_tokens"]
+    if body.get("tools") is not None:
+        chat["tools"] = _tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    if body.get("text") is not None:
+        chat["response_format"] = _format(body["text"])
+    try:
+        request = parse_chat(chat)
+    except ApiError as exc:
+        raise _renamed(exc) from None
+    return request, _settings(body)
+
+
+def _messages(items: Any, instructions: Any) -> list[dict]:
+    messages = []
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise invalid("instructions", "instructions must be a string")
+        messages.append({"role": "system", "content": instructions})
+    if items is None:
+        raise invalid("input", "input is required", code="missing_required_parameter")
+    if isinstance(items, str):
+        return [*messages, {"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise invalid("input", "input must be a string or a non-empty array of items")
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise invalid(where, f"{where} must be an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append(_message(item, where))
+        elif kind == "function_call":
+            _call(item, where, messages)
+        elif kind == "function_call_output":
+            messages.append(_call_output(item, where))
+        else:
+            raise invalid(where, f"{where} is a {json.dumps(kind)[:60]} item; this platform takes message, "
+                                 "function_call and function_call_output items", code="unsupported_value")
+    return messages
+
+
+def _message(item: dict, where: str) -> dict:
+    role, content = item.get("role"), item.get("content")
+    if role not in CHAT_ROLES:
+        raise invalid(f"{where}.role", f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))}")
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str)):
+                raise invalid(f"{where}.content[{j}]", "only input_text and output_text content parts are supported")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise invalid(f"{where}.content", f"{where}.content must be a string or an array of text parts")
+    return {"role": role, "content": content}
+
+
+def _call(item: dict, where: str, messages: list[dict]) -> None:
+    """A call the model made: one more tool call of the assistant message before it, or a new one."""
+    if not all(isinstance(item.get(name), str) for name in ("call_id", "name", "arguments")):
+        raise invalid(where, f"{where} must have call_id, name and arguments (JSON text), all strings")
+    call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant":
+        last.setdefault("tool_calls", []).append(call)
+    else:
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+
+
+def _call_output(item: dict, where: str) -> dict:
+    output = item.get("output")
+    if isinstance(output, list):
+        if not all(isinstance(p, dict) and p.get("type") in TEXT_PARTS and isinstance(p.get("text"), str)
+                   for p in output):
+            raise invalid(f"{where}.output", "only text output parts are supported")
+        output = "".join(p["text"] for p in output)
+    if not isinstance(item.get("call_id"), str) or not isinstance(output, str):
+        raise invalid(where, f"{where} must have a call_id and an output, both strings")
+    return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
+
+
+def _tools(tools: Any) -> Any:
+    """Chat's nesting of the flat Responses tools (``{"type": "function", "name", ...}``)."""
+    if not isinstance(tools, list):
+        return tools  # chat's check names it
+    nested = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise invalid(f"tools[{i}]", f"tools[{i}] is a {json.dumps(kind)[:60]} tool; this platform calls "
+                                         "functions only", code="unsupported_value")
+        nested.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+    return nested
+
+
+def _tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def _format(text: Any) -> Any:
+    """Chat's response_format for ``text: {"format": ...}``."""
+    if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
+        raise invalid("text", 'text must be {"format": {...}}')
+    fmt = text.get("format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        spec = {k: v for k, v in fmt.items() if k != "type"}
+        return {"type": "json_schema", "json_schema": spec}
+    return fmt
+
+
+def _renamed(exc: ApiError) -> ApiError:
+    for chat_name, name in RENAMED.items():
+        if exc.param and exc.param.startswith(chat_name):
+            exc.param = name if chat_name == "messages" else name + exc.param[len(chat_name):]
+        exc.message = exc.message.replace(chat_name, name)
+    return exc
+
+
+def _settings(body: dict) -> dict:
+    """What a response repeats of its request."""
+    return {
+        "instructions": body.get("instructions"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "metadata": body.get("metadata") or {},
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "temperature": body.get("temperature", 1.0),
+        "top_p": body.get("top_p", 1.0),
+        "text": body.get("text") or {"format": {"type": "text"}},
+        "tool_choice": body.get("tool_choice", "auto"),
+        "tools": body.get("tools") or [],
+        "truncation": body.get("truncation") or "disabled",
+        "user": body.get("user"),
+    }
