@@ -141,7 +141,7 @@ RESPONSES_REQUEST = {
                 "name": TOOL_NAME, "arguments": {"type": "string"}}},
             {"type": "object", "required": ["type", "call_id", "output"], "properties": {
                 "type": {"type": "string", "enum": ["function_call_output"]}, "call_id": {"type": "string"},
-                "output": {"type": "string"}}}]}}]},
+                "output": {"oneOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}]}}}]}}]},
         "instructions": {"type": "string"},
         "max_output_tokens": {"type": "integer", "minimum": 1},
         **{name: COMMON[name] for name in ("temperature", "top_p", "stream", "user")},
@@ -159,6 +159,13 @@ RESPONSES_REQUEST = {
         "previous_response_id": {"type": "null", "description": "No response is stored: send the conversation in input."},
         "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
         "truncation": {"type": "string", "enum": ["disabled", "auto"]},
+        "stream_options": {"type": "object", "properties": {"include_obfuscation": {"type": "boolean"}}},
+        "prompt_cache_key": {"type": "string"}, "safety_identifier": {"type": "string"},
+        "service_tier": {"type": "string", "enum": ["auto", "default"]},
+        # Accepted at the values that ask for nothing this platform lacks.
+        "background": {"type": "boolean", "enum": [False]}, "include": {"type": "array", "maxItems": 0},
+        "reasoning": {"type": "object", "maxProperties": 0}, "max_tool_calls": {"type": "null"},
+        "top_logprobs": {"type": "integer", "enum": [0]},
     },
 }
 USAGE = {"type": "object", "properties": {

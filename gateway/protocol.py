@@ -216,7 +216,7 @@ def _messages(messages: Any) -> list[dict]:
         if not isinstance(message, dict):
             raise invalid(where, f"{where} must be an object")
         role = message.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise invalid(f"{where}.role", f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))}")
         content = message.get("content")
         if isinstance(content, list):

@@ -21,7 +21,8 @@ def _id(prefix: str) -> str:
 
 def usage_json(usage: dict) -> dict:
     prompt, completion = usage["prompt_tokens"], usage["completion_tokens"]
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": usage.get("cached_prompt_tokens", 0)},
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": usage.get("cached_prompt_tokens", 0),
+                                                             "cache_write_tokens": 0},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion}
 
@@ -40,6 +41,7 @@ class ResponseBuilder:
         self._sampling = sampling
         self._sequence = 0
         self._open: dict | None = None  # the item being written
+        self._calls: dict[int, dict] = {}  # function_call items by the call's index
 
     def start(self) -> list[dict]:
         return [self._event("response.created", response=self._snapshot()),
@@ -49,16 +51,14 @@ class ResponseBuilder:
         """Events for one worker ``inference.delta``."""
         if self._reader is None:
             return self._text(event["text"])
-        text, calls = self._reader.feed(event["text"])
-        return self._text(text) + self._calls(calls)
+        return self._pieces(self._reader.pieces(event["text"]))
 
     def finish(self, event: dict) -> list[dict]:
         """Events for the worker's ``inference.finished``: the open item closes, the response ends."""
         out = []
         reason = "length" if event["finish_reason"] == "length" else "stop"
         if self._reader is not None:
-            text, calls = self._reader.finish()
-            out += self._text(text) + self._calls(calls)
+            out += self._pieces(self._reader.pieces(None))
         incomplete = reason == "length"
         out += self._close(status="incomplete" if incomplete else "completed")
         self.response["usage"] = usage_json(event["usage"])
@@ -94,19 +94,23 @@ class ResponseBuilder:
                                content_index=0, delta=text, logprobs=[]))
         return out
 
-    def _calls(self, deltas: list[dict]) -> list[dict]:
+    def _pieces(self, pieces: list[tuple]) -> list[dict]:
+        """Events for what the reader found, in the order the model wrote it."""
         out = []
-        for delta in deltas:
-            function = delta["function"]
-            if "id" in delta:  # a new call
+        for piece in pieces:
+            if piece[0] == "text":
+                out += self._text(piece[1])
+            elif piece[0] == "call":
                 out += self._close(status="completed")
-                item = {"id": _id("fc"), "type": "function_call", "status": "in_progress", "call_id": delta["id"],
-                        "name": function["name"], "arguments": ""}
+                item = {"id": _id("fc"), "type": "function_call", "status": "in_progress", "call_id": piece[2],
+                        "name": piece[3], "arguments": ""}
+                self._calls[piece[1]] = item
                 out += self._add(item)
-            if function["arguments"]:
-                self._open["arguments"] += function["arguments"]
-                out.append(self._event("response.function_call_arguments.delta", item_id=self._open["id"],
-                                       output_index=self._index, delta=function["arguments"]))
+            elif piece[2]:
+                item = self._calls[piece[1]]
+                item["arguments"] += piece[2]
+                out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                       output_index=self.response["output"].index(item), delta=piece[2]))
         return out
 
     def _add(self, item: dict) -> list[dict]:

@@ -10,6 +10,7 @@ in ``input``), and every response says ``store: false``.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from .errors import ApiError, invalid
@@ -31,8 +32,9 @@ NO_OPS = {
     "top_logprobs": (None, 0),
     "truncation": (None, "disabled", "auto"),  # a conversation too long for the context is a 400 either way
 }
-# Chat's names in errors, as this API calls them.
-RENAMED = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+# Chat's names in errors, as this API calls them (a message is named by the item it came from).
+RENAMED = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+MESSAGE = re.compile(r"messages\[(\d+)\]")
 CHAT_ROLES = {"user", "system", "developer", "assistant"}
 TEXT_PARTS = {"input_text", "output_text"}
 
@@ -56,7 +58,7 @@ def parse_response_request(body: Any) -> tuple[InferenceRequest, dict]:
     chat = {name: body[name] for name in ("model", "temperature", "top_p", "stream", "stream_options",
                                           "parallel_tool_calls", "metadata", "user", "service_tier",
                                           "safety_identifier", "prompt_cache_key") if name in body}
-    chat["messages"] = _messages(body.get("input"), body.get("instructions"))
+    chat["messages"], origins = _messages(body.get("input"), body.get("instructions"))
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
     if body.get("tools") is not None:
@@ -65,23 +67,29 @@ def parse_response_request(body: Any) -> tuple[InferenceRequest, dict]:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     if body.get("text") is not None:
         chat["response_format"] = _format(body["text"])
+    if isinstance(chat.get("stream_options"), dict):  # the Responses API has no include_usage: usage always comes
+        chat["stream_options"] = {k: v for k, v in chat["stream_options"].items() if k != "include_usage"}
     try:
         request = parse_chat(chat)
     except ApiError as exc:
-        raise _renamed(exc) from None
+        raise renamed(exc, origins) from None
+    request.max_tokens_param = "max_output_tokens"
+    request.extra["origins"] = origins
     return request, _settings(body)
 
 
-def _messages(items: Any, instructions: Any) -> list[dict]:
-    messages = []
+def _messages(items: Any, instructions: Any) -> tuple[list[dict], list[str]]:
+    """The chat messages, and where each came from ("instructions", or the input item)."""
+    messages, origins = [], []
     if instructions is not None:
         if not isinstance(instructions, str):
             raise invalid("instructions", "instructions must be a string")
         messages.append({"role": "system", "content": instructions})
+        origins.append("instructions")
     if items is None:
         raise invalid("input", "input is required", code="missing_required_parameter")
     if isinstance(items, str):
-        return [*messages, {"role": "user", "content": items}]
+        return [*messages, {"role": "user", "content": items}], [*origins, "input"]
     if not isinstance(items, list) or not items:
         raise invalid("input", "input must be a string or a non-empty array of items")
     for i, item in enumerate(items):
@@ -92,23 +100,25 @@ def _messages(items: Any, instructions: Any) -> list[dict]:
         if kind == "message":
             messages.append(_message(item, where))
         elif kind == "function_call":
-            _call(item, where, messages)
+            if _call(item, where, messages):
+                continue  # one more call of the message before it
         elif kind == "function_call_output":
             messages.append(_call_output(item, where))
         else:
-            raise invalid(where, f"{where} is a {json.dumps(kind)[:60]} item; this platform takes message, "
+            raise invalid(where, f"{json.dumps(kind)[:60]} items are not supported; this platform takes message, "
                                  "function_call and function_call_output items", code="unsupported_value")
-    return messages
+        origins.append(where)
+    return messages, origins
 
 
 def _message(item: dict, where: str) -> dict:
     role, content = item.get("role"), item.get("content")
-    if role not in CHAT_ROLES:
+    if not isinstance(role, str) or role not in CHAT_ROLES:
         raise invalid(f"{where}.role", f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))}")
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str)):
+            if not (isinstance(part, dict) and _is_text_part(part)):
                 raise invalid(f"{where}.content[{j}]", "only input_text and output_text content parts are supported")
             texts.append(part["text"])
         content = "".join(texts)
@@ -117,28 +127,34 @@ def _message(item: dict, where: str) -> dict:
     return {"role": role, "content": content}
 
 
-def _call(item: dict, where: str, messages: list[dict]) -> None:
-    """A call the model made: one more tool call of the assistant message before it, or a new one."""
+def _call(item: dict, where: str, messages: list[dict]) -> bool:
+    """A call the model made: one more tool call of the assistant message before it (True), or
+    a new one."""
     if not all(isinstance(item.get(name), str) for name in ("call_id", "name", "arguments")):
         raise invalid(where, f"{where} must have call_id, name and arguments (JSON text), all strings")
     call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
     last = messages[-1] if messages else None
     if last is not None and last["role"] == "assistant":
         last.setdefault("tool_calls", []).append(call)
-    else:
-        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        return True
+    messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    return False
 
 
 def _call_output(item: dict, where: str) -> dict:
     output = item.get("output")
     if isinstance(output, list):
-        if not all(isinstance(p, dict) and p.get("type") in TEXT_PARTS and isinstance(p.get("text"), str)
-                   for p in output):
+        if not all(isinstance(p, dict) and _is_text_part(p) for p in output):
             raise invalid(f"{where}.output", "only text output parts are supported")
         output = "".join(p["text"] for p in output)
     if not isinstance(item.get("call_id"), str) or not isinstance(output, str):
         raise invalid(where, f"{where} must have a call_id and an output, both strings")
     return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
+
+
+def _is_text_part(part: dict) -> bool:
+    kind = part.get("type")
+    return isinstance(kind, str) and kind in TEXT_PARTS and isinstance(part.get("text"), str)
 
 
 def _tools(tools: Any) -> Any:
@@ -172,10 +188,20 @@ def _format(text: Any) -> Any:
     return fmt
 
 
-def _renamed(exc: ApiError) -> ApiError:
+def renamed(exc: ApiError, origins: list[str]) -> ApiError:
+    """``exc`` naming what the client sent: the input item (or instructions) a message came
+    from, max_output_tokens, text.format."""
+    def origin(match: re.Match) -> str:
+        index = int(match.group(1))
+        return origins[index] if index < len(origins) else "input"
+
+    if exc.param:
+        exc.param = MESSAGE.sub(origin, exc.param)
+        exc.param = "input" if exc.param == "messages" else exc.param
+    exc.message = MESSAGE.sub(origin, exc.message).replace("messages:", "input:")
     for chat_name, name in RENAMED.items():
         if exc.param and exc.param.startswith(chat_name):
-            exc.param = name if chat_name == "messages" else name + exc.param[len(chat_name):]
+            exc.param = name + exc.param[len(chat_name):]
         exc.message = exc.message.replace(chat_name, name)
     return exc
 
@@ -186,11 +212,11 @@ def _settings(body: dict) -> dict:
         "instructions": body.get("instructions"),
         "max_output_tokens": body.get("max_output_tokens"),
         "metadata": body.get("metadata") or {},
-        "parallel_tool_calls": body.get("parallel_tool_calls", True),
-        "temperature": body.get("temperature", 1.0),
-        "top_p": body.get("top_p", 1.0),
+        "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
+        "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
+        "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
         "text": body.get("text") or {"format": {"type": "text"}},
-        "tool_choice": body.get("tool_choice", "auto"),
+        "tool_choice": body.get("tool_choice") or "auto",
         "tools": body.get("tools") or [],
         "truncation": body.get("truncation") or "disabled",
         "user": body.get("user"),

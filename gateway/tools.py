@@ -183,10 +183,24 @@ class ToolCallStream:
         self._ids: list[str] = []
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
-        return self._shape(self._parser.feed(text))
+        return self._shape(self.pieces(text))
 
     def finish(self) -> tuple[str, list[dict]]:
-        return self._shape(self._parser.finish())
+        return self._shape(self.pieces(None))
+
+    def pieces(self, text: str | None) -> list[tuple]:
+        """What the message gains from ``text`` (None: the reply ended), in the order the model
+        wrote it: ("text", text), ("call", index, id, name), ("arguments", index, text)."""
+        out = []
+        for event in self._parser.finish() if text is None else self._parser.feed(text):
+            if event[0] == "call":
+                self._ids.append("call_" + secrets.token_hex(12))
+                out.append(("call", event[1], self._ids[-1], event[2]))
+            elif event[0] == "text":
+                out.append(event)
+            else:
+                out.append(("arguments", event[1], event[2]))
+        return out
 
     @property
     def whole(self) -> bool:
@@ -198,18 +212,19 @@ class ToolCallStream:
         return [{"id": call_id, "type": "function", "function": dict(call)}
                 for call_id, call in zip(self._ids, self._parser.calls)]
 
-    def _shape(self, events: list[tuple]) -> tuple[str, list[dict]]:
+    @staticmethod
+    def _shape(pieces: list[tuple]) -> tuple[str, list[dict]]:
+        """Chat's shape of the pieces: the text, and one ``tool_calls`` delta per call."""
         text, deltas = [], {}
-        for event in events:
-            if event[0] == "text":
-                text.append(event[1])
-            elif event[0] == "call":
-                self._ids.append("call_" + secrets.token_hex(12))
-                deltas[event[1]] = {"index": event[1], "id": self._ids[-1], "type": "function",
-                                    "function": {"name": event[2], "arguments": ""}}
+        for piece in pieces:
+            if piece[0] == "text":
+                text.append(piece[1])
+            elif piece[0] == "call":
+                deltas[piece[1]] = {"index": piece[1], "id": piece[2], "type": "function",
+                                    "function": {"name": piece[3], "arguments": ""}}
             else:
-                entry = deltas.setdefault(event[1], {"index": event[1], "function": {"arguments": ""}})
-                entry["function"]["arguments"] += event[2]
+                entry = deltas.setdefault(piece[1], {"index": piece[1], "function": {"arguments": ""}})
+                entry["function"]["arguments"] += piece[2]
         return "".join(text), list(deltas.values())
 
 

@@ -17,7 +17,7 @@ from inference_platform import jsonbody
 from . import admission, answers, calls, formatting, response_events
 from .errors import ApiError
 from .protocol import MAX_MODEL_NAME, parse_chat, parse_completion
-from .responses import parse_response_request
+from .responses import parse_response_request, renamed
 
 log = logging.getLogger(__name__)
 INTERNAL_ERROR = ApiError(500, "The server failed while streaming this response; it is logged.", code="internal_error")
@@ -103,12 +103,13 @@ async def responses(request):
 
     def read():
         inference, settings_of["echo"] = parse_response_request(_read_json(request))
+        settings_of["origins"] = inference.extra["origins"]
         return inference
 
     try:
         call, inference, headers = await calls.begin_http(request.headers.get("Authorization"), read, kind="response")
-    except ApiError as exc:
-        return exc.response()
+    except ApiError as exc:  # one the worker raised names chat's messages: name the input items
+        return renamed(exc, settings_of["origins"]).response() if "origins" in settings_of else exc.response()
 
     def new_builder():
         return response_events.ResponseBuilder(response_id=call.request_id, created=call.created,

@@ -93,7 +93,7 @@ def test_structured_output_parses_into_the_clients_model(openai_client):
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
     ({"input": "Hi", "text": {"format": {"type": "xml"}}}, "text.format"),
     ({"input": [{"role": "user", "content": "Hi"}, {"type": "function_call_output", "call_id": "call_9",
-                                                    "output": "x"}]}, "input"),
+                                                    "output": "x"}]}, "input[1].tool_call_id"),
     ({"input": "Hi", "temprature": 0}, "temprature"),
 ])
 def test_errors_name_the_responses_parameter(openai_client, body, param):
@@ -101,3 +101,22 @@ def test_errors_name_the_responses_parameter(openai_client, body, param):
         openai_client.responses.create(model=DEPLOYMENT, **body) if "temprature" not in body else \
             openai_client.post("/responses", body={"model": DEPLOYMENT, **body}, cast_to=object)
     assert refused.value.body["param"] == param, refused.value.body
+
+
+@pytest.mark.parametrize("body, param, said", [
+    ({"input": [{"role": "user", "content": [{"type": [], "text": "x"}]}]}, "input[0].content[0]", None),
+    ({"input": [{"role": ["user"], "content": "x"}]}, "input[0].role", None),
+    ({"input": "Hi", "max_output_tokens": 10_000_000}, "max_output_tokens", "max_output_tokens"),
+    # Instructions come first among chat's messages: the item is still named by its own index.
+    ({"instructions": "Be brief.", "input": [{"role": "user", "content": "Hi"},
+                                             {"type": "function_call_output", "call_id": "zz", "output": "x"}]},
+     "input[1].tool_call_id", "input[1]"),
+    ({"input": "word " * 9000, "max_output_tokens": 4}, "input", None),
+])
+def test_errors_found_later_still_name_what_the_client_sent(openai_client, body, param, said):
+    with pytest.raises(openai.BadRequestError) as refused:
+        openai_client.post("/responses", body={"model": DEPLOYMENT, **body}, cast_to=object)
+    error = refused.value.body
+    assert error["param"] == param, error
+    assert said is None or said in error["message"], error
+    assert "messages" not in error["message"] and "max_completion_tokens" not in error["message"], error

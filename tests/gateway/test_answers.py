@@ -97,3 +97,19 @@ def test_an_event_from_a_worker_without_answers_is_the_first_answer():
               {"type": "inference.finished", "finish_reason": "stop", "error": None, "timings": {}, "usage": USAGE}]
     body = run("completion", events, stream=False, n=1)
     assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [(0, "Hi", "stop")]
+
+
+def test_a_response_keeps_the_order_the_model_wrote_calls_and_text_in():
+    """Text after a call's end in the same delta: the call item closes, then a message opens."""
+    from gateway.response_events import ResponseBuilder
+
+    sampling = {"tools": [{"name": "f", "parameters": {"type": "object"}}], "tool_choice": "auto"}
+    builder = ResponseBuilder(response_id="resp_1", created=0, model="smol", sampling=sampling, settings={})
+    events = builder.start() + builder.feed(delta(0, CALL[:30])) + builder.feed(delta(0, CALL[30:] + "\nDone."))
+    events += builder.finish(finished("stop"))
+    added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == ["function_call", "message"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    call, message = builder.response["output"]
+    assert (call["name"], call["arguments"], call["status"]) == ("f", '{"a": 1}', "completed")
+    assert message["content"][0]["text"].strip() == "Done."
