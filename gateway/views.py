@@ -99,22 +99,22 @@ async def responses(request):
     """OpenAI's Responses API, on the chat path (``gateway.responses``)."""
     if request.method != "POST":
         return ApiError(405, f"Use POST for {request.path}.", code="method_not_allowed").response()
-    settings_of = {}
+    parsed = {}  # what the response repeats of the request, and where each chat message came from
 
     def read():
-        inference, settings_of["echo"] = parse_response_request(_read_json(request))
-        settings_of["origins"] = inference.extra["origins"]
+        inference, parsed["settings"] = parse_response_request(_read_json(request))
+        parsed["origins"] = inference.extra["origins"]
         return inference
 
     try:
         call, inference, headers = await calls.begin_http(request.headers.get("Authorization"), read, kind="response")
     except ApiError as exc:  # one the worker raised names chat's messages: name the input items
-        return renamed(exc, settings_of["origins"]).response() if "origins" in settings_of else exc.response()
+        return renamed(exc, parsed["origins"]).response() if "origins" in parsed else exc.response()
 
     def new_builder():
         return response_events.ResponseBuilder(response_id=call.request_id, created=call.created,
                                                model=inference.model, sampling=inference.sampling,
-                                               settings=settings_of["echo"])
+                                               settings=parsed["settings"])
 
     if inference.stream:
         return _event_stream(_response_sse(call, new_builder()), headers)
