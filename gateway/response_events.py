@@ -38,7 +38,6 @@ class ResponseBuilder:
             **settings,
         }
         self._reader = tools.ToolCallStream(sampling) if tools.calls_tools(sampling) else None
-        self._sampling = sampling
         self._sequence = 0
         self._open: dict | None = None  # the item being written
         self._calls: dict[int, dict] = {}  # function_call items by the call's index
@@ -55,20 +54,14 @@ class ResponseBuilder:
 
     def finish(self, event: dict) -> list[dict]:
         """Events for the worker's ``inference.finished``: the open item closes, the response ends."""
-        out = []
-        reason = "length" if event["finish_reason"] == "length" else "stop"
-        if self._reader is not None:
-            out += self._pieces(self._reader.pieces(None))
-        incomplete = reason == "length"
-        out += self._close(status="incomplete" if incomplete else "completed")
+        out = self._pieces(self._reader.pieces(None)) if self._reader is not None else []
+        status = "incomplete" if event["finish_reason"] == "length" else "completed"
+        out += self._close(status=status)
         self.response["usage"] = usage_json(event["usage"])
-        if incomplete:
-            self.response["status"] = "incomplete"
+        self.response["status"] = status
+        if status == "incomplete":
             self.response["incomplete_details"] = {"reason": "max_output_tokens"}
-        else:
-            self.response["status"] = "completed"
-        kind = "response.incomplete" if incomplete else "response.completed"
-        return out + [self._event(kind, response=self._snapshot())]
+        return out + [self._event(f"response.{status}", response=self._snapshot())]
 
     def error(self, error: ApiError) -> dict:
         """The stream's end when the call fails after its first event."""

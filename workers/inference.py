@@ -258,7 +258,7 @@ def _timings_ms(timings) -> dict:
 
 
 def _batch_size(outputs: list) -> float | None:
-    mean = outputs[0].timings.mean_batch_size if all(out is not None and out.finished for out in outputs) else None
+    mean = outputs[0].timings.mean_batch_size
     return None if mean is None else round(mean, 3)
 
 
@@ -269,7 +269,8 @@ def _usage_event(payload: dict, answers: choices.Choices) -> dict:
     generated so far, and the request is marked failed."""
     deployment = payload["deployment"]
     outputs = answers.lasts
-    if all(out is not None and out.finished for out in outputs):
+    whole = all(out is not None and out.finished for out in outputs)
+    if whole:
         usage, timings = choices.usage(outputs, n=answers.n), _timings_ms(choices.timings(outputs))
         status = STATUS_BY_FINISH.get(choices.finish_reason(outputs), "failed")
     else:
@@ -287,7 +288,7 @@ def _usage_event(payload: dict, answers: choices.Choices) -> dict:
         "queue_ms": timings.get("queue_ms"),
         "ttft_ms": timings.get("ttft_ms"),
         "latency_ms": timings.get("latency_ms"),
-        "batch_size": _batch_size(outputs),
+        "batch_size": _batch_size(outputs) if whole else None,
         "finished_at": datetime.now(timezone.utc).isoformat(),
         "prices": payload.get("prices"),
     }

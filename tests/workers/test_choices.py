@@ -74,16 +74,17 @@ def test_an_answer_waiting_behind_its_siblings_has_not_stalled():
     def streams():
         return [Stream(None, "reply", lambda out: {}) for _ in range(2)]
 
-    busy, queued = streams()
-    answers = choices.Choices([busy, queued])
-    queued.progressed -= 60  # created long ago, nothing since
+    queued, busy = streams()
+    # Waited on first: judged on its own progress (a minute ago), it would time out at once.
+    answers = choices.Choices([queued, busy])
+    queued.progressed -= 60
     done = threading.Event()
 
-    def generate():  # the first answer makes progress, ends, and then the second does
-        deadline = time.monotonic() + 0.6
+    def generate():  # the other answer makes progress and ends, then the queued one runs and ends
+        deadline = time.monotonic() + 0.3
         while time.monotonic() < deadline:
             busy.progressed = time.monotonic()
-            done.wait(0.02)
+            done.wait(0.02)  # the pace of a decoding engine's steps
         busy.end()
         queued.progressed = time.monotonic()
         queued.end()
@@ -91,7 +92,7 @@ def test_an_answer_waiting_behind_its_siblings_has_not_stalled():
     worker = threading.Thread(target=generate)
     worker.start()
     try:
-        answers.wait(0.3)
+        answers.wait(1.0)
     finally:
         worker.join()
     silent = choices.Choices(streams())
