@@ -425,15 +425,15 @@ async def begin(request: InferenceRequest, *, caller: Callable[[], Caller]) -> t
     return call, headers
 
 
-async def begin_http(header, read_request: Callable[[], InferenceRequest], *,
+async def begin_http(header, read_request: Callable[[Caller], InferenceRequest], *,
                      kind: str) -> tuple[Call, InferenceRequest, dict]:
     """:func:`begin` for an HTTP request: the key in ``header`` is checked first (401/403), then the
-    body is read by ``read_request`` (400/413), in the same trip to an admission thread."""
+    body is read by ``read_request(caller)`` (400/413), in the same trip to an admission thread."""
     stages = Stages()
 
     def identify():
         caller = authenticate_sync(header)
         stages.mark("auth")
-        return caller, read_request()
+        return caller, read_request(caller)
 
     return await _begin(kind, identify, stages)

@@ -155,8 +155,10 @@ RESPONSES_REQUEST = {
         "text": {"type": "object", "properties": {"format": {"type": "object", "required": ["type"], "properties": {
             "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]}, "name": {"type": "string"},
             "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}},
-        "store": {"type": "boolean", "description": "Accepted; no response is stored (store is answered false)."},
-        "previous_response_id": {"type": "null", "description": "No response is stored: send the conversation in input."},
+        "store": {"type": "boolean", "description": "Keep the response for GET /v1/responses/{id} and "
+                                                   "previous_response_id (true by default)."},
+        "previous_response_id": {"type": "string", "description": "Continue a stored response: its conversation "
+                                                                  "and output come before input."},
         "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
         "truncation": {"type": "string", "enum": ["disabled", "auto"]},
         "stream_options": {"type": "object", "properties": {"include_obfuscation": {"type": "boolean"}}},
@@ -179,6 +181,15 @@ ERRORS = {str(code): {"description": text, "content": {"application/json": {"sch
           for code, text in [(400, "Invalid request"), (401, "Bad API key"), (403, "Missing scope"),
                              (404, "Unknown model"), (413, "Body too large"), (429, "Rate limit or quota"),
                              (503, "No worker serves the model"), (504, "Timed out")]}
+
+
+RESPONSE_ID = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+PAGE_PARAMETERS = [
+    {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}},
+    {"name": "order", "in": "query", "schema": {"type": "string", "enum": ["asc", "desc"], "default": "desc"}},
+    {"name": "after", "in": "query", "schema": {"type": "string"}, "description": "The id of the item before the page"},
+    {"name": "before", "in": "query", "schema": {"type": "string"}, "description": "The id of the item after the page"},
+]
 
 
 def _inference_path(summary: str, schema: str) -> dict:
@@ -210,7 +221,7 @@ def build() -> dict:
         "/v1/chat/completions": _inference_path("Create a chat completion", "ChatCompletionRequest"),
         "/v1/completions": _inference_path("Create a completion", "CompletionRequest"),
         "/v1/responses": {"post": {
-            "summary": "Create a response (OpenAI's Responses API; stateless)",
+            "summary": "Create a response (OpenAI's Responses API)",
             "security": [{"bearer": []}],
             "requestBody": {"required": True, "content": {"application/json": {
                 "schema": {"$ref": "#/components/schemas/ResponseRequest"}}}},
@@ -220,6 +231,29 @@ def build() -> dict:
                                               "text/event-stream": {"schema": {"type": "string"}}}},
                           **ERRORS},
         }},
+        "/v1/responses/{response_id}": {
+            "parameters": [RESPONSE_ID],
+            "get": {"summary": "Retrieve a stored response", "security": [{"bearer": []}],
+                    "responses": {"200": {"description": "The response object, as it was returned",
+                                          "content": {"application/json": {"schema": {"type": "object"}}}},
+                                  "401": ERRORS["401"], "404": ERRORS["404"]}},
+            "delete": {"summary": "Delete a stored response", "security": [{"bearer": []}],
+                       "responses": {"200": {"description": "Deleted", "content": {"application/json": {"schema": {
+                           "type": "object", "properties": {"id": {"type": "string"}, "object": {"type": "string"},
+                                                            "deleted": {"type": "boolean"}}}}}},
+                                     "401": ERRORS["401"], "404": ERRORS["404"]}},
+        },
+        "/v1/responses/{response_id}/input_items": {"get": {
+            "summary": "List the input items a stored response answered (those of the responses it continued "
+                       "included)",
+            "security": [{"bearer": []}],
+            "parameters": [RESPONSE_ID, *PAGE_PARAMETERS],
+            "responses": {"200": {"description": "A page of items", "content": {"application/json": {"schema": {
+                "type": "object", "properties": {
+                    "object": {"type": "string"}, "data": {"type": "array", "items": {"type": "object"}},
+                    "first_id": {"type": ["string", "null"]}, "last_id": {"type": ["string", "null"]},
+                    "has_more": {"type": "boolean"}}}}}},
+                          "400": ERRORS["400"], "401": ERRORS["401"], "404": ERRORS["404"]}}},
         "/v1/models": {"get": {"summary": "List the models (deployments) you can call", "security": [{"bearer": []}],
                                "responses": {"200": {"description": "Models", "content": {"application/json": {"schema": {
                                    "type": "object", "properties": {"data": {"type": "array", "items": model}}}}}},

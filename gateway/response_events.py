@@ -9,14 +9,11 @@ item, each call into a function_call item, in the order the model wrote them.
 
 from __future__ import annotations
 
-import secrets
+from typing import Awaitable, Callable
 
 from . import tools
 from .errors import ApiError
-
-
-def _id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(16)}"
+from .responses import new_id as _id
 
 
 def usage_json(usage: dict) -> dict:
@@ -54,6 +51,10 @@ class ResponseBuilder:
 
     def finish(self, event: dict) -> list[dict]:
         """Events for the worker's ``inference.finished``: the open item closes, the response ends."""
+        return self.settle(event) + [self.end()]
+
+    def settle(self, event: dict) -> list[dict]:
+        """The response is whole: the open item closes, usage and status are set."""
         out = self._pieces(self._reader.pieces(None)) if self._reader is not None else []
         status = "incomplete" if event["finish_reason"] == "length" else "completed"
         out += self._close(status=status)
@@ -61,7 +62,11 @@ class ResponseBuilder:
         self.response["status"] = status
         if status == "incomplete":
             self.response["incomplete_details"] = {"reason": "max_output_tokens"}
-        return out + [self._event(f"response.{status}", response=self._snapshot())]
+        return out
+
+    def end(self) -> dict:
+        """The last event, which holds the whole response."""
+        return self._event(f"response.{self.response['status']}", response=self._snapshot())
 
     def error(self, error: ApiError) -> dict:
         """The stream's end when the call fails after its first event."""
@@ -150,7 +155,18 @@ def _copy(item: dict) -> dict:
     return copied
 
 
-async def stream(call, builder: ResponseBuilder):
+# Keeps a whole response (when it asked to be stored); False when it could not.
+Keep = Callable[[dict], Awaitable[bool]]
+
+
+async def _kept(builder: ResponseBuilder, keep: Keep | None) -> None:
+    """Store the whole response before its last event: a client that continues it as soon as it
+    has it finds it. One that could not be stored says ``store: false``."""
+    if keep is not None and builder.response["store"] and not await keep(builder.response):
+        builder.response["store"] = False
+
+
+async def stream(call, builder: ResponseBuilder, keep: Keep | None = None):
     """The Responses events of a started call."""
     for event in builder.start():
         yield event
@@ -159,11 +175,13 @@ async def stream(call, builder: ResponseBuilder):
             for out in builder.feed(event):
                 yield out
         elif event["type"] == "inference.finished":
-            for out in builder.finish(event):
+            for out in builder.settle(event):
                 yield out
+            await _kept(builder, keep)
+            yield builder.end()
 
 
-async def collect(call, new_builder) -> dict:
+async def collect(call, new_builder, keep: Keep | None = None) -> dict:
     """The whole response of a call whose client does not stream."""
     builder = new_builder()
     async for event in call.events():
@@ -172,6 +190,7 @@ async def collect(call, new_builder) -> dict:
         elif event["type"] == "inference.restarted":  # its worker died: a copy runs it from the start
             builder = new_builder()
         elif event["type"] == "inference.finished":
-            builder.finish(event)
+            builder.settle(event)
+            await _kept(builder, keep)
             return builder.response
     raise ApiError(500, "The worker ended the request without finishing it.")

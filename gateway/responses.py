@@ -1,17 +1,20 @@
 """OpenAI's Responses API (``POST /v1/responses``) read as a chat request: ``instructions`` and the
-``input`` items become messages, ``tools`` and ``text.format`` chat's tools and response_format,
+input items become messages, ``tools`` and ``text.format`` chat's tools and response_format,
 ``max_output_tokens`` the token limit. Everything is then checked as chat checks it, and an error
 names the Responses parameter.
 
-Stateless: no response is stored, so ``previous_response_id`` is refused (send the conversation
-in ``input``), and every response says ``store: false``.
+A request that continues a stored response (``previous_response_id``) answers that response's
+conversation, its output included, followed by its own ``input``; instructions and tools are not
+carried over, as OpenAI's are not.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any
+import secrets
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from .errors import ApiError, invalid
 from .protocol import InferenceRequest, parse_chat
@@ -24,7 +27,6 @@ FIELDS = {
 }
 # Parameters accepted at the values that ask for nothing this platform lacks.
 NO_OPS = {
-    "previous_response_id": (None,),
     "background": (None, False),
     "include": (None, []),
     "reasoning": (None, {}),
@@ -37,10 +39,26 @@ RENAMED = {"max_completion_tokens": "max_output_tokens", "response_format": "tex
 MESSAGE = re.compile(r"messages\[(\d+)\]")
 CHAT_ROLES = {"user", "system", "developer", "assistant"}
 TEXT_PARTS = {"input_text", "output_text"}
+INHERITED = "previous_response_id"  # what an item of the previous response's conversation is named by
 
 
-def parse_response_request(body: Any) -> tuple[InferenceRequest, dict]:
-    """The chat request a Responses body asks for, and the settings its response echoes."""
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+@dataclass
+class ResponseRequest:
+    inference: InferenceRequest  # the chat request it runs as
+    settings: dict  # what its response repeats of it
+    conversation: list[dict]  # every input item it answers, as stored: the previous response's, then input's
+    store: bool
+
+
+def parse_response_request(body: Any, *, history: Callable[[str], list[dict] | None] = lambda _: None,
+                           can_store: bool = False) -> ResponseRequest:
+    """The chat request a Responses body asks for. ``history(id)`` is the conversation of a stored
+    response, its output included (None: no such response); ``can_store``: whether responses
+    are kept at all."""
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
     for name in body:
@@ -49,16 +67,15 @@ def parse_response_request(body: Any) -> tuple[InferenceRequest, dict]:
     for name, accepted in NO_OPS.items():
         value = body.get(name)
         if value is not None and not any(value == ok and type(value) is type(ok) for ok in accepted):
-            hint = (" (no response is stored: send the conversation in input)" if name == "previous_response_id"
-                    else "")
-            raise invalid(name, f"{name}={json.dumps(value)[:200]} is not supported by this platform{hint}",
+            raise invalid(name, f"{name}={json.dumps(value)[:200]} is not supported by this platform",
                           code="unsupported_value")
     if body.get("store") is not None and not isinstance(body["store"], bool):
         raise invalid("store", "store must be a boolean")
     chat = {name: body[name] for name in ("model", "temperature", "top_p", "stream", "stream_options",
                                           "parallel_tool_calls", "metadata", "user", "service_tier",
                                           "safety_identifier", "prompt_cache_key") if name in body}
-    chat["messages"], origins = _messages(body.get("input"), body.get("instructions"))
+    conversation, origins = _conversation(body.get("input"), _previous(body.get("previous_response_id"), history))
+    chat["messages"], origins = _messages(conversation, origins, body.get("instructions"))
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
     if body.get("tools") is not None:
@@ -75,43 +92,102 @@ def parse_response_request(body: Any) -> tuple[InferenceRequest, dict]:
         raise renamed(exc, origins) from None
     request.max_tokens_param = "max_output_tokens"
     request.extra["origins"] = origins
-    return request, _settings(body)
+    store = can_store and body.get("store") is not False
+    return ResponseRequest(request, _settings(body, store=store), conversation, store)
 
 
-def _messages(items: Any, instructions: Any) -> tuple[list[dict], list[str]]:
-    """The chat messages, and where each came from ("instructions", or the input item)."""
+def _previous(response_id: Any, history: Callable[[str], list[dict] | None]) -> list[dict]:
+    if response_id is None:
+        return []
+    if not isinstance(response_id, str) or not response_id:
+        raise invalid(INHERITED, "previous_response_id must be the id of a stored response")
+    items = history(response_id) if response_id.isprintable() else None
+    if items is None:
+        raise ApiError(404, f"Previous response with id '{response_id[:80]}' not found.", param=INHERITED,
+                       code="previous_response_not_found")
+    return items
+
+
+def _conversation(items: Any, before: list[dict]) -> tuple[list[dict], list[str]]:
+    """The items a response answers, as stored (each with its own id), and where each came from:
+    the previous response's, then ``input``'s."""
+    if items is None:
+        raise invalid("input", "input is required", code="missing_required_parameter")
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+        wheres = ["input"]
+    elif isinstance(items, list) and items:
+        wheres = [f"input[{i}]" for i in range(len(items))]
+    else:
+        raise invalid("input", "input must be a string or a non-empty array of items")
+    known = {item.get("id") for item in before}
+    added = []
+    for item, where in zip(items, wheres):
+        if not isinstance(item, dict):
+            raise invalid(where, f"{where} must be an object")
+        if isinstance(item.get("id"), str) and item["id"] in known:
+            raise invalid(where, f"{where} (id {item['id'][:80]}) is already in the conversation of "
+                                 "previous_response_id: send only the new items", code="duplicate_item")
+        added.append(_stored(item, where))
+    return [*before, *added], [INHERITED] * len(before) + wheres
+
+
+def _stored(item: dict, where: str) -> dict:
+    """``item`` in the shape a stored conversation keeps (and ``input_items`` lists), with a new id."""
+    kind = item.get("type", "message")
+    if kind == "message":
+        role, text = _message(item, where)
+        part = "output_text" if role == "assistant" else "input_text"
+        return {"id": new_id("msg"), "type": "message", "role": role, "status": "completed",
+                "content": [{"type": part, "text": text}]}
+    if kind == "function_call":
+        if not all(isinstance(item.get(name), str) for name in ("call_id", "name", "arguments")):
+            raise invalid(where, f"{where} must have call_id, name and arguments (JSON text), all strings")
+        return {"id": new_id("fc"), "type": "function_call", "status": "completed",
+                **{name: item[name] for name in ("call_id", "name", "arguments")}}
+    if kind == "function_call_output":
+        output = item.get("output")
+        if isinstance(output, list):
+            if not all(isinstance(p, dict) and _is_text_part(p) for p in output):
+                raise invalid(f"{where}.output", "only text output parts are supported")
+            output = "".join(p["text"] for p in output)
+        if not isinstance(item.get("call_id"), str) or not isinstance(output, str):
+            raise invalid(where, f"{where} must have a call_id and an output, both strings")
+        return {"id": new_id("fco"), "type": "function_call_output", "status": "completed",
+                "call_id": item["call_id"], "output": output}
+    raise invalid(where, f"{json.dumps(kind)[:60]} items are not supported; this platform takes message, "
+                         "function_call and function_call_output items", code="unsupported_value")
+
+
+def _messages(items: list[dict], wheres: list[str], instructions: Any) -> tuple[list[dict], list[str]]:
+    """The chat messages of stored items, and where each came from ("instructions", or the item's
+    origin): a model's calls in a row are one assistant message."""
     messages, origins = [], []
     if instructions is not None:
         if not isinstance(instructions, str):
             raise invalid("instructions", "instructions must be a string")
         messages.append({"role": "system", "content": instructions})
         origins.append("instructions")
-    if items is None:
-        raise invalid("input", "input is required", code="missing_required_parameter")
-    if isinstance(items, str):
-        return [*messages, {"role": "user", "content": items}], [*origins, "input"]
-    if not isinstance(items, list) or not items:
-        raise invalid("input", "input must be a string or a non-empty array of items")
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise invalid(where, f"{where} must be an object")
-        kind = item.get("type", "message")
-        if kind == "message":
-            messages.append(_message(item, where))
-        elif kind == "function_call":
-            if _call(item, where, messages):
-                continue  # one more call of the message before it
-        elif kind == "function_call_output":
-            messages.append(_call_output(item, where))
+    for item, where in zip(items, wheres):
+        if item["type"] == "message":
+            role, text = _message(item, where)
+            messages.append({"role": role, "content": text})
+        elif item["type"] == "function_call":
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)  # one more call of the message before it
+                continue
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         else:
-            raise invalid(where, f"{json.dumps(kind)[:60]} items are not supported; this platform takes message, "
-                                 "function_call and function_call_output items", code="unsupported_value")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
         origins.append(where)
     return messages, origins
 
 
-def _message(item: dict, where: str) -> dict:
+def _message(item: dict, where: str) -> tuple[str, str]:
+    """A message item's role and text."""
     role, content = item.get("role"), item.get("content")
     if not isinstance(role, str) or role not in CHAT_ROLES:
         raise invalid(f"{where}.role", f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))}")
@@ -124,32 +200,7 @@ def _message(item: dict, where: str) -> dict:
         content = "".join(texts)
     if not isinstance(content, str):
         raise invalid(f"{where}.content", f"{where}.content must be a string or an array of text parts")
-    return {"role": role, "content": content}
-
-
-def _call(item: dict, where: str, messages: list[dict]) -> bool:
-    """A call the model made: one more tool call of the assistant message before it (True), or
-    a new one."""
-    if not all(isinstance(item.get(name), str) for name in ("call_id", "name", "arguments")):
-        raise invalid(where, f"{where} must have call_id, name and arguments (JSON text), all strings")
-    call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
-    last = messages[-1] if messages else None
-    if last is not None and last["role"] == "assistant":
-        last.setdefault("tool_calls", []).append(call)
-        return True
-    messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-    return False
-
-
-def _call_output(item: dict, where: str) -> dict:
-    output = item.get("output")
-    if isinstance(output, list):
-        if not all(isinstance(p, dict) and _is_text_part(p) for p in output):
-            raise invalid(f"{where}.output", "only text output parts are supported")
-        output = "".join(p["text"] for p in output)
-    if not isinstance(item.get("call_id"), str) or not isinstance(output, str):
-        raise invalid(where, f"{where} must have a call_id and an output, both strings")
-    return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
+    return role, content
 
 
 def _is_text_part(part: dict) -> bool:
@@ -206,9 +257,11 @@ def renamed(exc: ApiError, origins: list[str]) -> ApiError:
     return exc
 
 
-def _settings(body: dict) -> dict:
+def _settings(body: dict, *, store: bool) -> dict:
     """What a response repeats of its request."""
     return {
+        "previous_response_id": body.get("previous_response_id"),
+        "store": store,
         "instructions": body.get("instructions"),
         "max_output_tokens": body.get("max_output_tokens"),
         "metadata": body.get("metadata") or {},

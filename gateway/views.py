@@ -14,7 +14,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from inference_platform import jsonbody
 
-from . import admission, answers, calls, formatting, response_events
+from . import admission, answers, calls, formatting, pages, response_events, selectors, services
 from .errors import ApiError
 from .protocol import MAX_MODEL_NAME, parse_chat, parse_completion
 from .responses import parse_response_request, renamed
@@ -52,7 +52,7 @@ async def _inference(request, parse, kind: str):
         return ApiError(405, f"Use POST for {request.path}.", code="method_not_allowed").response()
     try:
         call, inference, headers = await calls.begin_http(
-            request.headers.get("Authorization"), lambda: parse(_read_json(request)), kind=kind)
+            request.headers.get("Authorization"), lambda caller: parse(_read_json(request)), kind=kind)
     except ApiError as exc:
         return exc.response()
     ctx = formatting.Context(kind=inference.kind, id=call.request_id, created=call.created, model=inference.model)
@@ -96,37 +96,49 @@ async def _sse(call: calls.Call, ctx: formatting.Context, include_usage: bool):
 
 @csrf_exempt
 async def responses(request):
-    """OpenAI's Responses API, on the chat path (``gateway.responses``)."""
+    """OpenAI's Responses API, on the chat path (``gateway.responses``); a response is stored
+    unless it asks not to be (``gateway.services``)."""
     if request.method != "POST":
         return ApiError(405, f"Use POST for {request.path}.", code="method_not_allowed").response()
-    parsed = {}  # what the response repeats of the request, and where each chat message came from
+    parsed = []  # the parsed request, once read: its errors name the input items its messages came from
 
-    def read():
-        inference, parsed["settings"] = parse_response_request(_read_json(request))
-        parsed["origins"] = inference.extra["origins"]
-        return inference
+    def read(caller: calls.Caller):
+        parsed.append(parse_response_request(
+            _read_json(request), can_store=settings.RESPONSES_RETENTION_DAYS > 0,
+            history=lambda rid: selectors.conversation_after(organization_id=caller.org_id, response_id=rid)))
+        return parsed[0].inference
 
     try:
         call, inference, headers = await calls.begin_http(request.headers.get("Authorization"), read, kind="response")
     except ApiError as exc:  # one the worker raised names chat's messages: name the input items
-        return renamed(exc, parsed["origins"]).response() if "origins" in parsed else exc.response()
+        return renamed(exc, parsed[0].inference.extra["origins"]).response() if parsed else exc.response()
+    asked = parsed[0]
 
     def new_builder():
         return response_events.ResponseBuilder(response_id=call.request_id, created=call.created,
                                                model=inference.model, sampling=inference.sampling,
-                                               settings=parsed["settings"])
+                                               settings=asked.settings)
+
+    async def keep(response: dict) -> bool:
+        try:
+            await admission.run(lambda: services.store_response(
+                organization_id=call.caller.org_id, response=response, conversation=asked.conversation))
+        except Exception:  # the answer still goes out, saying it was not stored
+            log.exception("could not store response %s", call.request_id)
+            return False
+        return True
 
     if inference.stream:
-        return _event_stream(_response_sse(call, new_builder()), headers)
-    return await _whole(call, response_events.collect(call, new_builder), headers)
+        return _event_stream(_response_sse(call, new_builder(), keep), headers)
+    return await _whole(call, response_events.collect(call, new_builder, keep), headers)
 
 
-async def _response_sse(call: calls.Call, builder: response_events.ResponseBuilder):
+async def _response_sse(call: calls.Call, builder: response_events.ResponseBuilder, keep):
     def frame(event: dict) -> str:
         return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
     try:
-        async for event in response_events.stream(call, builder):
+        async for event in response_events.stream(call, builder, keep):
             yield frame(event)
     except ApiError as exc:  # after the first byte the status is sent: report in-band
         yield frame(builder.error(exc))
@@ -135,6 +147,60 @@ async def _response_sse(call: calls.Call, builder: response_events.ResponseBuild
         yield frame(builder.error(INTERNAL_ERROR))
     finally:
         await asyncio.shield(call.cancel())
+
+
+def _not_found(response_id: str) -> ApiError:
+    return ApiError(404, f"Response with id '{response_id[:80]}' not found.", code="response_not_found")
+
+
+def _read_response(header, response_id: str) -> dict:
+    caller = calls.authenticate_sync(header)
+    found = selectors.stored_response(organization_id=caller.org_id, response_id=response_id)
+    if found is None:
+        raise _not_found(response_id)
+    return found
+
+
+def _delete_response(header, response_id: str) -> dict:
+    caller = calls.authenticate_sync(header)
+    if not services.delete_response(organization_id=caller.org_id, response_id=response_id):
+        raise _not_found(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+@csrf_exempt
+async def response_detail(request, response_id: str):
+    """``GET`` a stored response, or ``DELETE`` it."""
+    if request.method == "DELETE":
+        work = _delete_response
+    elif request.method in ("GET", "HEAD"):
+        work = _read_response
+    else:
+        return ApiError(405, f"Use GET or DELETE for {request.path}.", code="method_not_allowed").response()
+    try:
+        return JsonResponse(await admission.run(work, request.headers.get("Authorization"), response_id))
+    except ApiError as exc:
+        return exc.response()
+
+
+def _input_items(header, response_id: str, query) -> dict:
+    caller = calls.authenticate_sync(header)
+    page = pages.parse(query)
+    items = selectors.input_items(organization_id=caller.org_id, response_id=response_id)
+    if items is None:
+        raise _not_found(response_id)
+    return pages.page(items, page)
+
+
+async def response_input_items(request, response_id: str):
+    """The input items a stored response answered, a page at a time (OpenAI's list shape)."""
+    if refusal := _get_only(request):
+        return refusal.response()
+    try:
+        return JsonResponse(await admission.run(_input_items, request.headers.get("Authorization"), response_id,
+                                                request.GET))
+    except ApiError as exc:
+        return exc.response()
 
 
 @csrf_exempt

@@ -3,7 +3,7 @@
     up       everything in the foreground on the embedded defaults (Ctrl-C stops it all)
     web      the ASGI web server alone
     worker   one Celery worker alone
-    beat     the fleet's placement loop (Celery beat) alone
+    beat     the periodic tasks alone (Celery beat): fleet placement, the purge of old responses
     createkey  create an API key and print it
 """
 
@@ -525,7 +525,8 @@ def cmd_web(args) -> int:
 
 
 def beat_command(settings) -> list[str]:
-    """Celery beat: runs the fleet's placement loop every FLEET_TICK_SECONDS."""
+    """Celery beat: runs the fleet's placement loop every FLEET_TICK_SECONDS, and purges old stored
+    responses hourly."""
     return [
         sys.executable, "-m", "celery", "-A", "inference_platform", "beat", "--loglevel", "WARNING",
         "--schedule", str(settings.DATA_DIR / "celerybeat-schedule"),
@@ -612,7 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "0: not an inference worker (billing only)")
     worker.set_defaults(func=cmd_worker)
 
-    beat = sub.add_parser("beat", help="run the fleet's placement loop (Celery beat)",
+    beat = sub.add_parser("beat", help="run the periodic tasks (Celery beat): the fleet's placement loop, the purge of old stored responses",
                           description="Start Celery beat, which runs the placement loop (workers.fleet_tick) every "
                                       "FLEET_TICK_SECONDS: heartbeats checked, deployments placed, idle ones scaled "
                                       "to zero. Run exactly one.")

@@ -190,6 +190,8 @@ RATE_LIMIT_KEY_RPM = env_int("RATE_LIMIT_KEY_RPM", 600, minimum=1)
 RATE_LIMIT_ORG_RPM = env_int("RATE_LIMIT_ORG_RPM", 3000, minimum=1)
 RATE_LIMIT_KEY_TPM = env_int("RATE_LIMIT_KEY_TPM", 2_000_000, minimum=1)
 RATE_LIMIT_ORG_TPM = env_int("RATE_LIMIT_ORG_TPM", 10_000_000, minimum=1)
+# How long a Responses API response asked to be stored is kept (0: none is stored).
+RESPONSES_RETENTION_DAYS = env_int("RESPONSES_RETENTION_DAYS", 30, minimum=0)
 
 # Where operators keep model weights; catalog imports may only read below it.
 MODELS_ROOT = Path(env_str("MODELS_ROOT", str(DATA_DIR / "models"))).resolve()
@@ -282,6 +284,11 @@ CELERY_BEAT_SCHEDULE = {
         "task": "workers.fleet_tick",
         "schedule": FLEET_TICK_SECONDS,
         "options": {"queue": "default", "expires": max(5.0, FLEET_TICK_SECONDS * 5)},
+    },
+    "purge-expired-responses": {
+        "task": "gateway.purge_expired_responses",
+        "schedule": 3600.0,
+        "options": {"queue": "default", "expires": 600.0},
     },
 }
 # kombu returns unacknowledged messages older than the visibility timeout to their queue on

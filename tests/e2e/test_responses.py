@@ -31,7 +31,7 @@ def test_a_response_says_what_chat_says_for_the_same_conversation(openai_client)
     assert response.usage.input_tokens == chat.usage.prompt_tokens
     assert response.usage.output_tokens == chat.usage.completion_tokens
     assert response.usage.total_tokens == chat.usage.total_tokens
-    assert response.instructions == "Be brief." and response.store is False
+    assert response.instructions == "Be brief." and response.store is True
 
 
 def test_a_stream_of_events_adds_up_to_the_response(openai_client):
@@ -87,7 +87,7 @@ def test_structured_output_parses_into_the_clients_model(openai_client):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": "Hi", "previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"input": "Hi", "previous_response_id": 123}, "previous_response_id"),
     ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0]"),

@@ -382,8 +382,15 @@ def test_the_openapi_document_describes_the_inference_api(client):
     assert document["openapi"].startswith("3.")
     chat_schema = document["components"]["schemas"]["ChatCompletionRequest"]
     assert {"model", "messages"} <= set(chat_schema["required"])
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models"):
-        assert path in document["paths"]
+    # Every route of the inference API is described, path parameters named as the route names them.
+    import re
+
+    from gateway.urls import urlpatterns
+
+    for route in urlpatterns:
+        path = "/" + re.sub(r"<str:(\w+)>", r"{\1}", str(route.pattern))
+        assert path in document["paths"] or path == "/v1/openapi.json", path
+    assert set(document["paths"]["/v1/responses/{response_id}"]) >= {"get", "delete"}
     # Every keyed endpoint says how to send the key (the REST ones too, not only the session cookie).
     for path in ("/v1/usage", "/v1/deployments", "/v1/billing/limits"):
         for operation in document["paths"][path].values():

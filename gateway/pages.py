@@ -1,0 +1,47 @@
+"""OpenAI's cursor pages of a list whose items have ids: ``limit`` (1 to 100, 20 by default),
+``order`` (``desc`` by default: newest first), ``after`` and ``before`` an item's id; the page is
+``{"object": "list", "data", "first_id", "last_id", "has_more"}``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import invalid
+
+MAX_LIMIT = 100
+
+
+@dataclass(frozen=True)
+class Page:
+    limit: int = 20
+    order: str = "desc"
+    after: str | None = None
+    before: str | None = None
+
+
+def parse(query) -> Page:
+    """The page a query string asks for; 400 naming the parameter when it is wrong."""
+    limit = query.get("limit", "20")
+    if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= MAX_LIMIT):
+        raise invalid("limit", f"limit must be an integer from 1 to {MAX_LIMIT}, not {limit[:40]!r}")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid("order", f"order must be asc or desc, not {order[:40]!r}")
+    return Page(int(limit), order, query.get("after") or None, query.get("before") or None)
+
+
+def page(items: list[dict], wanted: Page) -> dict:
+    ordered = items if wanted.order == "asc" else items[::-1]
+    ids = [item["id"] for item in ordered]
+    start = _position(ids, wanted.after, "after") + 1 if wanted.after else 0
+    end = _position(ids, wanted.before, "before") if wanted.before else len(ordered)
+    data = ordered[start:end][:wanted.limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": start + len(data) < end}
+
+
+def _position(ids: list[str], item_id: str, param: str) -> int:
+    try:
+        return ids.index(item_id)
+    except ValueError:
+        raise invalid(param, f"{param}: no item with id {item_id[:80]!r} in this list") from None
