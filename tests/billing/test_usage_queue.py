@@ -30,7 +30,6 @@ from tests.e2e.conftest import _stop
 from tests.conftest import child_env
 from tests.support import REPO_ROOT, wait_until
 
-BROKER_DB = 11
 PRODUCER = (
     "import json, sys, time\n"
     "from billing.dispatch import emit_usage_event\n"
@@ -41,7 +40,10 @@ PRODUCER = (
 
 
 def broker_url() -> str:
-    return settings.REDIS_URL.rsplit("/", 1)[0] + f"/{BROKER_DB}"
+    """A Redis database of its own, next but one to the suite's: two suites run at once on one Redis
+    (each with its own database) do not share it."""
+    base, db = settings.REDIS_URL.rsplit("/", 1)
+    return f"{base}/{(int(db or 0) + 2) % 16}"
 
 
 @pytest.fixture
