@@ -35,7 +35,7 @@ from django.db import close_old_connections, connection
 
 from inference_platform.celery import app, deployment_queue
 
-from . import fleet
+from . import choices, fleet
 from .inference import send_quietly
 from .reservations import reservations
 from .runtime import host, preload_names
@@ -483,7 +483,8 @@ class Agent:
             self.running[request_id] = ticket
         event = None
         try:
-            event = run(_ProgressSend(send, request_id, skip), ticket)
+            with reservations.holding(name, choices.sequences(payload)):
+                event = run(_ProgressSend(send, request_id, skip), ticket)
             return event
         finally:
             with self.lock:

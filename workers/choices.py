@@ -16,6 +16,13 @@ from dataclasses import replace
 _OUTCOMES = ("error", "abort")
 
 
+def sequences(payload: dict) -> int:
+    """How many engine requests a task's payload makes: ``n`` for each of its prompts."""
+    prompts = payload.get("prompts")
+    n = payload.get("n", 1)
+    return max(1, n if isinstance(n, int) else 1) * max(1, len(prompts) if isinstance(prompts, list) else 1)
+
+
 def engine_ids(request_id: str, count: int) -> list[str]:
     """The engine's id of each answer: the request's own when there is one answer."""
     return [request_id] if count == 1 else [f"{request_id}/{i}" for i in range(count)]

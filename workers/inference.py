@@ -55,7 +55,7 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
         send_quietly(send, reply, _error(503, f"the model failed to load: {exc}", code="model_load_failed"))
         return None
     n, prompts = payload.get("n", 1), _prompts(payload)
-    count = n * (len(prompts) if prompts is not None else 1)
+    count = choices.sequences(payload)
     ids = choices.engine_ids(request_id, count)
     answers = choices.Choices([
         relay.stream(reply, _Delta(engine.tokenizer, payload["sampling"], index,

@@ -88,3 +88,38 @@ def test_an_unreadable_batch_size_changes_nothing():
     reservations.attach(consumer)
     reservations.serve("a", None)
     assert consumer.qos.value == 64
+
+
+def test_a_request_of_several_answers_counts_for_each_while_it_runs():
+    from workers.choices import sequences
+
+    consumer = _consumer("deployment.a", "deployment.b")
+    reservations = Reservations()
+    reservations.attach(consumer)
+    reservations.serve("a", 8)
+    reservations.serve("b", 2)
+    assert consumer.qos.value == 10 + 3
+    four = sequences({"n": 2, "prompts": ["x", "y"]})
+    assert four == 4 and sequences({"n": 3, "messages": []}) == 3 and sequences({"prompt": "x"}) == 1
+    with reservations.holding("a", four):
+        assert consumer.qos.value == 7 + 3  # its message is one of a's ten; its other answers take three more
+        with reservations.holding("a", 128):
+            assert consumer.qos.value == 3  # a's share is spent, b's stays
+        assert consumer.qos.value == 10
+    assert consumer.qos.value == 13
+    with pytest.raises(RuntimeError), reservations.holding("b", 3):
+        raise RuntimeError("the request failed")
+    assert consumer.qos.value == 13  # given back however the request ends
+    reservations.forget("b")
+    with reservations.holding("a", 64):
+        assert consumer.qos.value == 1  # never 0, which is "no limit"
+
+
+def test_held_answers_are_counted_under_the_thread_ceiling_too():
+    consumer = _consumer("deployment.big", threads=16)
+    reservations = Reservations()
+    reservations.attach(consumer)
+    reservations.serve("big", 64)  # a share of 80, over the 16 threads
+    assert consumer.qos.value == 16
+    with reservations.holding("big", 70):
+        assert consumer.qos.value == 80 - 69
