@@ -11,6 +11,7 @@ from django.http import JsonResponse
 from django.views.decorators.http import require_GET
 
 from .protocol import CHAT_NO_OPS
+from .responses import INCLUDES
 
 NUMBER = {"type": "number"}
 ERROR = {
@@ -157,7 +158,7 @@ RESPONSES_REQUEST = {
             "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}},
         "store": {"type": "boolean", "description": "Keep the response for GET /v1/responses/{id} and "
                                                    "previous_response_id (true by default)."},
-        "previous_response_id": {"type": "string", "description": "Continue a stored response: its conversation "
+        "previous_response_id": {"type": ["string", "null"], "description": "Continue a stored response: its conversation "
                                                                   "and output come before input."},
         "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
         "truncation": {"type": "string", "enum": ["disabled", "auto"]},
@@ -165,9 +166,13 @@ RESPONSES_REQUEST = {
         "prompt_cache_key": {"type": "string"}, "safety_identifier": {"type": "string"},
         "service_tier": {"type": "string", "enum": ["auto", "default"]},
         # Accepted at the values that ask for nothing this platform lacks.
-        "background": {"type": "boolean", "enum": [False]}, "include": {"type": "array", "maxItems": 0},
+        "background": {"type": "boolean", "enum": [False]},
         "reasoning": {"type": "object", "maxProperties": 0}, "max_tool_calls": {"type": "null"},
-        "top_logprobs": {"type": "integer", "enum": [0]},
+        "include": {"type": "array", "items": {"type": "string", "enum": sorted(INCLUDES)},
+                    "description": "message.output_text.logprobs: each output token's logprob; the others name "
+                                   "parts this platform never produces"},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20,
+                         "description": "Alternatives per token; above 0 it asks for logprobs too"},
     },
 }
 USAGE = {"type": "object", "properties": {
@@ -236,12 +241,12 @@ def build() -> dict:
             "get": {"summary": "Retrieve a stored response", "security": [{"bearer": []}],
                     "responses": {"200": {"description": "The response object, as it was returned",
                                           "content": {"application/json": {"schema": {"type": "object"}}}},
-                                  "401": ERRORS["401"], "404": ERRORS["404"]}},
+                                  **{code: ERRORS[code] for code in ("400", "401", "403", "404")}}},
             "delete": {"summary": "Delete a stored response", "security": [{"bearer": []}],
                        "responses": {"200": {"description": "Deleted", "content": {"application/json": {"schema": {
                            "type": "object", "properties": {"id": {"type": "string"}, "object": {"type": "string"},
                                                             "deleted": {"type": "boolean"}}}}}},
-                                     "401": ERRORS["401"], "404": ERRORS["404"]}},
+                                     **{code: ERRORS[code] for code in ("401", "403", "404")}}},
         },
         "/v1/responses/{response_id}/input_items": {"get": {
             "summary": "List the input items a stored response answered (those of the responses it continued "
@@ -253,7 +258,7 @@ def build() -> dict:
                     "object": {"type": "string"}, "data": {"type": "array", "items": {"type": "object"}},
                     "first_id": {"type": ["string", "null"]}, "last_id": {"type": ["string", "null"]},
                     "has_more": {"type": "boolean"}}}}}},
-                          "400": ERRORS["400"], "401": ERRORS["401"], "404": ERRORS["404"]}}},
+                          **{code: ERRORS[code] for code in ("400", "401", "403", "404")}}}},
         "/v1/models": {"get": {"summary": "List the models (deployments) you can call", "security": [{"bearer": []}],
                                "responses": {"200": {"description": "Models", "content": {"application/json": {"schema": {
                                    "type": "object", "properties": {"data": {"type": "array", "items": model}}}}}},

@@ -1,5 +1,6 @@
 """OpenAI's cursor pages of a list whose items have ids: ``limit`` (1 to 100, 20 by default),
-``order`` (``desc`` by default: newest first), ``after`` and ``before`` an item's id; the page is
+``order`` (``desc`` by default: newest first), ``after`` an item's id (the page after it) or
+``before`` one (the page just before it); the page is
 ``{"object": "list", "data", "first_id", "last_id", "has_more"}``."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class Page:
 def parse(query) -> Page:
     """The page a query string asks for; 400 naming the parameter when it is wrong."""
     limit = query.get("limit", "20")
-    if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= MAX_LIMIT):
+    if not (limit.isascii() and limit.isdigit() and len(limit) <= 3 and 1 <= int(limit) <= MAX_LIMIT):
         raise invalid("limit", f"limit must be an integer from 1 to {MAX_LIMIT}, not {limit[:40]!r}")
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
@@ -35,6 +36,8 @@ def page(items: list[dict], wanted: Page) -> dict:
     ids = [item["id"] for item in ordered]
     start = _position(ids, wanted.after, "after") + 1 if wanted.after else 0
     end = _position(ids, wanted.before, "before") if wanted.before else len(ordered)
+    if wanted.before and not wanted.after:  # the page just before the cursor
+        start = max(start, end - wanted.limit)
     data = ordered[start:end][:wanted.limit]
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": start + len(data) < end}

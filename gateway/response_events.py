@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Awaitable, Callable
 
-from . import tools
+from . import formatting, tools
 from .errors import ApiError
 from .responses import new_id as _id
 
@@ -44,10 +44,12 @@ class ResponseBuilder:
                 self._event("response.in_progress", response=self._snapshot())]
 
     def feed(self, event: dict) -> list[dict]:
-        """Events for one worker ``inference.delta``."""
+        """Events for one worker ``inference.delta``. Its tokens' logprobs (when asked for) go with
+        its text; with tools, with its first piece of text (none when it wrote only a call)."""
+        logprobs = formatting.chat_logprobs(event["logprobs"])["content"] if event.get("logprobs") else []
         if self._reader is None:
-            return self._text(event["text"])
-        return self._pieces(self._reader.pieces(event["text"]))
+            return self._text(event["text"], logprobs)
+        return self._pieces(self._reader.pieces(event["text"]), logprobs)
 
     def finish(self, event: dict) -> list[dict]:
         """Events for the worker's ``inference.finished``: the open item closes, the response ends."""
@@ -55,7 +57,7 @@ class ResponseBuilder:
 
     def settle(self, event: dict) -> list[dict]:
         """The response is whole: the open item closes, usage and status are set."""
-        out = self._pieces(self._reader.pieces(None)) if self._reader is not None else []
+        out = self._pieces(self._reader.pieces(None), []) if self._reader is not None else []
         status = "incomplete" if event["finish_reason"] == "length" else "completed"
         out += self._close(status=status)
         self.response["usage"] = usage_json(event["usage"])
@@ -74,7 +76,7 @@ class ResponseBuilder:
 
     # ------------------------------------------------------------------------------ items
 
-    def _text(self, text: str) -> list[dict]:
+    def _text(self, text: str, logprobs: list[dict]) -> list[dict]:
         if not text:
             return []
         out = []
@@ -85,19 +87,21 @@ class ResponseBuilder:
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             item["content"].append(part)
             out.append(self._event("response.content_part.added", item_id=item["id"], output_index=self._index,
-                                   content_index=0, part=dict(part)))
+                                   content_index=0, part=_copy_part(part)))
         item = self._open
         item["content"][0]["text"] += text
+        item["content"][0]["logprobs"] += logprobs
         out.append(self._event("response.output_text.delta", item_id=item["id"], output_index=self._index,
-                               content_index=0, delta=text, logprobs=[]))
+                               content_index=0, delta=text, logprobs=logprobs))
         return out
 
-    def _pieces(self, pieces: list[tuple]) -> list[dict]:
+    def _pieces(self, pieces: list[tuple], logprobs: list[dict]) -> list[dict]:
         """Events for what the reader found, in the order the model wrote it."""
         out = []
         for piece in pieces:
             if piece[0] == "text":
-                out += self._text(piece[1])
+                out += self._text(piece[1], logprobs)
+                logprobs = []
             elif piece[0] == "call":
                 out += self._close(status="completed")
                 item = {"id": _id("fc"), "type": "function_call", "status": "in_progress", "call_id": piece[2],
@@ -125,9 +129,9 @@ class ResponseBuilder:
         if item["type"] == "message":
             part = item["content"][0]
             out.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                   content_index=0, text=part["text"], logprobs=[]))
+                                   content_index=0, text=part["text"], logprobs=list(part["logprobs"])))
             out.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                   content_index=0, part=dict(part)))
+                                   content_index=0, part=_copy_part(part)))
         else:
             out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                    arguments=item["arguments"]))
@@ -151,8 +155,13 @@ class ResponseBuilder:
 def _copy(item: dict) -> dict:
     copied = dict(item)
     if "content" in copied:
-        copied["content"] = [dict(part) for part in copied["content"]]
+        copied["content"] = [_copy_part(part) for part in copied["content"]]
     return copied
+
+
+def _copy_part(part: dict) -> dict:
+    """A part as it is now (its lists grow with the text)."""
+    return {**part, "annotations": list(part["annotations"]), "logprobs": list(part["logprobs"])}
 
 
 # Keeps a whole response (when it asked to be stored); False when it could not.

@@ -28,12 +28,15 @@ FIELDS = {
 # Parameters accepted at the values that ask for nothing this platform lacks.
 NO_OPS = {
     "background": (None, False),
-    "include": (None, []),
     "reasoning": (None, {}),
     "max_tool_calls": (None,),
-    "top_logprobs": (None, 0),
     "truncation": (None, "disabled", "auto"),  # a conversation too long for the context is a 400 either way
 }
+LOGPROBS = "message.output_text.logprobs"
+# What ``include`` may name: the output text's logprobs; the rest asks for parts of items (tool
+# results, reasoning, images) this platform never produces, so there is nothing to add.
+INCLUDES = {LOGPROBS, "reasoning.encrypted_content", "web_search_call.action.sources", "code_interpreter_call.outputs",
+            "computer_call_output.output.image_url", "file_search_call.results", "message.input_image.image_url"}
 # Chat's names in errors, as this API calls them (a message is named by the item it came from).
 RENAMED = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
 MESSAGE = re.compile(r"messages\[(\d+)\]")
@@ -84,6 +87,7 @@ def parse_response_request(body: Any, *, history: Callable[[str], list[dict] | N
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     if body.get("text") is not None:
         chat["response_format"] = _format(body["text"])
+    chat.update(_logprobs(body.get("include"), body.get("top_logprobs")))
     if isinstance(chat.get("stream_options"), dict):  # the Responses API has no include_usage: usage always comes
         chat["stream_options"] = {k: v for k, v in chat["stream_options"].items() if k != "include_usage"}
     try:
@@ -137,9 +141,9 @@ def _stored(item: dict, where: str) -> dict:
     kind = item.get("type", "message")
     if kind == "message":
         role, text = _message(item, where)
-        part = "output_text" if role == "assistant" else "input_text"
-        return {"id": new_id("msg"), "type": "message", "role": role, "status": "completed",
-                "content": [{"type": part, "text": text}]}
+        part = ({"type": "output_text", "text": text, "annotations": [], "logprobs": []} if role == "assistant"
+                else {"type": "input_text", "text": text})
+        return {"id": new_id("msg"), "type": "message", "role": role, "status": "completed", "content": [part]}
     if kind == "function_call":
         if not all(isinstance(item.get(name), str) for name in ("call_id", "name", "arguments")):
             raise invalid(where, f"{where} must have call_id, name and arguments (JSON text), all strings")
@@ -176,7 +180,7 @@ def _messages(items: list[dict], wheres: list[str], instructions: Any) -> tuple[
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
+            if last is not None and last["role"] == "assistant" and (origins[-1] == INHERITED) == (where == INHERITED):
                 last.setdefault("tool_calls", []).append(call)  # one more call of the message before it
                 continue
             messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
@@ -206,6 +210,23 @@ def _message(item: dict, where: str) -> tuple[str, str]:
 def _is_text_part(part: dict) -> bool:
     kind = part.get("type")
     return isinstance(kind, str) and kind in TEXT_PARTS and isinstance(part.get("text"), str)
+
+
+def _logprobs(include: Any, top: Any) -> dict:
+    """Chat's logprobs settings: asked for by ``include``, or by a ``top_logprobs`` above 0."""
+    if include is None:
+        include = []
+    if not isinstance(include, list) or not all(isinstance(name, str) for name in include):
+        raise invalid("include", "include must be an array of strings")
+    for i, name in enumerate(include):
+        if name not in INCLUDES:
+            raise invalid(f"include[{i}]", f"include[{i}]: {json.dumps(name)[:80]} is not one of "
+                                           f"{', '.join(sorted(INCLUDES))}")
+    if top is not None and (type(top) is not int or not 0 <= top <= 20):
+        raise invalid("top_logprobs", "top_logprobs must be an integer from 0 to 20")
+    if LOGPROBS in include or top:
+        return {"logprobs": True, "top_logprobs": top or 0}
+    return {}
 
 
 def _tools(tools: Any) -> Any:
@@ -249,6 +270,8 @@ def renamed(exc: ApiError, origins: list[str]) -> ApiError:
     if exc.param:
         exc.param = MESSAGE.sub(origin, exc.param)
         exc.param = "input" if exc.param == "messages" else exc.param
+        if exc.param.startswith(INHERITED + "."):  # what the stored conversation lacks: input must add it
+            exc.param = "input"
     exc.message = MESSAGE.sub(origin, exc.message).replace("messages:", "input:")
     for chat_name, name in RENAMED.items():
         if exc.param and exc.param.startswith(chat_name):
@@ -262,6 +285,7 @@ def _settings(body: dict, *, store: bool) -> dict:
     return {
         "previous_response_id": body.get("previous_response_id"),
         "store": store,
+        "top_logprobs": body.get("top_logprobs") or 0,
         "instructions": body.get("instructions"),
         "max_output_tokens": body.get("max_output_tokens"),
         "metadata": body.get("metadata") or {},

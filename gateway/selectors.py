@@ -12,7 +12,8 @@ from django.utils import timezone
 from .models import StoredResponse
 
 
-def _kept(organization_id) -> "QuerySet[StoredResponse]":  # noqa: F821
+def kept(*, organization_id) -> "QuerySet[StoredResponse]":  # noqa: F821
+    """The organization's stored responses still within their retention."""
     since = timezone.now() - timedelta(days=settings.RESPONSES_RETENTION_DAYS)
     return StoredResponse.objects.filter(organization_id=organization_id, created_at__gt=since)
 
@@ -20,7 +21,7 @@ def _kept(organization_id) -> "QuerySet[StoredResponse]":  # noqa: F821
 def _row(*, organization_id, response_id: str) -> StoredResponse | None:
     if not response_id.isprintable() or len(response_id) > StoredResponse._meta.pk.max_length:
         return None  # a NUL cannot even be sent to the database
-    return _kept(organization_id).filter(pk=response_id).first()
+    return kept(organization_id=organization_id).filter(pk=response_id).first()
 
 
 def stored_response(*, organization_id, response_id: str) -> dict | None:

@@ -8,6 +8,7 @@ from datetime import timedelta
 from django.conf import settings
 from django.utils import timezone
 
+from . import selectors
 from .models import StoredResponse
 
 
@@ -27,7 +28,7 @@ def delete_response(*, organization_id, response_id: str) -> bool:
     """Delete one of the organization's stored responses; False when it has none by that id."""
     if not response_id.isprintable():  # a NUL cannot even be sent to the database
         return False
-    deleted, _ = StoredResponse.objects.filter(organization_id=organization_id, pk=response_id).delete()
+    deleted, _ = selectors.kept(organization_id=organization_id).filter(pk=response_id).delete()
     return deleted > 0
 
 

@@ -15,7 +15,7 @@ from django.views.decorators.csrf import csrf_exempt
 from inference_platform import jsonbody
 
 from . import admission, answers, calls, formatting, pages, response_events, selectors, services
-from .errors import ApiError
+from .errors import ApiError, invalid
 from .protocol import MAX_MODEL_NAME, parse_chat, parse_completion
 from .responses import parse_response_request, renamed
 
@@ -153,15 +153,18 @@ def _not_found(response_id: str) -> ApiError:
     return ApiError(404, f"Response with id '{response_id[:80]}' not found.", code="response_not_found")
 
 
-def _read_response(header, response_id: str) -> dict:
+def _read_response(header, response_id: str, query) -> dict:
     caller = calls.authenticate_sync(header)
+    if query.get("stream", "false") != "false":
+        raise invalid("stream", "A stored response is read whole: streaming it again is not supported.",
+                      code="unsupported_value")
     found = selectors.stored_response(organization_id=caller.org_id, response_id=response_id)
     if found is None:
         raise _not_found(response_id)
     return found
 
 
-def _delete_response(header, response_id: str) -> dict:
+def _delete_response(header, response_id: str, query) -> dict:
     caller = calls.authenticate_sync(header)
     if not services.delete_response(organization_id=caller.org_id, response_id=response_id):
         raise _not_found(response_id)
@@ -178,7 +181,7 @@ async def response_detail(request, response_id: str):
     else:
         return ApiError(405, f"Use GET or DELETE for {request.path}.", code="method_not_allowed").response()
     try:
-        return JsonResponse(await admission.run(work, request.headers.get("Authorization"), response_id))
+        return JsonResponse(await admission.run(work, request.headers.get("Authorization"), response_id, request.GET))
     except ApiError as exc:
         return exc.response()
 

@@ -192,6 +192,8 @@ RATE_LIMIT_KEY_TPM = env_int("RATE_LIMIT_KEY_TPM", 2_000_000, minimum=1)
 RATE_LIMIT_ORG_TPM = env_int("RATE_LIMIT_ORG_TPM", 10_000_000, minimum=1)
 # How long a Responses API response asked to be stored is kept (0: none is stored).
 RESPONSES_RETENTION_DAYS = env_int("RESPONSES_RETENTION_DAYS", 30, minimum=0)
+if RESPONSES_RETENTION_DAYS > 36500:  # beyond, the date it counts back to is before year 1
+    raise ImproperlyConfigured(f"RESPONSES_RETENTION_DAYS must be at most 36500, not {RESPONSES_RETENTION_DAYS}")
 
 # Where operators keep model weights; catalog imports may only read below it.
 MODELS_ROOT = Path(env_str("MODELS_ROOT", str(DATA_DIR / "models"))).resolve()

@@ -76,6 +76,22 @@ def test_a_function_call_and_its_result_make_a_conversation(openai_client):
     assert second.output_text  # an answer in text, after the result
 
 
+def test_output_logprobs_are_chats_for_the_same_conversation(openai_client):
+    response = openai_client.responses.create(model=DEPLOYMENT, input=QUESTION, max_output_tokens=8, temperature=0,
+                                              include=["message.output_text.logprobs"], top_logprobs=2)
+    chat = openai_client.chat.completions.create(model=DEPLOYMENT, messages=[{"role": "user", "content": QUESTION}],
+                                                 max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    [part] = response.output[0].content
+    expected = chat.choices[0].logprobs.content
+    assert [lp.token for lp in part.logprobs] == [lp.token for lp in expected] and len(expected) == 8
+    assert [lp.logprob for lp in part.logprobs] == pytest.approx([lp.logprob for lp in expected], abs=1e-3)
+    assert all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    streamed = list(openai_client.responses.create(model=DEPLOYMENT, input=QUESTION, max_output_tokens=8,
+                                                   temperature=0, top_logprobs=2, stream=True))
+    deltas = [lp.token for e in streamed if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert deltas == [lp.token for lp in expected]
+
+
 def test_structured_output_parses_into_the_clients_model(openai_client):
     class Cat(BaseModel):
         name: str

@@ -52,12 +52,13 @@ def test_a_response_is_stored_read_back_and_continued_as_if_the_conversation_wer
     assert [item.id for item in page.data] == [item.id for item in items[:2]] and page.has_more
 
 
-def test_a_streamed_response_is_stored_before_its_last_event(openai_client):
+def test_a_streamed_response_is_stored_too(openai_client):
     events = list(openai_client.responses.create(model=DEPLOYMENT, input="Say hello.", max_output_tokens=8,
                                                  temperature=0, stream=True))
     final = events[-1].response
     assert final.store is True
-    # Read at once, with no wait: the last event is sent only once the response is stored.
+    # Read at once, with no wait (that it is stored before its last event is sent is checked in
+    # tests/gateway/test_stored_responses.py).
     stored = openai_client.responses.retrieve(final.id)
     assert stored.output_text == final.output_text and stored.status == final.status
     assert stored.usage.output_tokens == final.usage.output_tokens
