@@ -46,6 +46,7 @@ _SECTIONS = {
     "deployments": "deployments", "deployment-new": "deployments", "deployment-detail": "deployments",
     "playground": "playground",
     "api-keys": "api-keys",
+    "responses": "responses", "response-detail": "responses",
     "usage": "usage",
     "billing": "billing",
     "members": "members", "organization-new": "members",

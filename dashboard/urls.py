@@ -8,7 +8,7 @@ from django.contrib.staticfiles.views import serve as serve_static
 from django.urls import path, re_path
 
 from .forms import EmailLoginForm
-from .views import account, billing, catalog, deployments, keys, logout, operator, playground, usage
+from .views import account, billing, catalog, deployments, keys, logout, logs, operator, playground, usage
 
 urlpatterns = [
     # The dashboard's own assets (CSS, JS, the vendored htmx and Chart.js) from the app's static
@@ -50,6 +50,9 @@ urlpatterns = [
     path("playground/cost/", playground.reply_cost, name="playground-cost"),
     path("api-keys/", keys.api_keys, name="api-keys"),
     path("api-keys/<int:key_id>/revoke/", keys.api_key_revoke, name="api-key-revoke"),
+    path("responses/", logs.response_log, name="responses"),
+    path("responses/<str:response_id>/", logs.response_detail, name="response-detail"),
+    path("responses/<str:response_id>/delete/", logs.response_delete, name="response-delete"),
     path("usage/", usage.usage, name="usage"),
     path("billing/topups/<str:payment_intent_id>/pay/", billing.topup_pay, name="topup-pay"),
     # Operators

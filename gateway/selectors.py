@@ -4,7 +4,8 @@ whether or not the hourly purge has deleted its row yet."""
 from __future__ import annotations
 
 import json
-from datetime import timedelta
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.utils import timezone
@@ -43,3 +44,51 @@ def conversation_after(*, organization_id, response_id: str) -> list[dict] | Non
     if row is None:
         return None
     return [*json.loads(row.conversation), *json.loads(row.response)["output"]]
+
+
+PREVIEW_CHARS = 160
+
+
+@dataclass(frozen=True)
+class LoggedResponse:
+    """A stored response as the dashboard lists it."""
+
+    id: str
+    created_at: datetime
+    model: str
+    status: str
+    input_tokens: int
+    output_tokens: int
+    asked: str  # the last user message's text, cut short
+    answered: str  # the output's text (or its calls' names), cut short
+
+
+def response_log(*, organization_id, offset: int = 0, limit: int = 25) -> tuple[list[LoggedResponse], bool]:
+    """The organization's stored responses, newest first, from ``offset``; and whether more follow."""
+    rows = list(kept(organization_id=organization_id).order_by("-created_at", "-pk")[offset:offset + limit + 1])
+    return [_logged(row) for row in rows[:limit]], len(rows) > limit
+
+
+def _logged(row: StoredResponse) -> LoggedResponse:
+    response, items = json.loads(row.response), json.loads(row.conversation)
+    usage = response.get("usage") or {}
+    asked = next((item_text(item) for item in reversed(items) if item.get("role") == "user"), "")
+    answered = " ".join(item_text(item) for item in response.get("output", []))
+    return LoggedResponse(row.pk, row.created_at, response.get("model", ""), response.get("status", ""),
+                          usage.get("input_tokens", 0), usage.get("output_tokens", 0),
+                          _cut(asked), _cut(answered))
+
+
+def item_text(item: dict) -> str:
+    """What an item says, in one line of text: a message's text, a call's name and arguments, a result."""
+    kind = item.get("type", "message")
+    if kind == "message":
+        return "".join(part.get("text", "") for part in item.get("content") or [])
+    if kind == "function_call":
+        return f"{item.get('name', '')}({item.get('arguments', '')})"
+    return str(item.get("output", ""))
+
+
+def _cut(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= PREVIEW_CHARS else text[:PREVIEW_CHARS - 1] + "…"

@@ -47,6 +47,7 @@ _ICONS = {
     "shield": '<path d="M10 2.8 16 5v4.6c0 3.6-2.5 6.3-6 7.6-3.5-1.3-6-4-6-7.6V5z"/>',
     "search": '<circle cx="9" cy="9" r="5.5"/><path d="m13 13 4 4"/>',
     "info": '<circle cx="10" cy="10" r="7"/><path d="M10 9v4.5M10 6.5h.01"/>',
+    "logs": '<rect x="4" y="3" width="12" height="14" rx="1.5"/><path d="M7 7h6M7 10h6M7 13h4"/>',
 }
 
 

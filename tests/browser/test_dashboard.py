@@ -247,6 +247,22 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     page.wait_for_timeout(400)
     shot(page, "13-deployment")
 
+    # --- a Responses API call is stored: the logs list it, with its conversation ---------------------------
+    stored = httpx.post(f"{stack}/v1/responses", headers={"Authorization": f"Bearer {secret}"}, timeout=120,
+                        json={"model": name, "input": "Say hi to the logs.", "max_output_tokens": 8})
+    assert stored.status_code == 200, stored.text
+    response_id = stored.json()["id"]
+    page.click("nav >> text=Logs")
+    row = page.locator(f"tr[data-response='{response_id}']")
+    assert "Say hi to the logs." in row.locator("[data-asked]").inner_text()
+    shot(page, "13b-logs")
+    row.locator("a").click()
+    page.wait_for_selector("#input-items")
+    assert "Say hi to the logs." in page.locator("#input-items").inner_text()
+    answer = " ".join(stored.json()["output"][0]["content"][0]["text"].split())
+    assert answer and answer in " ".join(page.locator("#output-items").inner_text().split())
+    shot(page, "13c-response-detail")
+
     # --- revoke the key: calls with it fail ---------------------------------------------------------------
     page.click("nav >> text=API keys")
     page.click("tr[data-key='journey key'] button:has-text('Revoke')")
@@ -274,7 +290,8 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     phone.keyboard.press("Escape")
     assert toggle.get_attribute("aria-expanded") == "false"
     assert phone.evaluate("() => document.activeElement.hasAttribute('data-nav-toggle')")
-    for path in ("/", "/models/", f"/deployments/{name}/", "/playground/", "/api-keys/", "/usage/", "/billing/"):
+    for path in ("/", "/models/", f"/deployments/{name}/", "/playground/", "/api-keys/", "/responses/",
+                 f"/responses/{response_id}/", "/usage/", "/billing/"):
         phone.goto(path)
         width = phone.evaluate("document.documentElement.scrollWidth")
         assert width <= 390, f"{path} is {width} px wide on a 390 px phone"
@@ -307,7 +324,7 @@ def test_another_organization_sees_none_of_it(new_page, stack, db_call):
     deployment, key_name, prefix, request_id = db_call(first_organization)
     page = new_page()
     sign_up(page, name="Grace Hopper", organization=unique("Compilers"))
-    for path in ("/", "/deployments/", "/api-keys/", "/usage/", "/playground/", "/billing/"):
+    for path in ("/", "/deployments/", "/api-keys/", "/responses/", "/usage/", "/playground/", "/billing/"):
         page.goto(path)
         html = page.content()
         for secret in (deployment, key_name, prefix, request_id):
