@@ -18,10 +18,20 @@ def store_response(*, organization_id, response: dict, conversation: list[dict])
     StoredResponse.objects.get_or_create(pk=response["id"], defaults={
         "organization_id": organization_id,
         "created_at": timezone.now(),
-        # ASCII JSON: a lone surrogate in a client's text cannot be encoded to the database otherwise
-        "conversation": json.dumps(conversation),
-        "response": json.dumps(response),
+        "conversation": _json_text(conversation),
+        "response": _json_text(response),
     })
+
+
+def _json_text(value) -> str:
+    """JSON text the database takes: UTF-8 where it can be, ASCII escapes where a client's text holds
+    a lone surrogate (which UTF-8 cannot encode). JSON escapes NUL either way."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value)
+    return text
 
 
 def delete_response(*, organization_id, response_id: str) -> bool:

@@ -46,6 +46,18 @@ def test_a_response_is_read_back_whole_by_its_organization_only(org_key):
 
 
 @pytest.mark.django_db
+def test_text_is_stored_as_utf8_and_only_a_lone_surrogate_is_escaped(org_key):
+    org, _, _ = org_key()
+    _store(org, "resp_utf8", text="日本語")
+    assert "日本語" in StoredResponse.objects.get(pk="resp_utf8").response
+    _store(org, "resp_surrogate", text="日本\ud800")
+    row = StoredResponse.objects.get(pk="resp_surrogate")
+    assert "\\ud800" in row.response and "\\u65e5" in row.response
+    assert selectors.stored_response(organization_id=org.pk, response_id="resp_surrogate")["output"][0][
+        "content"][0]["text"] == "日本\ud800"
+
+
+@pytest.mark.django_db
 def test_storing_an_id_again_changes_nothing(org_key):
     org, _, _ = org_key()
     first = _store(org, "resp_b", text="one")
