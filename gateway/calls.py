@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Callable, NamedTuple
 
 from channels.layers import get_channel_layer
@@ -27,7 +28,7 @@ from django.db import OperationalError as DatabaseOperationalError
 from kombu.exceptions import OperationalError as BrokerError
 from redis.exceptions import RedisError
 
-from billing.pricing import PRICE_FIELDS, Prices
+from billing.pricing import PRICE_DECIMAL_PLACES, PRICE_FIELDS, Prices
 from inference_platform import read_cache
 from workers import capacity, dispatch
 
@@ -367,7 +368,7 @@ def new_request_id(kind: str) -> str:
 
 
 def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], request_id: str, reply_channel: str,
-          stages: Stages) -> Call:
+          stages: Stages, price_factor: Decimal | None = None) -> Call:
     """Admit and dispatch, blocking (one trip to a thread). Refusals come in the order clients see
     them: the key and the body (``identify``), the model (404), a max_tokens beyond its context, credit and spend limits (429
     insufficient_quota), a full deployment queue (429 queue_full), then rate limits (429), which
@@ -380,7 +381,8 @@ def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], request_id: s
     decision = _admit(caller, spec, queue_limit, request_id)
     stages.mark("admit")
     call = Call(caller=caller, request=request, spec=spec, request_id=request_id, reply_channel=reply_channel,
-                headers={**decision.headers, "x-request-id": request_id}, stages=stages, prices=prices)
+                headers={**decision.headers, "x-request-id": request_id}, stages=stages,
+                prices=_scaled(prices, price_factor))
     dispatch.enqueue(call.payload())
     # A deployment with no ready replica: have the fleet load it, and wait as long as that takes.
     call.queue_timeout = float(settings.GATEWAY_QUEUE_TIMEOUT) if ready else capacity.wake(spec)
@@ -389,13 +391,21 @@ def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], request_id: s
     return call
 
 
+def _scaled(prices: dict, factor: Decimal | None) -> dict:
+    """The route's prices (Decimal strings) times ``factor`` (a batch's discount)."""
+    if factor is None:
+        return prices
+    step = Decimal(1).scaleb(-PRICE_DECIMAL_PLACES)  # as fine as a usage record keeps a price
+    return Prices(**{name: (Decimal(value) * factor).quantize(step) for name, value in prices.items()}).as_strings()
+
+
 async def _begin(kind: str, identify: Callable[[], tuple[Caller, InferenceRequest]],
-                 stages: Stages) -> tuple[Call, InferenceRequest, dict]:
+                 stages: Stages, price_factor: Decimal | None = None) -> tuple[Call, InferenceRequest, dict]:
     request_id = new_request_id(kind)
     reply_channel = await get_channel_layer().new_channel()  # a name only: no I/O
     try:
         try:
-            call = await admission.run(_open, identify, request_id, reply_channel, stages)
+            call = await admission.run(_open, identify, request_id, reply_channel, stages, price_factor)
         except REDIS_FAILURES as exc:
             raise unavailable(exc) from None
         except (DatabaseOperationalError, DatabaseInterfaceError) as exc:
@@ -417,11 +427,13 @@ async def _begin(kind: str, identify: Callable[[], tuple[Caller, InferenceReques
     return call, call.request, {**call.headers, "server-timing": stages.header()}
 
 
-async def begin(request: InferenceRequest, *, caller: Callable[[], Caller]) -> tuple[Call, dict]:
-    """Admit, dispatch and start a parsed request (the WebSocket API); ``caller()`` says who calls,
-    on the admission thread (raising ApiError to refuse). Returns the call and the response
-    headers (rate limits and the ``Server-Timing`` of the stages so far)."""
-    call, _, headers = await _begin(request.kind, lambda: (caller(), request), Stages())
+async def begin(request: InferenceRequest, *, caller: Callable[[], Caller],
+                price_factor: Decimal | None = None) -> tuple[Call, dict]:
+    """Admit, dispatch and start a parsed request (the WebSocket API, batches); ``caller()`` says who
+    calls, on the admission thread (raising ApiError to refuse); ``price_factor`` scales the prices
+    it is billed at. Returns the call and the response headers (rate limits and the
+    ``Server-Timing`` of the stages so far)."""
+    call, _, headers = await _begin(request.kind, lambda: (caller(), request), Stages(), price_factor)
     return call, headers
 
 

@@ -24,3 +24,86 @@ class StoredResponse(models.Model):
 
     def __str__(self) -> str:
         return self.id
+
+
+class UploadedFile(models.Model):
+    """A file of the Files API: a batch's input (JSONL) uploaded by a client, or a batch's output
+    or errors written by the platform."""
+
+    class Purpose(models.TextChoices):
+        BATCH = "batch", "batch input"
+        BATCH_OUTPUT = "batch_output", "batch output"
+
+    id = models.CharField(primary_key=True, max_length=40)
+    organization = models.ForeignKey("accounts.Organization", on_delete=models.CASCADE, related_name="+")
+    purpose = models.CharField(max_length=16, choices=Purpose.choices)
+    filename = models.CharField(max_length=255)
+    content = models.BinaryField()
+    size = models.PositiveBigIntegerField()
+    created_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["created_at"]
+
+    def __str__(self) -> str:
+        return self.id
+
+
+class Batch(models.Model):
+    """A Batch API job: the requests of an input file, run in the background at a discount, whose
+    answers are written to an output file (and the failures to an error file)."""
+
+    class Status(models.TextChoices):
+        IN_PROGRESS = "in_progress"
+        FINALIZING = "finalizing"
+        COMPLETED = "completed"
+        EXPIRED = "expired"
+        CANCELLING = "cancelling"
+        CANCELLED = "cancelled"
+
+    id = models.CharField(primary_key=True, max_length=40)
+    organization = models.ForeignKey("accounts.Organization", on_delete=models.CASCADE, related_name="+")
+    api_key = models.ForeignKey("accounts.ApiKey", null=True, on_delete=models.SET_NULL, related_name="+",
+                                help_text="The key that created it: its requests run, and are billed, as this key's.")
+    endpoint = models.CharField(max_length=40)
+    model = models.CharField(max_length=200)
+    input_file_id = models.CharField(max_length=40)
+    requests = models.TextField(help_text="The input's requests as JSON text ([{custom_id, body}]), kept whole "
+                                          "even if the input file is deleted.")
+    total = models.PositiveIntegerField()
+    completion_window = models.CharField(max_length=8)
+    metadata = models.JSONField(default=dict)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.IN_PROGRESS)
+    output_file_id = models.CharField(max_length=40, null=True)
+    error_file_id = models.CharField(max_length=40, null=True)
+    created_at = models.DateTimeField()
+    expires_at = models.DateTimeField()
+    in_progress_at = models.DateTimeField(null=True)
+    finalizing_at = models.DateTimeField(null=True)
+    completed_at = models.DateTimeField(null=True)
+    expired_at = models.DateTimeField(null=True)
+    cancelling_at = models.DateTimeField(null=True)
+    cancelled_at = models.DateTimeField(null=True)
+    runner_seen_at = models.DateTimeField(null=True, help_text="The last sign of life of the task running it.")
+
+    class Meta:
+        ordering = ["created_at"]
+        indexes = [models.Index(fields=["status", "runner_seen_at"])]
+
+    def __str__(self) -> str:
+        return self.id
+
+
+class BatchOutcome(models.Model):
+    """What one request of a batch came to: its status code and body (the response, or the error)."""
+
+    batch = models.ForeignKey(Batch, on_delete=models.CASCADE, related_name="outcomes")
+    line = models.PositiveIntegerField()
+    request_id = models.CharField(max_length=64, blank=True)
+    status_code = models.PositiveSmallIntegerField()
+    body = models.TextField(help_text="The response body, or the error, as JSON text.")
+    input_tokens = models.PositiveIntegerField(default=0)
+    output_tokens = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["batch", "line"], name="batch_outcome_line_unique")]

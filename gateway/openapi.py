@@ -197,6 +197,76 @@ PAGE_PARAMETERS = [
 ]
 
 
+FILE = {"type": "object", "properties": {
+    "id": {"type": "string"}, "object": {"type": "string", "enum": ["file"]}, "bytes": {"type": "integer"},
+    "created_at": {"type": "integer"}, "filename": {"type": "string"},
+    "purpose": {"type": "string", "enum": ["batch", "batch_output"]}, "status": {"type": "string"}}}
+BATCH_REQUEST = {"type": "object", "required": ["input_file_id", "endpoint", "completion_window"],
+                 "additionalProperties": False, "properties": {
+                     "input_file_id": {"type": "string"},
+                     "endpoint": {"type": "string", "enum": ["/v1/chat/completions", "/v1/completions"]},
+                     "completion_window": {"type": "string", "enum": ["24h"]},
+                     "metadata": {"type": "object", "maxProperties": 16, "additionalProperties": {"type": "string"}},
+                     "output_expires_after": {"type": "object", "description": "Accepted; output files are kept"}}}
+BATCH = {"type": "object", "properties": {
+    "id": {"type": "string"}, "object": {"type": "string", "enum": ["batch"]}, "endpoint": {"type": "string"},
+    "status": {"type": "string", "enum": ["in_progress", "finalizing", "completed", "expired", "cancelling",
+                                          "cancelled"]},
+    "input_file_id": {"type": "string"}, "output_file_id": {"type": ["string", "null"]},
+    "error_file_id": {"type": ["string", "null"]},
+    "request_counts": {"type": "object", "properties": {name: {"type": "integer"}
+                                                        for name in ("total", "completed", "failed")}}}}
+
+
+def _ok(description: str, schema: dict, *errors: str) -> dict:
+    return {"200": {"description": description, "content": {"application/json": {"schema": schema}}},
+            **{code: ERRORS[code] for code in ("401", "403", *errors)}}
+
+
+def _listed(item: dict) -> dict:
+    return {"type": "object", "properties": {"object": {"type": "string"}, "data": {"type": "array", "items": item},
+                                             "has_more": {"type": "boolean"}}}
+
+
+def _batch_paths() -> dict:
+    """The Files API (a batch's input and output) and the Batch API."""
+    secured = {"security": [{"bearer": []}]}
+    file_id = {"name": "file_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    batch_id = {"name": "batch_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    return {
+        "/v1/files": {
+            "get": {"summary": "List your files", **secured, "parameters": [
+                {"name": "purpose", "in": "query", "schema": {"type": "string"}}, *PAGE_PARAMETERS],
+                "responses": _ok("A page of files", _listed(FILE), "400")},
+            "post": {"summary": "Upload a batch's input: JSON Lines, one request per line", **secured,
+                     "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+                         "type": "object", "required": ["file", "purpose"], "properties": {
+                             "file": {"type": "string", "format": "binary"},
+                             "purpose": {"type": "string", "enum": ["batch"]}}}}}},
+                     "responses": _ok("The file", FILE, "400", "413")}},
+        "/v1/files/{file_id}": {
+            "parameters": [file_id],
+            "get": {"summary": "Retrieve a file", **secured, "responses": _ok("The file", FILE, "404")},
+            "delete": {"summary": "Delete a file", **secured, "responses": _ok("Deleted", {"type": "object"}, "404")}},
+        "/v1/files/{file_id}/content": {"get": {
+            "summary": "A file's content", **secured, "parameters": [file_id],
+            "responses": {"200": {"description": "The file's bytes", "content": {"application/jsonl": {
+                "schema": {"type": "string"}}}}, **{code: ERRORS[code] for code in ("401", "403", "404")}}}},
+        "/v1/batches": {
+            "get": {"summary": "List your batches, newest first", **secured, "parameters": [
+                p for p in PAGE_PARAMETERS if p["name"] in ("limit", "after")],
+                "responses": _ok("A page of batches", _listed(BATCH), "400")},
+            "post": {"summary": "Run an uploaded file's requests as a batch, at a discount", **secured,
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": BATCH_REQUEST}}},
+                     "responses": _ok("The batch", BATCH, "400", "404")}},
+        "/v1/batches/{batch_id}": {"get": {"summary": "Retrieve a batch", **secured, "parameters": [batch_id],
+                                           "responses": _ok("The batch", BATCH, "404")}},
+        "/v1/batches/{batch_id}/cancel": {"post": {
+            "summary": "Cancel a batch: what finished is kept", **secured, "parameters": [batch_id],
+            "responses": _ok("The batch, cancelling", BATCH, "400", "404")}},
+    }
+
+
 def _inference_path(summary: str, schema: str) -> dict:
     return {"post": {
         "summary": summary,
@@ -259,6 +329,7 @@ def build() -> dict:
                     "first_id": {"type": ["string", "null"]}, "last_id": {"type": ["string", "null"]},
                     "has_more": {"type": "boolean"}}}}}},
                           **{code: ERRORS[code] for code in ("400", "401", "403", "404")}}}},
+        **_batch_paths(),
         "/v1/models": {"get": {"summary": "List the models (deployments) you can call", "security": [{"bearer": []}],
                                "responses": {"200": {"description": "Models", "content": {"application/json": {"schema": {
                                    "type": "object", "properties": {"data": {"type": "array", "items": model}}}}}},

@@ -20,15 +20,21 @@ class Page:
     before: str | None = None
 
 
-def parse(query) -> Page:
+def parse(query, *, default: int = 20, maximum: int = MAX_LIMIT) -> Page:
     """The page a query string asks for; 400 naming the parameter when it is wrong."""
-    limit = query.get("limit", "20")
-    if not (limit.isascii() and limit.isdigit() and len(limit) <= 3 and 1 <= int(limit) <= MAX_LIMIT):
-        raise invalid("limit", f"limit must be an integer from 1 to {MAX_LIMIT}, not {limit[:40]!r}")
+    limit = query.get("limit", str(default))
+    if not (limit.isascii() and limit.isdigit() and len(limit) <= 6 and 1 <= int(limit) <= maximum):
+        raise invalid("limit", f"limit must be an integer from 1 to {maximum}, not {limit[:40]!r}")
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise invalid("order", f"order must be asc or desc, not {order[:40]!r}")
     return Page(int(limit), order, query.get("after") or None, query.get("before") or None)
+
+
+def parse_newest_first(query, *, default: int = 20, maximum: int = MAX_LIMIT) -> Page:
+    """A page of a list that has no ``order`` parameter (OpenAI's batches): newest first."""
+    return parse({key: query.get(key) for key in ("limit", "after") if query.get(key) is not None},
+                 default=default, maximum=maximum)
 
 
 def page(items: list[dict], wanted: Page) -> dict:

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
+from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
-from .models import StoredResponse
+from .models import Batch, BatchOutcome, StoredResponse, UploadedFile
 
 
 def kept(*, organization_id) -> "QuerySet[StoredResponse]":  # noqa: F821
@@ -92,3 +93,81 @@ def item_text(item: dict) -> str:
 def _cut(text: str) -> str:
     text = " ".join(text.split())
     return text if len(text) <= PREVIEW_CHARS else text[:PREVIEW_CHARS - 1] + "…"
+
+
+# ------------------------------------------------------------------------------------------ files
+
+def file_of(*, organization_id, file_id: str) -> UploadedFile | None:
+    if not file_id.isprintable() or len(file_id) > UploadedFile._meta.pk.max_length:
+        return None
+    return UploadedFile.objects.filter(organization_id=organization_id, pk=file_id).defer("content").first()
+
+
+def file_content(*, organization_id, file_id: str) -> bytes | None:
+    if not file_id.isprintable() or len(file_id) > UploadedFile._meta.pk.max_length:
+        return None
+    row = UploadedFile.objects.filter(organization_id=organization_id, pk=file_id).values_list("content", flat=True)
+    content = row.first()
+    return bytes(content) if content is not None else None
+
+
+def files_of(*, organization_id, purpose: str | None = None) -> list[dict]:
+    """The organization's files, oldest first (``pages`` orders and cuts them)."""
+    rows = UploadedFile.objects.filter(organization_id=organization_id).defer("content").order_by("created_at", "pk")
+    if purpose:
+        rows = rows.filter(purpose=purpose)
+    return [file_json(row) for row in rows]
+
+
+def file_json(row: UploadedFile) -> dict:
+    return {"id": row.pk, "object": "file", "bytes": row.size, "created_at": int(row.created_at.timestamp()),
+            "filename": row.filename, "purpose": row.purpose, "status": "processed", "expires_at": None,
+            "status_details": None}
+
+
+# ---------------------------------------------------------------------------------------- batches
+
+def batch_of(*, organization_id, batch_id: str) -> Batch | None:
+    if not batch_id.isprintable() or len(batch_id) > Batch._meta.pk.max_length:
+        return None
+    return Batch.objects.filter(organization_id=organization_id, pk=batch_id).defer("requests").first()
+
+
+def batches_of(*, organization_id) -> list[dict]:
+    """The organization's batches, oldest first (``pages`` orders and cuts them)."""
+    rows = Batch.objects.filter(organization_id=organization_id).defer("requests").order_by("created_at", "pk")
+    return [batch_json(row) for row in rows]
+
+
+def done_lines(*, batch_id: str) -> set[int]:
+    """The lines of a batch that already have an outcome (a resumed run skips them)."""
+    return set(BatchOutcome.objects.filter(batch_id=batch_id).values_list("line", flat=True))
+
+
+def batch_json(batch: Batch) -> dict:
+    """A batch as the API shows it (OpenAI's Batch object)."""
+    counts = BatchOutcome.objects.filter(batch=batch).aggregate(
+        completed=Count("pk", filter=Q(status_code=200)), failed=Count("pk", filter=~Q(status_code=200)),
+        input_tokens=Sum("input_tokens"), output_tokens=Sum("output_tokens"))
+    failed = counts["failed"]
+    if batch.status in (Batch.Status.EXPIRED, Batch.Status.CANCELLED):  # the lines never run count as failed
+        failed = batch.total - counts["completed"]
+    input_tokens, output_tokens = counts["input_tokens"] or 0, counts["output_tokens"] or 0
+
+    def stamp(value):
+        return int(value.timestamp()) if value else None
+
+    return {
+        "id": batch.pk, "object": "batch", "endpoint": batch.endpoint, "model": batch.model, "errors": None,
+        "input_file_id": batch.input_file_id, "completion_window": batch.completion_window, "status": batch.status,
+        "output_file_id": batch.output_file_id, "error_file_id": batch.error_file_id,
+        "created_at": stamp(batch.created_at), "in_progress_at": stamp(batch.in_progress_at),
+        "expires_at": stamp(batch.expires_at), "finalizing_at": stamp(batch.finalizing_at),
+        "completed_at": stamp(batch.completed_at), "failed_at": None, "expired_at": stamp(batch.expired_at),
+        "cancelling_at": stamp(batch.cancelling_at), "cancelled_at": stamp(batch.cancelled_at),
+        "request_counts": {"total": batch.total, "completed": counts["completed"], "failed": failed},
+        "usage": {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
+                  "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                  "total_tokens": input_tokens + output_tokens},
+        "metadata": batch.metadata or None,
+    }

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import secrets
 from datetime import timedelta
 
 from django.conf import settings
+from django.db import models, transaction
 from django.utils import timezone
 
 from . import selectors
-from .models import StoredResponse
+from .models import Batch, BatchOutcome, StoredResponse, UploadedFile
 
 
 def store_response(*, organization_id, response: dict, conversation: list[dict]) -> None:
@@ -47,3 +49,128 @@ def purge_expired_responses(*, now=None) -> int:
     cutoff = (now or timezone.now()) - timedelta(days=settings.RESPONSES_RETENTION_DAYS)
     deleted, _ = StoredResponse.objects.filter(created_at__lte=cutoff).delete()
     return deleted
+
+
+# ------------------------------------------------------------------------------------------ files
+
+def create_file(*, organization_id, purpose: str, filename: str, content: bytes) -> UploadedFile:
+    return UploadedFile.objects.create(pk=f"file-{secrets.token_hex(12)}", organization_id=organization_id,
+                                       purpose=purpose, filename=filename[:255], content=content, size=len(content),
+                                       created_at=timezone.now())
+
+
+def delete_file(*, organization_id, file_id: str) -> bool:
+    if not file_id.isprintable():
+        return False
+    deleted, _ = UploadedFile.objects.filter(organization_id=organization_id, pk=file_id).delete()
+    return deleted > 0
+
+
+# ---------------------------------------------------------------------------------------- batches
+
+def create_batch(*, organization_id, api_key_id, endpoint: str, input_file_id: str, requests: list[dict],
+                 model: str, metadata: dict, completion_window: str = "24h") -> Batch:
+    """A batch of ``requests``, started once the transaction commits."""
+    from .tasks import run_batch
+
+    now = timezone.now()
+    batch = Batch.objects.create(
+        pk=f"batch_{secrets.token_hex(16)}", organization_id=organization_id, api_key_id=api_key_id,
+        endpoint=endpoint, model=model, input_file_id=input_file_id, requests=json.dumps(requests),
+        total=len(requests), completion_window=completion_window, metadata=metadata, created_at=now,
+        in_progress_at=now, expires_at=now + BATCH_WINDOWS[completion_window])
+    transaction.on_commit(lambda: run_batch.delay(batch.pk))
+    return batch
+
+
+BATCH_WINDOWS = {"24h": timedelta(hours=24)}
+RUNNING = (Batch.Status.IN_PROGRESS, Batch.Status.CANCELLING)
+
+
+def cancel_batch(*, batch: Batch) -> Batch:
+    """Ask a running batch to stop: its runner cancels the requests in flight and writes what
+    finished. A batch that already ended is returned as it is."""
+    now = timezone.now()
+    Batch.objects.filter(pk=batch.pk, status=Batch.Status.IN_PROGRESS).update(
+        status=Batch.Status.CANCELLING, cancelling_at=now)
+    batch.refresh_from_db()
+    return batch
+
+
+def claim_batch(*, batch_id: str, lease: timedelta) -> Batch | None:
+    """The batch, for this runner, unless it ended or another runner showed life within ``lease``."""
+    now = timezone.now()
+    with transaction.atomic():
+        batch = Batch.objects.select_for_update().filter(pk=batch_id, status__in=RUNNING).first()
+        if batch is None or (batch.runner_seen_at and now - batch.runner_seen_at < lease):
+            return None
+        batch.runner_seen_at = now
+        batch.save(update_fields=["runner_seen_at"])
+    return batch
+
+
+def beat_batch(*, batch_id: str) -> str:
+    """A runner's sign of life; the batch's status (a cancel shows here)."""
+    Batch.objects.filter(pk=batch_id).update(runner_seen_at=timezone.now())
+    return Batch.objects.filter(pk=batch_id).values_list("status", flat=True).first() or Batch.Status.CANCELLED
+
+
+def release_batch(*, batch_id: str) -> None:
+    """A stopping runner's batch: the next resume takes it at once."""
+    Batch.objects.filter(pk=batch_id).update(runner_seen_at=None)
+
+
+def record_outcome(*, batch_id: str, line: int, request_id: str, status_code: int, body: dict) -> None:
+    """What one request came to; once per line (a resumed runner's second outcome is dropped)."""
+    usage = (body.get("usage") or {}) if status_code == 200 else {}
+    BatchOutcome.objects.get_or_create(batch_id=batch_id, line=line, defaults={
+        "request_id": request_id, "status_code": status_code, "body": _json_text(body),
+        "input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0)})
+
+
+def finish_batch(*, batch_id: str) -> Batch:
+    """Write the output file (the answers) and the error file (the failures, and the requests never
+    run), in input order, and end the batch: completed, cancelled or expired."""
+    batch = Batch.objects.get(pk=batch_id)
+    now = timezone.now()
+    Batch.objects.filter(pk=batch_id).update(finalizing_at=now)
+    ended = (Batch.Status.CANCELLED if batch.status == Batch.Status.CANCELLING
+             else Batch.Status.EXPIRED if now >= batch.expires_at else Batch.Status.COMPLETED)
+    outcomes = {o.line: o for o in BatchOutcome.objects.filter(batch_id=batch_id)}
+    answers, failures = [], []
+    for line, request in enumerate(json.loads(batch.requests)):
+        entry_id = f"batch_req_{batch_id.removeprefix('batch_')}_{line}"
+        outcome = outcomes.get(line)
+        if outcome is None:
+            code = "batch_cancelled" if ended == Batch.Status.CANCELLED else "batch_expired"
+            failures.append({"id": entry_id, "custom_id": request["custom_id"], "response": None, "error": {
+                "code": code, "message": f"The batch was {ended} before this request ran."}})
+            continue
+        entry = {"id": entry_id, "custom_id": request["custom_id"], "response": {
+            "status_code": outcome.status_code, "request_id": outcome.request_id, "body": json.loads(outcome.body)},
+            "error": None}
+        (answers if outcome.status_code == 200 else failures).append(entry)
+    with transaction.atomic():
+        batch = Batch.objects.select_for_update().get(pk=batch_id)
+        if batch.status not in RUNNING:
+            return batch  # another runner finished it
+        for entries, field in ((answers, "output_file_id"), (failures, "error_file_id")):
+            if entries:
+                content = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries).encode("utf-8", "replace")
+                written = create_file(organization_id=batch.organization_id, purpose=UploadedFile.Purpose.BATCH_OUTPUT,
+                                      filename=f"{batch_id}_{field.removesuffix('_file_id')}.jsonl", content=content)
+                setattr(batch, field, written.pk)
+        batch.status = ended
+        setattr(batch, f"{ended}_at", timezone.now())
+        batch.save()
+    return batch
+
+
+def silent_batches() -> list[str]:
+    """The running batches whose runner has shown no life for a lease (or never started)."""
+    from .batch_runner import LEASE
+
+    cutoff = timezone.now() - LEASE
+    return list(Batch.objects.filter(status__in=RUNNING).filter(
+        models.Q(runner_seen_at__lt=cutoff) | models.Q(runner_seen_at__isnull=True, created_at__lt=cutoff))
+        .values_list("pk", flat=True))

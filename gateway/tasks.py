@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from celery import shared_task
+from celery.signals import worker_shutting_down
 
 from . import services
 
@@ -18,3 +19,29 @@ def purge_expired_responses() -> int:
     if deleted:
         log.info("deleted %d stored responses past their retention", deleted)
     return deleted
+
+
+@shared_task(name="gateway.run_batch", ignore_result=True, acks_late=False)
+def run_batch(batch_id: str) -> None:
+    """Run a batch to its end (on the ``batches`` queue). Acknowledged at once: a runner that dies
+    is resumed by ``resume_batches``, not by the broker's redelivery."""
+    from .batch_runner import run
+
+    run(batch_id)
+
+
+@shared_task(name="gateway.resume_batches", ignore_result=True)
+def resume_batches() -> int:
+    """Every minute (the beat schedule): start again each running batch whose runner went silent."""
+    batch_ids = services.silent_batches()
+    for batch_id in batch_ids:
+        log.warning("resuming batch %s: its runner stopped", batch_id)
+        run_batch.delay(batch_id)
+    return len(batch_ids)
+
+
+@worker_shutting_down.connect
+def _stop_batch_runners(**kwargs) -> None:
+    from .batch_runner import stopping
+
+    stopping.set()

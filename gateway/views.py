@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 INTERNAL_ERROR = ApiError(500, "The server failed while streaming this response; it is logged.", code="internal_error")
 
 
-def _read_json(request) -> object:
+def read_json(request) -> object:
     length = request.headers.get("Content-Length")
     if length and length.isdigit() and int(length) > settings.GATEWAY_MAX_BODY_BYTES:
         raise ApiError(413, f"The request body is larger than {settings.GATEWAY_MAX_BODY_BYTES} bytes.",
@@ -52,7 +52,7 @@ async def _inference(request, parse, kind: str):
         return ApiError(405, f"Use POST for {request.path}.", code="method_not_allowed").response()
     try:
         call, inference, headers = await calls.begin_http(
-            request.headers.get("Authorization"), lambda caller: parse(_read_json(request)), kind=kind)
+            request.headers.get("Authorization"), lambda caller: parse(read_json(request)), kind=kind)
     except ApiError as exc:
         return exc.response()
     ctx = formatting.Context(kind=inference.kind, id=call.request_id, created=call.created, model=inference.model)
@@ -104,7 +104,7 @@ async def responses(request):
 
     def read(caller: calls.Caller):
         parsed.append(parse_response_request(
-            _read_json(request), can_store=settings.RESPONSES_RETENTION_DAYS > 0,
+            read_json(request), can_store=settings.RESPONSES_RETENTION_DAYS > 0,
             history=lambda rid: selectors.conversation_after(organization_id=caller.org_id, response_id=rid)))
         return parsed[0].inference
 

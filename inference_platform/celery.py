@@ -1,5 +1,6 @@
-"""The Celery app: a `billing` queue for usage events, a `default` queue, and one queue per
-deployment (`deployment.<name>`) that the GPU workers serving it consume."""
+"""The Celery app: a `billing` queue for usage events, a `batches` queue for the Batch API's
+runners, a `default` queue, and one queue per deployment (`deployment.<name>`) that the GPU
+workers serving it consume."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "inference_platform.settings")
 use_for_redis_urls()  # before any broker connection exists
 app = Celery("inference_platform")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.conf.task_queues = (Queue("default"), Queue("billing"))
-app.conf.task_routes = {"billing.tasks.*": {"queue": "billing"}}
+app.conf.task_queues = (Queue("default"), Queue("billing"), Queue("batches"))
+app.conf.task_routes = {"billing.tasks.*": {"queue": "billing"}, "gateway.run_batch": {"queue": "batches"}}
 app.autodiscover_tasks()
 
 

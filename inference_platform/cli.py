@@ -29,6 +29,7 @@ from .supervision import shut_down, supervise
 
 DEFAULT_QUEUES = ["default", "billing"]
 BILLING_CONCURRENCY = 4  # threads of the billing worker `up` starts
+BATCH_RUNNERS = 4  # threads of the batch worker `up` starts: batches run at once
 ADMIN_EMAIL = "admin@localhost"
 DEFAULT_ORG = "default"
 DEFAULT_SCOPES = ["inference", "read_usage"]
@@ -445,7 +446,7 @@ def cmd_up(args) -> int:
         seed(settings)
         password = ensure_admin(settings)
         api_key = ensure_api_key(settings)
-        say(f"[4/5] starting the web server on http://{args.host}:{args.port}, a worker and a billing worker")
+        say(f"[4/5] starting the web server on http://{args.host}:{args.port}, a worker, a billing worker and a batch worker")
         served = served_deployments()
         worker_name = f"worker@{socket.gethostname()}"
         env = child_env(DATA_DIR=str(settings.DATA_DIR), INFERENCE_PRELOAD=",".join(served),
@@ -483,6 +484,12 @@ def cmd_up(args) -> int:
         )
         billing.stop_stage, billing.before_stop = STAGE_BILLING, wait_billing_drained
         procs.append(billing)
+        procs.append(spawn(  # the Batch API's runners: a process of their own, as their batches last
+            worker_command(queues=["batches"], concurrency=BATCH_RUNNERS, name=f"batches@{socket.gethostname()}"),
+            env=child_env(DATA_DIR=str(settings.DATA_DIR), WORKER_SLOTS="0"),
+            log=logs / "batches.log",
+            role="the batch worker",
+        ))
         procs.append(spawn(beat_command(settings), env=env, log=logs / "beat.log", role="the placement loop (beat)"))
         say(f"[5/5] waiting for /readyz and for the worker to load {', '.join(served) or 'nothing'}")
         base = local_url(args.host, args.port)

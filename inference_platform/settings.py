@@ -7,6 +7,7 @@ unix socket under ``DATA_DIR``). Production (``DEBUG=false``) refuses to start w
 
 from __future__ import annotations
 
+from decimal import Decimal
 from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
@@ -194,6 +195,15 @@ RATE_LIMIT_ORG_TPM = env_int("RATE_LIMIT_ORG_TPM", 10_000_000, minimum=1)
 RESPONSES_RETENTION_DAYS = env_int("RESPONSES_RETENTION_DAYS", 30, minimum=0)
 if RESPONSES_RETENTION_DAYS > 36500:  # beyond, the date it counts back to is before year 1
     raise ImproperlyConfigured(f"RESPONSES_RETENTION_DAYS must be at most 36500, not {RESPONSES_RETENTION_DAYS}")
+# The Batch API: a batch's requests are billed at this share of the model's prices.
+BATCH_PRICE_FACTOR = env_str("BATCH_PRICE_FACTOR", "0.5").strip()  # a decimal string: money is never a float
+try:
+    if not 0 < Decimal(BATCH_PRICE_FACTOR) <= 1:
+        raise ValueError
+except (ArithmeticError, ValueError):
+    raise ImproperlyConfigured(f"BATCH_PRICE_FACTOR must be a decimal in (0, 1], not {BATCH_PRICE_FACTOR!r}") from None
+BATCH_MAX_IN_FLIGHT = env_int("BATCH_MAX_IN_FLIGHT", 16, minimum=1)  # requests of one batch running at once
+FILES_MAX_BYTES = env_int("FILES_MAX_BYTES", 50 << 20, minimum=1024)  # the largest file a client may upload
 
 # Where operators keep model weights; catalog imports may only read below it.
 MODELS_ROOT = Path(env_str("MODELS_ROOT", str(DATA_DIR / "models"))).resolve()
@@ -215,7 +225,6 @@ LOGGING = {
 # Money settings are Decimal USD. Without STRIPE_SECRET_KEY top-ups answer 503 (usage billing and
 # the ledger work regardless). STRIPE_API_BASE unset: Stripe's own API; tests point it at localstripe.
 import re  # noqa: E402
-from decimal import Decimal  # noqa: E402
 
 
 def _env_decimal(name: str, default: str) -> Decimal:
@@ -286,6 +295,11 @@ CELERY_BEAT_SCHEDULE = {
         "task": "workers.fleet_tick",
         "schedule": FLEET_TICK_SECONDS,
         "options": {"queue": "default", "expires": max(5.0, FLEET_TICK_SECONDS * 5)},
+    },
+    "resume-batches": {
+        "task": "gateway.resume_batches",
+        "schedule": 60.0,
+        "options": {"queue": "default", "expires": 50.0},
     },
     "purge-expired-responses": {
         "task": "gateway.purge_expired_responses",

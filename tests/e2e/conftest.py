@@ -86,7 +86,7 @@ def inference_worker(server_env, django_db_blocker):
     name = f"e2e-{uuid.uuid4().hex[:8]}@localhost"
     proc = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "inference_platform", "worker", "--pool", "threads",
-         "--concurrency", "48", "--prefetch-multiplier", "1", "--queues", f"billing,deployment.{DEPLOYMENT}",
+         "--concurrency", "48", "--prefetch-multiplier", "1", "--queues", f"billing,batches,deployment.{DEPLOYMENT}",
          "--hostname", name, "--loglevel", "WARNING", "--without-gossip", "--without-mingle"],
         cwd=REPO_ROOT, env={**server_env, "INFERENCE_PRELOAD": DEPLOYMENT},
     )

@@ -1,0 +1,251 @@
+"""The Batch API in the process: reading an input file, the batch's lifecycle in the database
+(the lease of its runner, its outcomes, its output and error files), and the endpoints' refusals.
+The runs themselves, through the real stack, are in tests/e2e/test_batches.py."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.utils import timezone
+
+from gateway import batch_input, selectors, services
+from gateway.errors import ApiError
+from gateway.models import Batch, UploadedFile
+
+CHAT = "/v1/chat/completions"
+
+
+def _line(custom_id="a", url=CHAT, model="smol", **extra) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url,
+                       "body": {"model": model, "messages": [{"role": "user", "content": "Hi"}]}, **extra}) + "\n"
+
+
+# ------------------------------------------------------------------------------------ input files
+
+def test_an_input_file_is_read_into_its_requests_and_model():
+    requests, model = batch_input.read_requests((_line("a") + "\n  \n" + _line("b")).encode(), endpoint=CHAT)
+    assert [r["custom_id"] for r in requests] == ["a", "b"] and model == "smol"
+    assert requests[0]["body"]["messages"] == [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize("content, said", [
+    (b"\xff\xfe", "not UTF-8"),
+    (b"[1, 2]\n", "Line 1 is not a JSON object"),
+    (_line("a") + "{not json\n", "Line 2 is not valid JSON"),
+    (_line("") , "Line 1: custom_id"),
+    (_line("a") + _line("a"), "Line 2: custom_id \"a\" is used twice"),
+    (_line("a", method="GET"), "method"),
+    (_line("a", url="/v1/embeddings"), "a batch runs one endpoint"),
+    (_line("a") + _line("b", model="other"), "Line 2: body.model is \"other\""),
+    (json.dumps({"custom_id": "a", "method": "POST", "url": CHAT, "body": []}), "body must be a JSON object"),
+    (b"\n\n", "no requests"),
+])
+def test_a_malformed_input_file_is_a_400_naming_the_line(content, said):
+    with pytest.raises(ApiError) as refused:
+        batch_input.read_requests(content.encode() if isinstance(content, str) else content, endpoint=CHAT)
+    assert refused.value.status == 400 and refused.value.param == "input_file_id"
+    assert said in refused.value.message, refused.value.message
+
+
+def test_a_file_of_more_requests_than_a_batch_takes_is_refused(monkeypatch):
+    monkeypatch.setattr(batch_input, "MAX_REQUESTS", 2)
+    with pytest.raises(ApiError) as refused:
+        batch_input.read_requests("".join(_line(str(i)) for i in range(3)).encode(), endpoint=CHAT)
+    assert "more than 2 requests" in refused.value.message
+
+
+def test_a_batch_is_billed_at_its_share_of_the_prices():
+    from gateway.calls import _scaled
+
+    prices = {"input_per_mtok": "0.05", "cached_input_per_mtok": "0.025", "output_per_mtok": "0.10",
+              "per_request": "0.000003"}
+    assert _scaled(prices, None) is prices
+    assert _scaled(prices, Decimal("0.5")) == {"input_per_mtok": "0.0250000000", "cached_input_per_mtok": "0.0125000000",
+                                               "output_per_mtok": "0.0500000000", "per_request": "0.0000015000"}
+    assert _scaled(prices, Decimal("0.333"))["per_request"] == "0.0000009990"  # ten places, as a record keeps
+
+
+# ------------------------------------------------------------------------------------- lifecycle
+
+def _batch(org, key, *, lines: int = 4, age: timedelta = timedelta(), **fields) -> Batch:
+    requests = [{"custom_id": f"c{i}", "body": {"model": "smol"}} for i in range(lines)]
+    now = timezone.now() - age
+    return Batch.objects.create(pk=f"batch_{len(requests)}_{timezone.now().timestamp()}", organization=org,
+                                api_key=key, endpoint=CHAT, model="smol", input_file_id="file-x",
+                                requests=json.dumps(requests), total=lines, completion_window="24h", created_at=now,
+                                in_progress_at=now, expires_at=now + timedelta(hours=24), **fields)
+
+
+def _answer(text: str) -> dict:
+    return {"id": "chatcmpl-1", "choices": [{"message": {"content": text}}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 2}}
+
+
+@pytest.mark.django_db
+def test_a_creation_starts_its_runner_once_committed(org_key, django_capture_on_commit_callbacks, monkeypatch):
+    from gateway import tasks
+
+    started = []
+    monkeypatch.setattr(tasks.run_batch, "delay", started.append)
+    org, key, _ = org_key()
+    with django_capture_on_commit_callbacks(execute=True):
+        batch = services.create_batch(organization_id=org.pk, api_key_id=key.pk, endpoint=CHAT, input_file_id="file-x",
+                                      requests=[{"custom_id": "a", "body": {"model": "smol"}}], model="smol",
+                                      metadata={"k": "v"})
+        assert started == []  # not before the batch is there for the runner to read
+    assert started == [batch.pk]
+    shown = selectors.batch_json(batch)
+    assert shown["status"] == "in_progress" and shown["request_counts"] == {"total": 1, "completed": 0, "failed": 0}
+    assert shown["expires_at"] - shown["created_at"] == 24 * 3600 and shown["metadata"] == {"k": "v"}
+
+
+@pytest.mark.django_db
+def test_one_runner_at_a_time_and_a_silent_one_is_replaced(org_key, monkeypatch):
+    from gateway import tasks
+
+    org, key, _ = org_key()
+    batch = _batch(org, key, age=timedelta(minutes=5))
+    lease = timedelta(seconds=60)
+    assert services.claim_batch(batch_id=batch.pk, lease=lease) is not None
+    assert services.claim_batch(batch_id=batch.pk, lease=lease) is None  # the first one is alive
+    assert services.silent_batches() == []
+    Batch.objects.filter(pk=batch.pk).update(runner_seen_at=timezone.now() - timedelta(seconds=61))
+    resumed = []
+    monkeypatch.setattr(tasks.run_batch, "delay", resumed.append)
+    assert tasks.resume_batches() == 1 and resumed == [batch.pk]
+    assert services.claim_batch(batch_id=batch.pk, lease=lease) is not None
+    services.release_batch(batch_id=batch.pk)  # a stopping worker's: the next resume takes it at once
+    assert services.silent_batches() == [batch.pk]
+    Batch.objects.filter(pk=batch.pk).update(status=Batch.Status.COMPLETED)
+    assert services.claim_batch(batch_id=batch.pk, lease=lease) is None and services.silent_batches() == []
+
+
+@pytest.mark.django_db
+def test_the_output_holds_the_answers_and_the_errors_the_rest_in_input_order(org_key):
+    org, key, _ = org_key()
+    batch = _batch(org, key)
+    services.record_outcome(batch_id=batch.pk, line=2, request_id="chatcmpl-2", status_code=200, body=_answer("two"))
+    services.record_outcome(batch_id=batch.pk, line=0, request_id="chatcmpl-0", status_code=200, body=_answer("zero"))
+    services.record_outcome(batch_id=batch.pk, line=1, request_id="", status_code=400,
+                            body={"error": {"param": "temperature"}})
+    services.record_outcome(batch_id=batch.pk, line=0, request_id="chatcmpl-x", status_code=500, body={})  # dropped
+    assert selectors.done_lines(batch_id=batch.pk) == {0, 1, 2}
+    services.cancel_batch(batch=batch)
+    ended = services.finish_batch(batch_id=batch.pk)
+    assert ended.status == "cancelled" and ended.cancelled_at and ended.cancelling_at
+
+    def lines(file_id):
+        return [json.loads(line) for line in selectors.file_content(organization_id=org.pk, file_id=file_id)
+                .decode().splitlines()]
+
+    answers, errors = lines(ended.output_file_id), lines(ended.error_file_id)
+    assert [(a["custom_id"], a["response"]["body"]["choices"][0]["message"]["content"]) for a in answers] == \
+        [("c0", "zero"), ("c2", "two")]
+    assert answers[0]["response"]["request_id"] == "chatcmpl-0" and answers[0]["id"].startswith("batch_req_")
+    assert [(e["custom_id"], e["response"] and e["response"]["status_code"]) for e in errors] == \
+        [("c1", 400), ("c3", None)]
+    assert errors[1]["error"]["code"] == "batch_cancelled"
+    shown = selectors.batch_json(ended)
+    assert shown["request_counts"] == {"total": 4, "completed": 2, "failed": 2}
+    assert shown["usage"]["input_tokens"] == 10 and shown["usage"]["output_tokens"] == 4
+    output = UploadedFile.objects.get(pk=ended.output_file_id)
+    assert output.purpose == "batch_output" and output.organization_id == org.pk
+    assert services.finish_batch(batch_id=batch.pk).output_file_id == ended.output_file_id  # ends once
+
+
+@pytest.mark.django_db
+def test_a_batch_past_its_window_expires_and_a_whole_one_completes(org_key):
+    org, key, _ = org_key()
+    late = _batch(org, key, lines=2, age=timedelta(hours=25))
+    services.record_outcome(batch_id=late.pk, line=0, request_id="r", status_code=200, body=_answer("a"))
+    ended = services.finish_batch(batch_id=late.pk)
+    assert ended.status == "expired" and ended.expired_at
+    assert selectors.batch_json(ended)["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
+    whole = _batch(org, key, lines=1)
+    services.record_outcome(batch_id=whole.pk, line=0, request_id="r", status_code=200, body=_answer("a"))
+    ended = services.finish_batch(batch_id=whole.pk)
+    assert ended.status == "completed" and ended.error_file_id is None and ended.completed_at
+
+
+# ------------------------------------------------------------------------------------- endpoints
+
+def _auth(key: str) -> dict:
+    return {"HTTP_AUTHORIZATION": f"Bearer {key}"}
+
+
+def _upload(client, key: str, content: bytes, purpose: str = "batch"):
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    return client.post("/v1/files", {"file": SimpleUploadedFile("in.jsonl", content), "purpose": purpose},
+                       **_auth(key))
+
+
+@pytest.mark.django_db
+def test_an_upload_is_checked_and_kept_for_its_organization(client, org_key, settings):
+    org, _, key = org_key()
+    _, _, their_key = org_key()
+    uploaded = _upload(client, key, _line().encode())
+    assert uploaded.status_code == 200 and uploaded.json()["purpose"] == "batch"
+    file_id = uploaded.json()["id"]
+    assert client.get(f"/v1/files/{file_id}/content", **_auth(key)).content == _line().encode()
+    assert client.get(f"/v1/files/{file_id}", **_auth(their_key)).status_code == 404
+    assert [f["id"] for f in client.get("/v1/files?purpose=batch", **_auth(key)).json()["data"]] == [file_id]
+    assert client.get("/v1/files", **_auth(their_key)).json()["data"] == []
+    refused = _upload(client, key, _line().encode(), purpose="fine-tune")
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "purpose"
+    refused = _upload(client, key, b"plain text\n")
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "file"
+    settings.FILES_MAX_BYTES = 10
+    assert _upload(client, key, _line().encode()).status_code == 413
+    assert client.delete(f"/v1/files/{file_id}", **_auth(key)).json()["deleted"] is True
+    assert client.get(f"/v1/files/{file_id}", **_auth(key)).status_code == 404
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("body, status, param", [
+    ({"endpoint": "/v1/embeddings"}, 400, "endpoint"),
+    ({"completion_window": "1h"}, 400, "completion_window"),
+    ({"metadata": {"k": 1}}, 400, "metadata"),
+    ({"priority": "high"}, 400, "priority"),
+    ({"input_file_id": "file-unknown"}, 404, "input_file_id"),
+    ({"input_file_id": 7}, 400, "input_file_id"),
+])
+def test_a_batch_request_that_cannot_run_is_refused_naming_the_parameter(client, org_key, seeded, body, status,
+                                                                            param):
+    _, _, key = org_key()
+    file_id = _upload(client, key, _line(model="smollm2-135m-instruct").encode()).json()["id"]
+    sent = {"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h", **body}
+    refused = client.post("/v1/batches", sent, content_type="application/json", **_auth(key))
+    assert refused.status_code == status and refused.json()["error"]["param"] == param, refused.json()
+    assert not Batch.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_batch_of_a_model_the_caller_cannot_call_is_a_404(client, org_key, seeded):
+    _, _, key = org_key()
+    file_id = _upload(client, key, _line(model="nobodys-model").encode()).json()["id"]
+    refused = client.post("/v1/batches", {"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"},
+                          content_type="application/json", **_auth(key))
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.django_db
+def test_a_batch_is_read_and_cancelled_by_its_organization_only(client, org_key, seeded):
+    org, api_key, key = org_key()
+    _, _, their_key = org_key()
+    _, _, reader_key = org_key(scopes=("read_usage",))
+    batch = _batch(org, api_key)
+    assert client.get(f"/v1/batches/{batch.pk}", **_auth(key)).json()["id"] == batch.pk
+    assert client.get(f"/v1/batches/{batch.pk}", **_auth(their_key)).status_code == 404
+    assert client.post(f"/v1/batches/{batch.pk}/cancel", **_auth(their_key)).status_code == 404
+    assert client.get(f"/v1/batches/{batch.pk}", **_auth(reader_key)).status_code == 403
+    assert client.get(f"/v1/batches/{batch.pk}/cancel", **_auth(key)).status_code == 405
+    assert client.post(f"/v1/batches/{batch.pk}/cancel", **_auth(key)).json()["status"] == "cancelling"
+    assert client.post(f"/v1/batches/{batch.pk}/cancel", **_auth(key)).json()["status"] == "cancelling"
+    assert [b["id"] for b in client.get("/v1/batches", **_auth(key)).json()["data"]] == [batch.pk]
+    Batch.objects.filter(pk=batch.pk).update(status=Batch.Status.COMPLETED)
+    refused = client.post(f"/v1/batches/{batch.pk}/cancel", **_auth(key))
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "batch_not_cancellable"
