@@ -19,10 +19,13 @@ MAX_CUSTOM_ID = 512
 def objects(content: bytes, *, param: str) -> Iterator[tuple[int, dict]]:
     """Each non-blank line's JSON object, with its line number; 400 naming ``param`` and the line."""
     try:
-        text = content.decode("utf-8")
+        text = content.decode("utf-8-sig")  # a byte-order mark is no part of the first line
     except UnicodeDecodeError:
         raise invalid(param, "The file is not UTF-8 text: a batch file is JSON Lines.") from None
-    for number, line in enumerate(text.splitlines(), start=1):
+    # Lines end at \n (or \r\n) only: a JSON string may hold U+2028 and the like, which
+    # str.splitlines would take for line ends.
+    for number, line in enumerate(text.split("\n"), start=1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         try:

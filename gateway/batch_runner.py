@@ -18,7 +18,7 @@ from datetime import timedelta
 from decimal import Decimal
 
 from django.conf import settings
-from django.db import close_old_connections
+from django.db import DatabaseError, IntegrityError, InterfaceError, close_old_connections
 
 from . import admission, answers, calls, formatting, selectors, services
 from .batch_input import ENDPOINTS
@@ -29,29 +29,31 @@ from .protocol import parse_chat, parse_completion
 log = logging.getLogger(__name__)
 LEASE = timedelta(seconds=60)  # a runner silent this long is taken for dead
 BEAT_SECONDS = 2.0  # how often the runner shows life and looks for a cancel
-RETRIED = {(429, "queue_full"), (429, "rate_limit_exceeded"), (503, None)}
+# Refusals of a moment: the request is sent again (backing off) until the batch expires.
+RETRIED = {(429, "queue_full"), (429, "rate_limit_exceeded"), (503, "model_unavailable"),
+           (503, "model_overloaded"), (503, "service_unavailable")}
 PARSERS = {"chat": parse_chat, "completion": parse_completion}
+INTERNAL = ApiError(500, "The batch runner failed on this request; it is logged.", code="internal_error")
 
 
 def run(batch_id: str) -> None:
     """Run what is left of a batch and end it, unless another runner is on it. A worker that stops
     cancels the requests in flight (billed for what they made) and leaves the batch to be resumed."""
-    batch = services.claim_batch(batch_id=batch_id, lease=LEASE)
-    if batch is None:
+    claimed = services.claim_batch(batch_id=batch_id, lease=LEASE)
+    if claimed is None:
         return
+    batch, token = claimed
     try:
-        asyncio.run_coroutine_threadsafe(_Runner(batch).run(), _loop()).result()
+        held = asyncio.run_coroutine_threadsafe(_Runner(batch, token).run(), _loop()).result()
         if stopping.is_set():
-            services.release_batch(batch_id=batch_id)
-        else:
-            services.finish_batch(batch_id=batch_id)
+            services.release_batch(batch_id=batch_id, token=token)
+        elif held:
+            services.finish_batch(batch_id=batch_id, token=token)
     finally:
         close_old_connections()
 
 
 stopping = threading.Event()  # the worker is shutting down (``tasks``' signal sets it)
-
-
 _shared: asyncio.AbstractEventLoop | None = None
 _shared_lock = threading.Lock()
 
@@ -74,13 +76,17 @@ def _db(fn, **kwargs):
 
 
 class _Runner:
-    def __init__(self, batch: Batch) -> None:
+    def __init__(self, batch: Batch, token: str) -> None:
         self.batch = batch
+        self.token = token
         self.kind = ENDPOINTS[batch.endpoint]
         self.requests = json.loads(batch.requests)
         self.price_factor = Decimal(settings.BATCH_PRICE_FACTOR)
+        self.writes: set[asyncio.Task] = set()  # outcomes being recorded: awaited before the end
 
-    async def run(self) -> None:
+    async def run(self) -> bool:
+        """Run the lines not done yet, until all are, or a cancel, the expiry or a stop; False when
+        the lease was lost to another runner (which then ends the batch)."""
         done = await _db(selectors.done_lines, batch_id=self.batch.pk)
         waiting = [line for line in range(len(self.requests)) if line not in done]
         waiting.reverse()  # popped from the end: input order
@@ -89,67 +95,96 @@ class _Runner:
         deadline = loop.time() + (self.batch.expires_at - _now()).total_seconds()
         try:
             while waiting or running:
-                status = await _db(services.beat_batch, batch_id=self.batch.pk)
+                status = await _db(services.beat_batch, batch_id=self.batch.pk, token=self.token)
+                if status is None:
+                    return False
                 if status != Batch.Status.IN_PROGRESS or loop.time() >= deadline or stopping.is_set():
-                    return  # cancelled, expired or stopped: finally stops what runs
+                    return True  # cancelled, expired or stopped: finally stops what runs
                 while waiting and len(running) < settings.BATCH_MAX_IN_FLIGHT:
                     running.add(asyncio.create_task(self._line(waiting.pop(), deadline)))
-                finished, running = await asyncio.wait(running, timeout=BEAT_SECONDS,
-                                                       return_when=asyncio.FIRST_COMPLETED)
-                for task in finished:
-                    task.result()  # a bug surfaces here rather than vanish
+                _, running = await asyncio.wait(running, timeout=BEAT_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+            return True
         finally:
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
+            await asyncio.gather(*self.writes, return_exceptions=True)
 
     async def _line(self, line: int, deadline: float) -> None:
-        request = self.requests[line]
-        body = {key: value for key, value in request["body"].items() if key not in ("stream", "stream_options")}
+        """Run one line and record its outcome; nothing but a cancel escapes."""
+        try:
+            await self._attempt(line, deadline)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("batch %s: line %d failed", self.batch.pk, line)
+            await self._record(line, "", INTERNAL.status, INTERNAL.body())
+
+    async def _attempt(self, line: int, deadline: float) -> None:
+        body = {key: value for key, value in self.requests[line]["body"].items()
+                if key not in ("stream", "stream_options")}
         try:
             inference = PARSERS[self.kind](body)
         except ApiError as exc:
             return await self._record(line, "", exc.status, exc.body())
-        loop = asyncio.get_running_loop()
+        loop, backoff = asyncio.get_running_loop(), 1.0
         while True:
             try:
                 call, _ = await calls.begin(inference, caller=self._caller, price_factor=self.price_factor)
+                break
             except ApiError as exc:
-                retry = (exc.status, exc.code if exc.status == 429 else None) in RETRIED
-                if retry and loop.time() + 1 < deadline:
-                    await asyncio.sleep(_retry_after(exc))
-                    continue
-                return await self._record(line, exc.headers.get("x-request-id", ""), exc.status, exc.body())
-            break
+                wait = max(_retry_after(exc), backoff)
+                if (exc.status, exc.code) not in RETRIED or loop.time() + wait >= deadline:
+                    return await self._record(line, exc.headers.get("x-request-id", ""), exc.status, exc.body())
+                await asyncio.sleep(wait)
+                backoff = min(60.0, backoff * 2)
         ctx = formatting.Context(kind=self.kind, id=call.request_id, created=call.created, model=inference.model)
         try:
             response = await answers.collect(call, ctx)
         except ApiError as exc:
             return await self._record(line, call.request_id, exc.status, exc.body())
-        except asyncio.CancelledError:  # a cancel or the expiry: stop generating (billed for what it made)
+        except BaseException:  # a cancel, the expiry, a bug: stop generating (billed for what it made)
             await asyncio.shield(call.cancel())
             raise
         await self._record(line, call.request_id, 200, response)
 
     def _caller(self) -> calls.Caller:
-        """The batch's key, checked again for each request (on the admission thread): one revoked or
-        expired meanwhile stops the rest with 401."""
+        """The batch's key, checked again for each request (on the admission thread) as the API
+        checks a key: one revoked, expired or whose creator was deactivated meanwhile stops the
+        rest with 401."""
         from accounts.models import ApiKey
 
-        key = ApiKey.objects.select_related("organization").filter(pk=self.batch.api_key_id).first()
-        if key is None or key.is_revoked or key.is_expired():
-            raise ApiError(401, "The API key that created this batch was revoked, expired or deleted.",
+        key = ApiKey.objects.select_related("organization", "created_by").filter(pk=self.batch.api_key_id).first()
+        if (key is None or key.is_revoked or key.is_expired()
+                or (key.created_by is not None and not key.created_by.is_active)):
+            raise ApiError(401, "The API key that created this batch was revoked, expired, deactivated or deleted.",
                            code="invalid_api_key")
         return calls.Caller(api_key=key, organization=key.organization)
 
     async def _record(self, line: int, request_id: str, status_code: int, body: dict) -> None:
-        await _db(services.record_outcome, batch_id=self.batch.pk, line=line, request_id=request_id,
-                  status_code=status_code, body=body)
+        """Keep an outcome, whatever comes: a cancel does not stop the write (the batch's files are
+        written only after it), and a failing database is tried again until the stop."""
+        write = asyncio.ensure_future(self._write(line, request_id, status_code, body))
+        self.writes.add(write)
+        write.add_done_callback(self.writes.discard)
+        await asyncio.shield(write)
+
+    async def _write(self, line: int, request_id: str, status_code: int, body: dict) -> None:
+        while True:
+            try:
+                return await _db(services.record_outcome, batch_id=self.batch.pk, line=line, request_id=request_id,
+                                 status_code=status_code, body=body)
+            except (DatabaseError, InterfaceError) as exc:  # the database down or restarting
+                if stopping.is_set() or isinstance(exc, IntegrityError):
+                    raise
+                log.warning("batch %s: could not record line %d (%s); trying again", self.batch.pk, line, exc)
+                await asyncio.sleep(2.0)
 
 
 def _retry_after(exc: ApiError) -> float:
+    headers = {name.lower(): value for name, value in exc.headers.items()}
     try:
-        return min(30.0, max(0.5, float(exc.headers.get("retry-after") or exc.headers.get("Retry-After") or 1)))
+        return min(60.0, max(0.5, float(headers.get("retry-after") or 1)))
     except ValueError:
         return 1.0
 

@@ -44,8 +44,10 @@ def files(request, caller):
     _method(request, "GET", "POST")
     if request.method == "GET":
         page = pages.parse(request.GET, default=10_000, maximum=10_000)
-        return JsonResponse(pages.page(selectors.files_of(organization_id=caller.org_id,
-                                                          purpose=request.GET.get("purpose")), page))
+        purpose = request.GET.get("purpose")
+        if purpose is not None and purpose not in UploadedFile.Purpose.values:
+            raise invalid("purpose", f"purpose must be one of {', '.join(UploadedFile.Purpose.values)}")
+        return JsonResponse(pages.page(selectors.files_of(organization_id=caller.org_id, purpose=purpose), page))
     length = request.headers.get("Content-Length", "")
     if length.isdigit() and int(length) > settings.FILES_MAX_BYTES + 64 * 1024:
         raise ApiError(413, f"The file is larger than {settings.FILES_MAX_BYTES} bytes.", code="file_too_large")
@@ -95,8 +97,10 @@ def file_content(request, caller, file_id: str):
 def batches(request, caller):
     _method(request, "GET", "POST")
     if request.method == "GET":
-        page = pages.parse_newest_first(request.GET)
-        return JsonResponse(pages.page(selectors.batches_of(organization_id=caller.org_id), page))
+        listed = pages.page(selectors.batch_ids_of(organization_id=caller.org_id), pages.parse_newest_first(request.GET))
+        shown = {b.pk: b for b in selectors.batches_by_id(organization_id=caller.org_id,
+                                                          ids=[item["id"] for item in listed["data"]])}
+        return JsonResponse({**listed, "data": [selectors.batch_json(shown[item["id"]]) for item in listed["data"]]})
     body = read_json(request)
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
@@ -104,10 +108,10 @@ def batches(request, caller):
         if name not in BATCH_FIELDS:
             raise invalid(name, f"Unrecognized request argument supplied: {name}", code="unknown_parameter")
     endpoint = body.get("endpoint")
-    if endpoint not in batch_input.ENDPOINTS:
+    if not isinstance(endpoint, str) or endpoint not in batch_input.ENDPOINTS:
         raise invalid("endpoint", f"endpoint must be one of {', '.join(batch_input.ENDPOINTS)}",
                       code="unsupported_value" if endpoint is not None else "missing_required_parameter")
-    if body.get("completion_window") not in services.BATCH_WINDOWS:
+    if not isinstance(body.get("completion_window"), str) or body["completion_window"] not in services.BATCH_WINDOWS:
         raise invalid("completion_window", "completion_window must be \"24h\"")
     metadata = _metadata(body.get("metadata"))
     file_id = body.get("input_file_id")
@@ -118,8 +122,10 @@ def batches(request, caller):
     if source is None or source.purpose != UploadedFile.Purpose.BATCH:
         raise ApiError(404 if source is None else 400, f"No batch input file {file_id[:80]}: upload one with "
                        "purpose \"batch\".", param="input_file_id", code="file_not_found" if source is None else None)
-    requests, model = batch_input.read_requests(
-        selectors.file_content(organization_id=caller.org_id, file_id=file_id), endpoint=endpoint)
+    content = selectors.file_content(organization_id=caller.org_id, file_id=file_id)
+    if content is None:  # deleted meanwhile
+        raise ApiError(404, f"No batch input file {file_id[:80]}.", param="input_file_id", code="file_not_found")
+    requests, model = batch_input.read_requests(content, endpoint=endpoint)
     _check_model(caller, model)
     batch = services.create_batch(organization_id=caller.org_id, api_key_id=caller.api_key.pk, endpoint=endpoint,
                                   input_file_id=file_id, requests=requests, model=model, metadata=metadata,

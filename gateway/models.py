@@ -84,6 +84,7 @@ class Batch(models.Model):
     expired_at = models.DateTimeField(null=True)
     cancelling_at = models.DateTimeField(null=True)
     cancelled_at = models.DateTimeField(null=True)
+    runner = models.CharField(max_length=32, blank=True, help_text="The token of the task running it (its lease).")
     runner_seen_at = models.DateTimeField(null=True, help_text="The last sign of life of the task running it.")
 
     class Meta:

@@ -133,10 +133,15 @@ def batch_of(*, organization_id, batch_id: str) -> Batch | None:
     return Batch.objects.filter(organization_id=organization_id, pk=batch_id).defer("requests").first()
 
 
-def batches_of(*, organization_id) -> list[dict]:
-    """The organization's batches, oldest first (``pages`` orders and cuts them)."""
-    rows = Batch.objects.filter(organization_id=organization_id).defer("requests").order_by("created_at", "pk")
-    return [batch_json(row) for row in rows]
+def batch_ids_of(*, organization_id) -> list[dict]:
+    """The organization's batches as ``{"id"}`` items, oldest first (``pages`` orders and cuts them;
+    ``batch_json`` then shows only the page)."""
+    rows = Batch.objects.filter(organization_id=organization_id).order_by("created_at", "pk")
+    return [{"id": pk} for pk in rows.values_list("pk", flat=True)]
+
+
+def batches_by_id(*, organization_id, ids: list[str]) -> list[Batch]:
+    return list(Batch.objects.filter(organization_id=organization_id, pk__in=ids).defer("requests"))
 
 
 def done_lines(*, batch_id: str) -> set[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 from datetime import timedelta
 
@@ -12,6 +13,8 @@ from django.utils import timezone
 
 from . import selectors
 from .models import Batch, BatchOutcome, StoredResponse, UploadedFile
+
+log = logging.getLogger(__name__)
 
 
 def store_response(*, organization_id, response: dict, conversation: list[dict]) -> None:
@@ -70,17 +73,25 @@ def delete_file(*, organization_id, file_id: str) -> bool:
 
 def create_batch(*, organization_id, api_key_id, endpoint: str, input_file_id: str, requests: list[dict],
                  model: str, metadata: dict, completion_window: str = "24h") -> Batch:
-    """A batch of ``requests``, started once the transaction commits."""
-    from .tasks import run_batch
-
+    """A batch of ``requests``, started once the transaction commits (or by the next resume, if the
+    broker cannot take the task now)."""
     now = timezone.now()
     batch = Batch.objects.create(
         pk=f"batch_{secrets.token_hex(16)}", organization_id=organization_id, api_key_id=api_key_id,
         endpoint=endpoint, model=model, input_file_id=input_file_id, requests=json.dumps(requests),
         total=len(requests), completion_window=completion_window, metadata=metadata, created_at=now,
         in_progress_at=now, expires_at=now + BATCH_WINDOWS[completion_window])
-    transaction.on_commit(lambda: run_batch.delay(batch.pk))
+    transaction.on_commit(lambda: _start(batch.pk))
     return batch
+
+
+def _start(batch_id: str) -> None:
+    from .tasks import run_batch
+
+    try:
+        run_batch.delay(batch_id)
+    except Exception as exc:  # the broker is down: resume_batches starts it within a minute of its return
+        log.warning("batch %s waits for the broker to start: %s", batch_id, exc)
 
 
 BATCH_WINDOWS = {"24h": timedelta(hours=24)}
@@ -93,31 +104,33 @@ def cancel_batch(*, batch: Batch) -> Batch:
     now = timezone.now()
     Batch.objects.filter(pk=batch.pk, status=Batch.Status.IN_PROGRESS).update(
         status=Batch.Status.CANCELLING, cancelling_at=now)
-    batch.refresh_from_db()
-    return batch
+    return Batch.objects.defer("requests").get(pk=batch.pk)
 
 
-def claim_batch(*, batch_id: str, lease: timedelta) -> Batch | None:
-    """The batch, for this runner, unless it ended or another runner showed life within ``lease``."""
-    now = timezone.now()
+def claim_batch(*, batch_id: str, lease: timedelta) -> tuple[Batch, str] | None:
+    """The batch and a token of its lease for this runner, unless it ended or another runner
+    showed life within ``lease``."""
+    now, token = timezone.now(), secrets.token_hex(16)
     with transaction.atomic():
-        batch = Batch.objects.select_for_update().filter(pk=batch_id, status__in=RUNNING).first()
-        if batch is None or (batch.runner_seen_at and now - batch.runner_seen_at < lease):
+        row = (Batch.objects.select_for_update().filter(pk=batch_id, status__in=RUNNING)
+               .values_list("pk", "runner_seen_at").first())
+        if row is None or (row[1] and now - row[1] < lease):
             return None
-        batch.runner_seen_at = now
-        batch.save(update_fields=["runner_seen_at"])
-    return batch
+        Batch.objects.filter(pk=batch_id).update(runner=token, runner_seen_at=now)
+    return Batch.objects.get(pk=batch_id), token
 
 
-def beat_batch(*, batch_id: str) -> str:
-    """A runner's sign of life; the batch's status (a cancel shows here)."""
-    Batch.objects.filter(pk=batch_id).update(runner_seen_at=timezone.now())
-    return Batch.objects.filter(pk=batch_id).values_list("status", flat=True).first() or Batch.Status.CANCELLED
+def beat_batch(*, batch_id: str, token: str) -> str | None:
+    """A runner's sign of life: the batch's status (a cancel shows here), or None once the lease is
+    another runner's (this one must stop)."""
+    if not Batch.objects.filter(pk=batch_id, runner=token).update(runner_seen_at=timezone.now()):
+        return None
+    return Batch.objects.filter(pk=batch_id).values_list("status", flat=True).first()
 
 
-def release_batch(*, batch_id: str) -> None:
+def release_batch(*, batch_id: str, token: str) -> None:
     """A stopping runner's batch: the next resume takes it at once."""
-    Batch.objects.filter(pk=batch_id).update(runner_seen_at=None)
+    Batch.objects.filter(pk=batch_id, runner=token).update(runner="", runner_seen_at=None)
 
 
 def record_outcome(*, batch_id: str, line: int, request_id: str, status_code: int, body: dict) -> None:
@@ -128,12 +141,12 @@ def record_outcome(*, batch_id: str, line: int, request_id: str, status_code: in
         "input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0)})
 
 
-def finish_batch(*, batch_id: str) -> Batch:
+def finish_batch(*, batch_id: str, token: str | None = None) -> Batch:
     """Write the output file (the answers) and the error file (the failures, and the requests never
-    run), in input order, and end the batch: completed, cancelled or expired."""
+    run), in input order, and end the batch: completed, cancelled or expired. ``token``: the
+    runner's lease (None: a resume ending a batch no runner holds)."""
     batch = Batch.objects.get(pk=batch_id)
     now = timezone.now()
-    Batch.objects.filter(pk=batch_id).update(finalizing_at=now)
     ended = (Batch.Status.CANCELLED if batch.status == Batch.Status.CANCELLING
              else Batch.Status.EXPIRED if now >= batch.expires_at else Batch.Status.COMPLETED)
     outcomes = {o.line: o for o in BatchOutcome.objects.filter(batch_id=batch_id)}
@@ -150,20 +163,24 @@ def finish_batch(*, batch_id: str) -> Batch:
             "status_code": outcome.status_code, "request_id": outcome.request_id, "body": json.loads(outcome.body)},
             "error": None}
         (answers if outcome.status_code == 200 else failures).append(entry)
+    written = {}
+    for entries, field in ((answers, "output_file_id"), (failures, "error_file_id")):
+        if entries:  # before the lock: writing the file may take a while
+            content = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries).encode("utf-8", "replace")
+            written[field] = create_file(organization_id=batch.organization_id,
+                                         purpose=UploadedFile.Purpose.BATCH_OUTPUT,
+                                         filename=f"{batch_id}_{field.removesuffix('_file_id')}.jsonl",
+                                         content=content).pk
     with transaction.atomic():
-        batch = Batch.objects.select_for_update().get(pk=batch_id)
-        if batch.status not in RUNNING:
-            return batch  # another runner finished it
-        for entries, field in ((answers, "output_file_id"), (failures, "error_file_id")):
-            if entries:
-                content = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries).encode("utf-8", "replace")
-                written = create_file(organization_id=batch.organization_id, purpose=UploadedFile.Purpose.BATCH_OUTPUT,
-                                      filename=f"{batch_id}_{field.removesuffix('_file_id')}.jsonl", content=content)
-                setattr(batch, field, written.pk)
-        batch.status = ended
-        setattr(batch, f"{ended}_at", timezone.now())
-        batch.save()
-    return batch
+        current = Batch.objects.select_for_update().defer("requests").get(pk=batch_id)
+        lost = current.status not in RUNNING or (token is not None and current.runner != token) \
+            or set(BatchOutcome.objects.filter(batch_id=batch_id).values_list("line", flat=True)) != set(outcomes)
+        if not lost:
+            fields = {"status": ended, f"{ended}_at": timezone.now(), "finalizing_at": now, "runner": "", **written}
+            Batch.objects.filter(pk=batch_id).update(**fields)
+    if lost:  # another runner ended it, or an outcome came in meanwhile: this run's files are void
+        UploadedFile.objects.filter(pk__in=written.values()).delete()
+    return Batch.objects.defer("requests").get(pk=batch_id)
 
 
 def silent_batches() -> list[str]:
@@ -173,4 +190,20 @@ def silent_batches() -> list[str]:
     cutoff = timezone.now() - LEASE
     return list(Batch.objects.filter(status__in=RUNNING).filter(
         models.Q(runner_seen_at__lt=cutoff) | models.Q(runner_seen_at__isnull=True, created_at__lt=cutoff))
-        .values_list("pk", flat=True))
+        .order_by("created_at").values_list("pk", flat=True))
+
+
+def resume_batches() -> int:
+    """Each running batch whose runner went silent: one cancelled or past its window is ended here
+    (its runner may wait for a free thread for long); the others get a runner again."""
+    from .tasks import run_batch
+
+    silent = silent_batches()
+    for batch_id in silent:
+        batch = Batch.objects.defer("requests").get(pk=batch_id)
+        if batch.status == Batch.Status.CANCELLING or timezone.now() >= batch.expires_at:
+            finish_batch(batch_id=batch_id)
+        else:
+            log.warning("resuming batch %s: its runner stopped or has not started", batch_id)
+            _start(batch_id)
+    return len(silent)

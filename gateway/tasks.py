@@ -32,12 +32,8 @@ def run_batch(batch_id: str) -> None:
 
 @shared_task(name="gateway.resume_batches", ignore_result=True)
 def resume_batches() -> int:
-    """Every minute (the beat schedule): start again each running batch whose runner went silent."""
-    batch_ids = services.silent_batches()
-    for batch_id in batch_ids:
-        log.warning("resuming batch %s: its runner stopped", batch_id)
-        run_batch.delay(batch_id)
-    return len(batch_ids)
+    """Every minute (the beat schedule): the running batches whose runner went silent."""
+    return services.resume_batches()
 
 
 @worker_shutting_down.connect

@@ -512,7 +512,8 @@ def cmd_up(args) -> int:
     say("  Try it:")
     say(f"    curl {base}/v1/chat/completions -H \"Authorization: Bearer {api_key}\" "
         "-H \"Content-Type: application/json\" "
-        "-d '{\"model\": \"smollm2-135m-instruct\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'")
+        "-d '{\"model\": \"smollm2-135m-instruct\", \"max_tokens\": 64, "
+        "\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'")  # a bound: a small model may ramble
     say(f"  Logs:       {logs}")
     say("  Ready. Press Ctrl-C to stop everything.")
     say("")

@@ -31,6 +31,14 @@ def test_an_input_file_is_read_into_its_requests_and_model():
     assert requests[0]["body"]["messages"] == [{"role": "user", "content": "Hi"}]
 
 
+def test_only_a_newline_ends_a_line_and_a_byte_order_mark_is_no_part_of_it():
+    # As json.dumps(ensure_ascii=False) writes them: separators that str.splitlines would split on.
+    text = json.dumps({"custom_id": "a\u2028b\x85c\x1cd", "method": "POST", "url": CHAT,
+                       "body": {"model": "smol"}}, ensure_ascii=False)
+    requests, _ = batch_input.read_requests(("\ufeff" + text + "\r\n").encode(), endpoint=CHAT)
+    assert requests[0]["custom_id"] == "a\u2028b\x85c\x1cd"
+
+
 @pytest.mark.parametrize("content, said", [
     (b"\xff\xfe", "not UTF-8"),
     (b"[1, 2]\n", "Line 1 is not a JSON object"),
@@ -109,18 +117,39 @@ def test_one_runner_at_a_time_and_a_silent_one_is_replaced(org_key, monkeypatch)
     org, key, _ = org_key()
     batch = _batch(org, key, age=timedelta(minutes=5))
     lease = timedelta(seconds=60)
-    assert services.claim_batch(batch_id=batch.pk, lease=lease) is not None
+    _, first = services.claim_batch(batch_id=batch.pk, lease=lease)
     assert services.claim_batch(batch_id=batch.pk, lease=lease) is None  # the first one is alive
+    assert services.beat_batch(batch_id=batch.pk, token=first) == "in_progress"
     assert services.silent_batches() == []
     Batch.objects.filter(pk=batch.pk).update(runner_seen_at=timezone.now() - timedelta(seconds=61))
     resumed = []
     monkeypatch.setattr(tasks.run_batch, "delay", resumed.append)
     assert tasks.resume_batches() == 1 and resumed == [batch.pk]
-    assert services.claim_batch(batch_id=batch.pk, lease=lease) is not None
-    services.release_batch(batch_id=batch.pk)  # a stopping worker's: the next resume takes it at once
+    _, second = services.claim_batch(batch_id=batch.pk, lease=lease)
+    # The first runner, back from a stall, finds its lease gone: it stops, and cannot release it.
+    assert services.beat_batch(batch_id=batch.pk, token=first) is None
+    services.release_batch(batch_id=batch.pk, token=first)
+    assert services.claim_batch(batch_id=batch.pk, lease=lease) is None
+    assert services.finish_batch(batch_id=batch.pk, token=first).status == "in_progress"  # not its to end
+    services.release_batch(batch_id=batch.pk, token=second)  # a stopping worker's: the next resume takes it
     assert services.silent_batches() == [batch.pk]
     Batch.objects.filter(pk=batch.pk).update(status=Batch.Status.COMPLETED)
     assert services.claim_batch(batch_id=batch.pk, lease=lease) is None and services.silent_batches() == []
+    assert not UploadedFile.objects.exists()  # the refused finish left no file behind
+
+
+@pytest.mark.django_db
+def test_a_silent_cancelled_or_expired_batch_is_ended_by_the_resume_itself(org_key, monkeypatch):
+    from gateway import tasks
+
+    org, key, _ = org_key()
+    started = []
+    monkeypatch.setattr(tasks.run_batch, "delay", started.append)
+    cancelled = _batch(org, key, lines=1, age=timedelta(minutes=5), status=Batch.Status.CANCELLING)
+    expired = _batch(org, key, lines=1, age=timedelta(hours=25))
+    assert tasks.resume_batches() == 2 and started == []
+    assert Batch.objects.get(pk=cancelled.pk).status == "cancelled"
+    assert Batch.objects.get(pk=expired.pk).status == "expired"
 
 
 @pytest.mark.django_db
@@ -194,6 +223,9 @@ def test_an_upload_is_checked_and_kept_for_its_organization(client, org_key, set
     assert client.get(f"/v1/files/{file_id}", **_auth(their_key)).status_code == 404
     assert [f["id"] for f in client.get("/v1/files?purpose=batch", **_auth(key)).json()["data"]] == [file_id]
     assert client.get("/v1/files", **_auth(their_key)).json()["data"] == []
+    for purpose in ("\x00", "fine-tune"):
+        refused = client.get("/v1/files", {"purpose": purpose}, **_auth(key))
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "purpose"
     refused = _upload(client, key, _line().encode(), purpose="fine-tune")
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "purpose"
     refused = _upload(client, key, b"plain text\n")
@@ -212,6 +244,8 @@ def test_an_upload_is_checked_and_kept_for_its_organization(client, org_key, set
     ({"priority": "high"}, 400, "priority"),
     ({"input_file_id": "file-unknown"}, 404, "input_file_id"),
     ({"input_file_id": 7}, 400, "input_file_id"),
+    ({"endpoint": ["/v1/chat/completions"]}, 400, "endpoint"),
+    ({"completion_window": {"h": 24}}, 400, "completion_window"),
 ])
 def test_a_batch_request_that_cannot_run_is_refused_naming_the_parameter(client, org_key, seeded, body, status,
                                                                             param):
@@ -249,3 +283,86 @@ def test_a_batch_is_read_and_cancelled_by_its_organization_only(client, org_key,
     Batch.objects.filter(pk=batch.pk).update(status=Batch.Status.COMPLETED)
     refused = client.post(f"/v1/batches/{batch.pk}/cancel", **_auth(key))
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "batch_not_cancellable"
+
+
+# ---------------------------------------------------------------------------------------- runner
+
+class _FakeCall:
+    def __init__(self, request_id: str):
+        self.request_id, self.created, self.cancelled = request_id, 0, False
+
+    async def cancel(self):
+        self.cancelled = True
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_runner_retries_a_refusal_of_a_moment_records_each_outcome_and_stops_on_a_cancel(org_key, monkeypatch):
+    """The runner's own logic, with the calls faked: what reaches a worker is tests/e2e's."""
+    import asyncio
+
+    from asgiref.sync import sync_to_async
+    from django.db import connections
+
+    from gateway import batch_runner
+
+    org, key, _ = org_key()
+    batch = _batch(org, key, lines=4)
+    _, token = services.claim_batch(batch_id=batch.pk, lease=timedelta(seconds=60))
+    def on_a_thread(fn, **kwargs):  # as admission's threads do: the connection is closed after
+        def call():
+            try:
+                return fn(**kwargs)
+            finally:
+                connections.close_all()
+
+        return sync_to_async(call, thread_sensitive=False)()
+
+    monkeypatch.setattr(batch_runner, "_db", on_a_thread)
+    monkeypatch.setattr(batch_runner, "BEAT_SECONDS", 0.05)
+    monkeypatch.setattr(batch_runner, "_retry_after", lambda exc: 0.01)
+    attempts, calls_made, hold = {}, [], asyncio.Event()
+
+    async def begin(inference, *, caller, price_factor):
+        assert price_factor == Decimal("0.5")
+        line = int(inference.messages[0]["content"])
+        attempts[line] = attempts.get(line, 0) + 1
+        if line == 0 and attempts[line] == 1:
+            raise ApiError(429, "queue full", code="queue_full")
+        if line == 1:
+            raise ApiError(404, "no such model", param="model", code="model_not_found")
+        call = _FakeCall(f"chatcmpl-{line}")
+        calls_made.append(call)
+        return call, {}
+
+    async def collect(call, ctx):
+        if call.request_id == "chatcmpl-2":
+            raise RuntimeError("a bug in the relay")
+        if call.request_id == "chatcmpl-3":
+            await asyncio.Event().wait()  # never ends: the cancel stops it
+        return _answer(call.request_id)
+
+    monkeypatch.setattr(batch_runner.calls, "begin", begin)
+    monkeypatch.setattr(batch_runner.answers, "collect", collect)
+    monkeypatch.setattr(batch_runner.calls.Caller, "__init__", lambda self, **kw: None)
+    requests = [{"custom_id": f"c{i}", "body": {"model": "smol", "messages": [{"role": "user", "content": str(i)}]}}
+                for i in range(4)]
+    Batch.objects.filter(pk=batch.pk).update(requests=json.dumps(requests))
+    batch.refresh_from_db()
+
+    async def scenario():
+        runner = batch_runner._Runner(batch, token)
+        task = asyncio.create_task(runner.run())
+        while len(await on_a_thread(selectors.done_lines, batch_id=batch.pk)) < 3:
+            await asyncio.sleep(0.02)
+        await on_a_thread(services.cancel_batch, batch=batch)
+        return await asyncio.wait_for(task, timeout=10)
+
+    assert asyncio.run(scenario()) is True
+    outcomes = {o.line: o for o in Batch.objects.get(pk=batch.pk).outcomes.all()}
+    assert attempts[0] == 2 and outcomes[0].status_code == 200  # sent again after the 429
+    assert outcomes[1].status_code == 404 and attempts[1] == 1  # not a refusal of a moment
+    assert outcomes[2].status_code == 500 and json.loads(outcomes[2].body)["error"]["code"] == "internal_error"
+    assert 3 not in outcomes and [c.cancelled for c in calls_made if c.request_id == "chatcmpl-3"] == [True]
+    ended = services.finish_batch(batch_id=batch.pk, token=token)
+    assert ended.status == "cancelled" and selectors.batch_json(ended)["request_counts"] == \
+        {"total": 4, "completed": 1, "failed": 3}
