@@ -4,7 +4,8 @@ BATCH_PRICE_FACTOR of the model's prices; each outcome is kept as it comes, so t
 dies is resumed (``tasks.resume_batches``) without running a finished request again.
 
 A request refused for a moment (429 queue or rate limit, 503 no replica yet) waits and is sent
-again, until the batch expires; any other error is its outcome.
+again, until the batch expires; any other error is its outcome. A cancel or the expiry lets the
+requests running finish (they are billed, so their answers are kept) and starts no other.
 """
 
 from __future__ import annotations
@@ -85,8 +86,10 @@ class _Runner:
         self.writes: set[asyncio.Task] = set()  # outcomes being recorded: awaited before the end
 
     async def run(self) -> bool:
-        """Run the lines not done yet, until all are, or a cancel, the expiry or a stop; False when
-        the lease was lost to another runner (which then ends the batch)."""
+        """Run the lines not done yet, until all are. After a cancel or the expiry, no line starts
+        and those running finish (they are billed: their answers are kept); a stop (the worker
+        shutting down) cancels them. False when the lease was lost to another runner (which then
+        ends the batch)."""
         done = await _db(selectors.done_lines, batch_id=self.batch.pk)
         waiting = [line for line in range(len(self.requests)) if line not in done]
         waiting.reverse()  # popped from the end: input order
@@ -98,11 +101,15 @@ class _Runner:
                 status = await _db(services.beat_batch, batch_id=self.batch.pk, token=self.token)
                 if status is None:
                     return False
-                if status != Batch.Status.IN_PROGRESS or loop.time() >= deadline or stopping.is_set():
-                    return True  # cancelled, expired or stopped: finally stops what runs
+                if stopping.is_set():
+                    return True  # finally cancels what runs: the batch resumes elsewhere
+                if status != Batch.Status.IN_PROGRESS or loop.time() >= deadline:
+                    waiting.clear()  # cancelled or expired: what runs finishes, nothing starts
                 while waiting and len(running) < settings.BATCH_MAX_IN_FLIGHT:
                     running.add(asyncio.create_task(self._line(waiting.pop(), deadline)))
-                _, running = await asyncio.wait(running, timeout=BEAT_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+                if running:
+                    _, running = await asyncio.wait(running, timeout=BEAT_SECONDS,
+                                                    return_when=asyncio.FIRST_COMPLETED)
             return True
         finally:
             for task in running:

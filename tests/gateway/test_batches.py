@@ -320,7 +320,8 @@ def test_the_runner_retries_a_refusal_of_a_moment_records_each_outcome_and_stops
     monkeypatch.setattr(batch_runner, "_db", on_a_thread)
     monkeypatch.setattr(batch_runner, "BEAT_SECONDS", 0.05)
     monkeypatch.setattr(batch_runner, "_retry_after", lambda exc: 0.01)
-    attempts, calls_made, hold = {}, [], asyncio.Event()
+    attempts, calls_made = {}, []
+    release = {}  # line 3's answer waits for this event: it is still running when the cancel comes
 
     async def begin(inference, *, caller, price_factor):
         assert price_factor == Decimal("0.5")
@@ -338,7 +339,8 @@ def test_the_runner_retries_a_refusal_of_a_moment_records_each_outcome_and_stops
         if call.request_id == "chatcmpl-2":
             raise RuntimeError("a bug in the relay")
         if call.request_id == "chatcmpl-3":
-            await asyncio.Event().wait()  # never ends: the cancel stops it
+            release["event"] = asyncio.Event()
+            await release["event"].wait()
         return _answer(call.request_id)
 
     monkeypatch.setattr(batch_runner.calls, "begin", begin)
@@ -352,9 +354,12 @@ def test_the_runner_retries_a_refusal_of_a_moment_records_each_outcome_and_stops
     async def scenario():
         runner = batch_runner._Runner(batch, token)
         task = asyncio.create_task(runner.run())
-        while len(await on_a_thread(selectors.done_lines, batch_id=batch.pk)) < 3:
+        while len(await on_a_thread(selectors.done_lines, batch_id=batch.pk)) < 3 or "event" not in release:
             await asyncio.sleep(0.02)
         await on_a_thread(services.cancel_batch, batch=batch)
+        await asyncio.sleep(0.3)  # beats go by: the running line is not cut off
+        assert not task.done()
+        release["event"].set()
         return await asyncio.wait_for(task, timeout=10)
 
     assert asyncio.run(scenario()) is True
@@ -362,7 +367,54 @@ def test_the_runner_retries_a_refusal_of_a_moment_records_each_outcome_and_stops
     assert attempts[0] == 2 and outcomes[0].status_code == 200  # sent again after the 429
     assert outcomes[1].status_code == 404 and attempts[1] == 1  # not a refusal of a moment
     assert outcomes[2].status_code == 500 and json.loads(outcomes[2].body)["error"]["code"] == "internal_error"
-    assert 3 not in outcomes and [c.cancelled for c in calls_made if c.request_id == "chatcmpl-3"] == [True]
+    cancelled = {c.request_id: c.cancelled for c in calls_made}
+    assert cancelled["chatcmpl-2"]  # the bug stopped its generation
+    assert outcomes[3].status_code == 200 and not cancelled["chatcmpl-3"]  # it ran on: kept, as it was billed
     ended = services.finish_batch(batch_id=batch.pk, token=token)
     assert ended.status == "cancelled" and selectors.batch_json(ended)["request_counts"] == \
-        {"total": 4, "completed": 1, "failed": 3}
+        {"total": 4, "completed": 2, "failed": 2}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stopping_worker_cancels_the_running_requests_and_leaves_the_batch_to_resume(org_key, monkeypatch):
+    import asyncio
+    import threading
+
+    from asgiref.sync import sync_to_async
+    from django.db import connections
+
+    from gateway import batch_runner
+
+    org, key, _ = org_key()
+    batch = _batch(org, key, lines=1)
+    requests = [{"custom_id": "c0", "body": {"model": "smol", "messages": [{"role": "user", "content": "0"}]}}]
+    Batch.objects.filter(pk=batch.pk).update(requests=json.dumps(requests))
+    batch.refresh_from_db()
+    _, token = services.claim_batch(batch_id=batch.pk, lease=timedelta(seconds=60))
+
+    def on_a_thread(fn, **kwargs):
+        def call():
+            try:
+                return fn(**kwargs)
+            finally:
+                connections.close_all()
+
+        return sync_to_async(call, thread_sensitive=False)()
+
+    stopping, running = threading.Event(), []
+    monkeypatch.setattr(batch_runner, "_db", on_a_thread)
+    monkeypatch.setattr(batch_runner, "BEAT_SECONDS", 0.05)
+    monkeypatch.setattr(batch_runner, "stopping", stopping)
+
+    async def begin(inference, *, caller, price_factor):
+        running.append(_FakeCall("chatcmpl-0"))
+        return running[-1], {}
+
+    async def collect(call, ctx):
+        stopping.set()  # the worker is told to stop while the answer is being written
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(batch_runner.calls, "begin", begin)
+    monkeypatch.setattr(batch_runner.answers, "collect", collect)
+    assert asyncio.run(asyncio.wait_for(batch_runner._Runner(batch, token).run(), timeout=10)) is True
+    assert running[0].cancelled and not Batch.objects.get(pk=batch.pk).outcomes.exists()
