@@ -47,6 +47,7 @@ _SECTIONS = {
     "playground": "playground",
     "api-keys": "api-keys",
     "responses": "responses", "response-detail": "responses",
+    "batches": "batches",
     "usage": "usage",
     "billing": "billing",
     "members": "members", "organization-new": "members",

@@ -53,6 +53,10 @@ urlpatterns = [
     path("responses/", logs.response_log, name="responses"),
     path("responses/<str:response_id>/", logs.response_detail, name="response-detail"),
     path("responses/<str:response_id>/delete/", logs.response_delete, name="response-delete"),
+    path("batches/", logs.batch_list, name="batches"),
+    path("batches/_rows/", logs.batch_rows, name="batch-rows"),
+    path("batches/<str:batch_id>/cancel/", logs.batch_cancel, name="batch-cancel"),
+    path("files/<str:file_id>/", logs.batch_file, name="batch-file"),
     path("usage/", usage.usage, name="usage"),
     path("billing/topups/<str:payment_intent_id>/pay/", billing.topup_pay, name="topup-pay"),
     # Operators

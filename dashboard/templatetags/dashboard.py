@@ -48,6 +48,8 @@ _ICONS = {
     "search": '<circle cx="9" cy="9" r="5.5"/><path d="m13 13 4 4"/>',
     "info": '<circle cx="10" cy="10" r="7"/><path d="M10 9v4.5M10 6.5h.01"/>',
     "logs": '<rect x="4" y="3" width="12" height="14" rx="1.5"/><path d="M7 7h6M7 10h6M7 13h4"/>',
+    "batches": '<rect x="3" y="3" width="14" height="4" rx="1"/><rect x="3" y="8.5" width="14" height="4" rx="1"/>'
+               '<path d="M3 15.5h14"/>',
 }
 
 

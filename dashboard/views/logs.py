@@ -1,12 +1,13 @@
 """Logs: the Responses API responses the organization's calls stored, newest first; one with its
-whole conversation; and their deletion."""
+whole conversation; and their deletion. Batches: the Batch API's jobs, their progress, their
+files."""
 
 from __future__ import annotations
 
 from datetime import datetime, timezone
 
 from django.contrib import messages
-from django.http import Http404
+from django.http import Http404, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
@@ -60,3 +61,57 @@ def _shown(item: dict) -> dict:
     label = item.get("role", "") if kind == "message" else kind.replace("_", " ")
     return {"id": item.get("id", ""), "kind": kind, "label": label, "text": responses.item_text(item),
             "call_id": item.get("call_id")}
+
+
+# ---------------------------------------------------------------------------------------- batches
+
+@organization_required
+def batch_list(request):
+    batches = _batches(request)
+    return render(request, "dashboard/batches.html", {"batches": batches, "polling": any(b["running"] for b in batches)})
+
+
+@organization_required
+def batch_rows(request):
+    """The table alone: htmx polls it while a batch runs, so its progress moves without a reload."""
+    return render(request, "dashboard/_batch_rows.html", {"batches": _batches(request)})
+
+
+def _batches(request) -> list[dict]:
+    rows = responses.batches_by_id(organization_id=request.organization.pk, ids=[
+        item["id"] for item in responses.batch_ids_of(organization_id=request.organization.pk)[-BATCHES_SHOWN:]])
+    shown = [responses.batch_json(batch) for batch in sorted(rows, key=lambda b: b.created_at, reverse=True)]
+    for batch in shown:
+        counts = batch["request_counts"]
+        batch["done"] = counts["completed"] + counts["failed"]
+        batch["percent"] = round(100 * batch["done"] / counts["total"]) if counts["total"] else 100
+        batch["created"] = datetime.fromtimestamp(batch["created_at"], tz=timezone.utc)
+        batch["running"] = batch["status"] in ("in_progress", "cancelling")
+    return shown
+
+
+BATCHES_SHOWN = 50
+
+
+@organization_required
+@require_POST
+def batch_cancel(request, batch_id: str):
+    batch = responses.batch_of(organization_id=request.organization.pk, batch_id=batch_id)
+    if batch is None:
+        raise Http404("No such batch.")
+    if batch.status == "in_progress":
+        response_services.cancel_batch(batch=batch)
+        messages.success(request, f"Batch {batch_id} is cancelling: the requests running finish, no other starts.")
+    return redirect("batches")
+
+
+@organization_required
+def batch_file(request, file_id: str):
+    """A batch's input, output or error file, downloaded from the dashboard."""
+    found = responses.file_of(organization_id=request.organization.pk, file_id=file_id)
+    if found is None:
+        raise Http404("No such file.")
+    content = responses.file_content(organization_id=request.organization.pk, file_id=found.pk)
+    download = HttpResponse(content, content_type="application/jsonl")
+    download["Content-Disposition"] = f'attachment; filename="{found.pk}.jsonl"'
+    return download

@@ -263,6 +263,23 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     assert answer and answer in " ".join(page.locator("#output-items").inner_text().split())
     shot(page, "13c-response-detail")
 
+    # --- a batch: its progress on the Batches page, its output to download -----------------------------------
+    lines = "".join(json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions", "body": {
+        "model": name, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 6}}) + "\n" for i in range(2))
+    auth = {"Authorization": f"Bearer {secret}"}
+    uploaded = httpx.post(f"{stack}/v1/files", headers=auth, data={"purpose": "batch"},
+                          files={"file": ("in.jsonl", lines.encode())}, timeout=30)
+    assert uploaded.status_code == 200, uploaded.text
+    batch = httpx.post(f"{stack}/v1/batches", headers=auth, timeout=30, json={
+        "input_file_id": uploaded.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+    assert batch.status_code == 200, batch.text
+    page.click("nav >> text=Batches")
+    row = page.locator(f"tr[data-batch='{batch.json()['id']}']")
+    row.locator("a[data-output]").wait_for(timeout=120_000)  # the page polls until the batch ends
+    assert row.get_attribute("data-status") == "completed"
+    assert row.locator("[data-progress]").get_attribute("data-progress") == "2/2"
+    shot(page, "13d-batches")
+
     # --- revoke the key: calls with it fail ---------------------------------------------------------------
     page.click("nav >> text=API keys")
     page.click("tr[data-key='journey key'] button:has-text('Revoke')")
@@ -291,7 +308,7 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     assert toggle.get_attribute("aria-expanded") == "false"
     assert phone.evaluate("() => document.activeElement.hasAttribute('data-nav-toggle')")
     for path in ("/", "/models/", f"/deployments/{name}/", "/playground/", "/api-keys/", "/responses/",
-                 f"/responses/{response_id}/", "/usage/", "/billing/"):
+                 f"/responses/{response_id}/", "/batches/", "/usage/", "/billing/"):
         phone.goto(path)
         width = phone.evaluate("document.documentElement.scrollWidth")
         assert width <= 390, f"{path} is {width} px wide on a 390 px phone"
@@ -324,7 +341,8 @@ def test_another_organization_sees_none_of_it(new_page, stack, db_call):
     deployment, key_name, prefix, request_id = db_call(first_organization)
     page = new_page()
     sign_up(page, name="Grace Hopper", organization=unique("Compilers"))
-    for path in ("/", "/deployments/", "/api-keys/", "/responses/", "/usage/", "/playground/", "/billing/"):
+    for path in ("/", "/deployments/", "/api-keys/", "/responses/", "/batches/", "/usage/", "/playground/",
+                 "/billing/"):
         page.goto(path)
         html = page.content()
         for secret in (deployment, key_name, prefix, request_id):
