@@ -120,9 +120,11 @@ def files_of(*, organization_id, purpose: str | None = None) -> list[dict]:
 
 
 def file_json(row: UploadedFile) -> dict:
+    expires = (row.created_at + timedelta(days=settings.BATCH_OUTPUT_RETENTION_DAYS)
+               if row.purpose == UploadedFile.Purpose.BATCH_OUTPUT else None)
     return {"id": row.pk, "object": "file", "bytes": row.size, "created_at": int(row.created_at.timestamp()),
-            "filename": row.filename, "purpose": row.purpose, "status": "processed", "expires_at": None,
-            "status_details": None}
+            "filename": row.filename, "purpose": row.purpose, "status": "processed",
+            "expires_at": int(expires.timestamp()) if expires else None, "status_details": None}
 
 
 # ---------------------------------------------------------------------------------------- batches

@@ -62,6 +62,13 @@ def create_file(*, organization_id, purpose: str, filename: str, content: bytes)
                                        created_at=timezone.now())
 
 
+def purge_expired_batch_files(*, now=None) -> int:
+    """Delete the batch output and error files past BATCH_OUTPUT_RETENTION_DAYS; how many."""
+    cutoff = (now or timezone.now()) - timedelta(days=settings.BATCH_OUTPUT_RETENTION_DAYS)
+    deleted, _ = UploadedFile.objects.filter(purpose=UploadedFile.Purpose.BATCH_OUTPUT, created_at__lte=cutoff).delete()
+    return deleted
+
+
 def delete_file(*, organization_id, file_id: str) -> bool:
     if not file_id.isprintable():
         return False

@@ -21,6 +21,15 @@ def purge_expired_responses() -> int:
     return deleted
 
 
+@shared_task(name="gateway.purge_expired_batch_files", ignore_result=True)
+def purge_expired_batch_files() -> int:
+    """Hourly (the beat schedule): delete batch output and error files past their retention."""
+    deleted = services.purge_expired_batch_files()
+    if deleted:
+        log.info("deleted %d batch output files past their retention", deleted)
+    return deleted
+
+
 @shared_task(name="gateway.run_batch", ignore_result=True, acks_late=False)
 def run_batch(batch_id: str) -> None:
     """Run a batch to its end (on the ``batches`` queue). Acknowledged at once: a runner that dies

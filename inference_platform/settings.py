@@ -204,6 +204,9 @@ except (ArithmeticError, ValueError):
     raise ImproperlyConfigured(f"BATCH_PRICE_FACTOR must be a decimal in (0, 1], not {BATCH_PRICE_FACTOR!r}") from None
 BATCH_MAX_IN_FLIGHT = env_int("BATCH_MAX_IN_FLIGHT", 16, minimum=1)  # requests of one batch running at once
 FILES_MAX_BYTES = env_int("FILES_MAX_BYTES", 50 << 20, minimum=1024)  # the largest file a client may upload
+BATCH_OUTPUT_RETENTION_DAYS = env_int("BATCH_OUTPUT_RETENTION_DAYS", 30, minimum=1)  # a batch's output and error files
+if BATCH_OUTPUT_RETENTION_DAYS > 36500:
+    raise ImproperlyConfigured(f"BATCH_OUTPUT_RETENTION_DAYS must be at most 36500, not {BATCH_OUTPUT_RETENTION_DAYS}")
 
 # Where operators keep model weights; catalog imports may only read below it.
 MODELS_ROOT = Path(env_str("MODELS_ROOT", str(DATA_DIR / "models"))).resolve()
@@ -300,6 +303,11 @@ CELERY_BEAT_SCHEDULE = {
         "task": "gateway.resume_batches",
         "schedule": 60.0,
         "options": {"queue": "default", "expires": 50.0},
+    },
+    "purge-expired-batch-files": {
+        "task": "gateway.purge_expired_batch_files",
+        "schedule": 3600.0,
+        "options": {"queue": "default", "expires": 600.0},
     },
     "purge-expired-responses": {
         "task": "gateway.purge_expired_responses",

@@ -418,3 +418,21 @@ def test_a_stopping_worker_cancels_the_running_requests_and_leaves_the_batch_to_
     monkeypatch.setattr(batch_runner.answers, "collect", collect)
     assert asyncio.run(asyncio.wait_for(batch_runner._Runner(batch, token).run(), timeout=10)) is True
     assert running[0].cancelled and not Batch.objects.get(pk=batch.pk).outcomes.exists()
+
+
+@pytest.mark.django_db
+def test_output_files_expire_after_their_retention_and_uploads_stay(org_key, settings):
+    from gateway.tasks import purge_expired_batch_files
+
+    settings.BATCH_OUTPUT_RETENTION_DAYS = 30
+    org, _, _ = org_key()
+    old_output = services.create_file(organization_id=org.pk, purpose="batch_output", filename="o", content=b"x")
+    new_output = services.create_file(organization_id=org.pk, purpose="batch_output", filename="n", content=b"x")
+    old_input = services.create_file(organization_id=org.pk, purpose="batch", filename="i", content=b"x")
+    UploadedFile.objects.filter(pk__in=[old_output.pk, old_input.pk]).update(
+        created_at=timezone.now() - timedelta(days=30, seconds=1))
+    shown = selectors.file_json(new_output)
+    assert shown["expires_at"] - shown["created_at"] == 30 * 86400
+    assert selectors.file_json(old_input)["expires_at"] is None
+    assert purge_expired_batch_files() == 1
+    assert set(UploadedFile.objects.values_list("pk", flat=True)) == {new_output.pk, old_input.pk}
