@@ -142,6 +142,12 @@ def batch_ids_of(*, organization_id) -> list[dict]:
     return [{"id": pk} for pk in rows.values_list("pk", flat=True)]
 
 
+def latest_batches(*, organization_id, limit: int) -> list[Batch]:
+    """The organization's ``limit`` newest batches, newest first."""
+    return list(Batch.objects.filter(organization_id=organization_id).defer("requests")
+                .order_by("-created_at", "-pk")[:limit])
+
+
 def batches_by_id(*, organization_id, ids: list[str]) -> list[Batch]:
     return list(Batch.objects.filter(organization_id=organization_id, pk__in=ids).defer("requests"))
 

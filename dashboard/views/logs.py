@@ -78,9 +78,8 @@ def batch_rows(request):
 
 
 def _batches(request) -> list[dict]:
-    rows = responses.batches_by_id(organization_id=request.organization.pk, ids=[
-        item["id"] for item in responses.batch_ids_of(organization_id=request.organization.pk)[-BATCHES_SHOWN:]])
-    shown = [responses.batch_json(batch) for batch in sorted(rows, key=lambda b: b.created_at, reverse=True)]
+    shown = [responses.batch_json(batch)
+             for batch in responses.latest_batches(organization_id=request.organization.pk, limit=BATCHES_SHOWN)]
     for batch in shown:
         counts = batch["request_counts"]
         batch["done"] = counts["completed"] + counts["failed"]
