@@ -98,9 +98,9 @@ def batches(request, caller):
     _method(request, "GET", "POST")
     if request.method == "GET":
         listed = pages.page(selectors.batch_ids_of(organization_id=caller.org_id), pages.parse_newest_first(request.GET))
-        shown = {b.pk: b for b in selectors.batches_by_id(organization_id=caller.org_id,
+        found = {b.pk: b for b in selectors.batches_by_id(organization_id=caller.org_id,
                                                           ids=[item["id"] for item in listed["data"]])}
-        return JsonResponse({**listed, "data": [selectors.batch_json(shown[item["id"]]) for item in listed["data"]]})
+        return JsonResponse({**listed, "data": selectors.batches_json([found[item["id"]] for item in listed["data"]])})
     body = read_json(request)
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")

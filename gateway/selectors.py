@@ -97,23 +97,30 @@ def _cut(text: str) -> str:
 
 # ------------------------------------------------------------------------------------------ files
 
+def _files(organization_id) -> "QuerySet[UploadedFile]":  # noqa: F821
+    """The organization's files, less the batch outputs past their retention (gone for every read,
+    whether or not the hourly purge has deleted them yet)."""
+    cutoff = timezone.now() - timedelta(days=settings.BATCH_OUTPUT_RETENTION_DAYS)
+    return UploadedFile.objects.filter(organization_id=organization_id).exclude(
+        purpose=UploadedFile.Purpose.BATCH_OUTPUT, created_at__lte=cutoff)
+
+
 def file_of(*, organization_id, file_id: str) -> UploadedFile | None:
     if not file_id.isprintable() or len(file_id) > UploadedFile._meta.pk.max_length:
         return None
-    return UploadedFile.objects.filter(organization_id=organization_id, pk=file_id).defer("content").first()
+    return _files(organization_id).filter(pk=file_id).defer("content").first()
 
 
 def file_content(*, organization_id, file_id: str) -> bytes | None:
     if not file_id.isprintable() or len(file_id) > UploadedFile._meta.pk.max_length:
         return None
-    row = UploadedFile.objects.filter(organization_id=organization_id, pk=file_id).values_list("content", flat=True)
-    content = row.first()
+    content = _files(organization_id).filter(pk=file_id).values_list("content", flat=True).first()
     return bytes(content) if content is not None else None
 
 
 def files_of(*, organization_id, purpose: str | None = None) -> list[dict]:
     """The organization's files, oldest first (``pages`` orders and cuts them)."""
-    rows = UploadedFile.objects.filter(organization_id=organization_id).defer("content").order_by("created_at", "pk")
+    rows = _files(organization_id).defer("content").order_by("created_at", "pk")
     if purpose:
         rows = rows.filter(purpose=purpose)
     return [file_json(row) for row in rows]
@@ -157,11 +164,22 @@ def done_lines(*, batch_id: str) -> set[int]:
     return set(BatchOutcome.objects.filter(batch_id=batch_id).values_list("line", flat=True))
 
 
-def batch_json(batch: Batch) -> dict:
+_COUNTS = {"completed": Count("pk", filter=Q(status_code=200)), "failed": Count("pk", filter=~Q(status_code=200)),
+           "input_tokens": Sum("input_tokens"), "output_tokens": Sum("output_tokens")}
+
+
+def batches_json(batches: list[Batch]) -> list[dict]:
+    """Several batches as the API shows them, their outcomes counted in one query."""
+    counted = {row.pop("batch_id"): row for row in BatchOutcome.objects.filter(batch__in=batches)
+               .values("batch_id").annotate(**_COUNTS)}
+    empty = {"completed": 0, "failed": 0, "input_tokens": 0, "output_tokens": 0}
+    return [batch_json(batch, counts=counted.get(batch.pk, empty)) for batch in batches]
+
+
+def batch_json(batch: Batch, *, counts: dict | None = None) -> dict:
     """A batch as the API shows it (OpenAI's Batch object)."""
-    counts = BatchOutcome.objects.filter(batch=batch).aggregate(
-        completed=Count("pk", filter=Q(status_code=200)), failed=Count("pk", filter=~Q(status_code=200)),
-        input_tokens=Sum("input_tokens"), output_tokens=Sum("output_tokens"))
+    if counts is None:
+        counts = BatchOutcome.objects.filter(batch=batch).aggregate(**_COUNTS)
     failed = counts["failed"]
     if batch.status in (Batch.Status.EXPIRED, Batch.Status.CANCELLED):  # the lines never run count as failed
         failed = batch.total - counts["completed"]

@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 from django.contrib import messages
 from django.http import Http404, HttpResponse
 from django.shortcuts import redirect, render
-from django.views.decorators.http import require_POST
+from django.views.decorators.http import require_GET, require_POST
 
 from gateway import selectors as responses
 from gateway import services as response_services
@@ -72,14 +72,18 @@ def batch_list(request):
 
 
 @organization_required
+@require_GET
 def batch_rows(request):
-    """The table alone: htmx polls it while a batch runs, so its progress moves without a reload."""
-    return render(request, "dashboard/_batch_rows.html", {"batches": _batches(request)})
+    """The table alone: htmx polls it while a batch runs, so its progress moves without a reload;
+    once none runs, 286 tells htmx to stop."""
+    batches = _batches(request)
+    return render(request, "dashboard/_batch_rows.html", {"batches": batches},
+                  status=200 if any(b["running"] for b in batches) else 286)
 
 
 def _batches(request) -> list[dict]:
-    shown = [responses.batch_json(batch)
-             for batch in responses.latest_batches(organization_id=request.organization.pk, limit=BATCHES_SHOWN)]
+    shown = responses.batches_json(responses.latest_batches(organization_id=request.organization.pk,
+                                                            limit=BATCHES_SHOWN))
     for batch in shown:
         counts = batch["request_counts"]
         batch["done"] = counts["completed"] + counts["failed"]
@@ -98,19 +102,21 @@ def batch_cancel(request, batch_id: str):
     batch = responses.batch_of(organization_id=request.organization.pk, batch_id=batch_id)
     if batch is None:
         raise Http404("No such batch.")
-    if batch.status == "in_progress":
-        response_services.cancel_batch(batch=batch)
+    if response_services.cancel_batch(batch=batch).status == "cancelling":
         messages.success(request, f"Batch {batch_id} is cancelling: the requests running finish, no other starts.")
+    else:
+        messages.info(request, f"Batch {batch_id} had already ended.")
     return redirect("batches")
 
 
 @organization_required
+@require_GET
 def batch_file(request, file_id: str):
     """A batch's input, output or error file, downloaded from the dashboard."""
     found = responses.file_of(organization_id=request.organization.pk, file_id=file_id)
-    if found is None:
-        raise Http404("No such file.")
-    content = responses.file_content(organization_id=request.organization.pk, file_id=found.pk)
+    content = responses.file_content(organization_id=request.organization.pk, file_id=file_id) if found else None
+    if content is None:  # none, expired, or deleted meanwhile
+        raise Http404("No such file (it may have expired or been deleted).")
     download = HttpResponse(content, content_type="application/jsonl")
     download["Content-Disposition"] = f'attachment; filename="{found.pk}.jsonl"'
     return download

@@ -39,8 +39,10 @@ def test_the_page_shows_each_batch_with_its_progress_and_polls_while_one_runs(ad
     assert 'data-progress="1/3"' in html and "1 done of 3" in html
     assert 'hx-get="/batches/_rows/"' in html  # it polls: a batch runs
     assert "Cancel" in html
-    rows = ada.get("/batches/_rows/").content.decode()
-    assert f'data-batch="{running.pk}"' in rows and "<html" not in rows
+    rows = ada.get("/batches/_rows/")
+    assert rows.status_code == 200  # htmx polls on
+    assert f'data-batch="{running.pk}"' in rows.content.decode() and "<html" not in rows.content.decode()
+    assert theirs.pk not in rows.content.decode()
 
 
 def test_a_batch_is_cancelled_from_the_page_and_its_files_download(ada, acme, globex):
@@ -52,6 +54,7 @@ def test_a_batch_is_cancelled_from_the_page_and_its_files_download(ada, acme, gl
     ended = services.finish_batch(batch_id=batch.pk)
     html = ada.get("/batches/").content.decode()
     assert 'hx-get="/batches/_rows/"' not in html  # nothing runs: no polling
+    assert ada.get("/batches/_rows/").status_code == 286  # and a page still polling is told to stop
     download = ada.get(f"/files/{ended.output_file_id}/")
     assert download.status_code == 200 and download["Content-Disposition"].startswith("attachment;")
     assert json.loads(download.content.decode().splitlines()[0])["custom_id"] == "c0"
@@ -59,6 +62,24 @@ def test_a_batch_is_cancelled_from_the_page_and_its_files_download(ada, acme, gl
     assert ada.get(f"/files/{theirs.input_file_id}/").status_code == 404
     assert ada.post(f"/batches/{theirs.pk}/cancel/").status_code == 404
     assert Batch.objects.get(pk=theirs.pk).status == "in_progress"
+
+
+def test_an_expired_output_file_is_gone_at_once(ada, acme, settings):
+    _, organization = acme
+    batch = _batch(organization, lines=1)
+    ended = services.finish_batch(batch_id=batch.pk)
+    assert ada.get(f"/files/{ended.output_file_id}/").status_code == 200
+    from gateway.models import UploadedFile
+
+    UploadedFile.objects.filter(pk=ended.output_file_id).update(
+        created_at=timezone.now() - timedelta(days=settings.BATCH_OUTPUT_RETENTION_DAYS, seconds=1))
+    assert ada.get(f"/files/{ended.output_file_id}/").status_code == 404
+    assert ada.get(f"/files/{batch.input_file_id}/").status_code == 200  # an upload does not expire
+
+
+def test_the_pages_need_a_signed_in_member(client):
+    for path in ("/batches/", "/batches/_rows/", "/files/file-x/"):
+        assert client.get(path).status_code == 302
 
 
 def test_no_batch_yet_says_how_to_start_one(ada):

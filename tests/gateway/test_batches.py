@@ -434,5 +434,9 @@ def test_output_files_expire_after_their_retention_and_uploads_stay(org_key, set
     shown = selectors.file_json(new_output)
     assert shown["expires_at"] - shown["created_at"] == 30 * 86400
     assert selectors.file_json(old_input)["expires_at"] is None
+    # Gone for every read at once, before the purge deletes it.
+    assert selectors.file_of(organization_id=org.pk, file_id=old_output.pk) is None
+    assert selectors.file_content(organization_id=org.pk, file_id=old_output.pk) is None
+    assert {f["id"] for f in selectors.files_of(organization_id=org.pk)} == {new_output.pk, old_input.pk}
     assert purge_expired_batch_files() == 1
     assert set(UploadedFile.objects.values_list("pk", flat=True)) == {new_output.pk, old_input.pk}
