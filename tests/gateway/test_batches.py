@@ -287,6 +287,20 @@ def test_a_batch_is_read_and_cancelled_by_its_organization_only(client, org_key,
 
 # ---------------------------------------------------------------------------------------- runner
 
+def on_a_thread(fn, **kwargs):
+    """``fn`` on a thread of its own, its connection closed after, as admission's threads do."""
+    from asgiref.sync import sync_to_async
+    from django.db import connections
+
+    def call():
+        try:
+            return fn(**kwargs)
+        finally:
+            connections.close_all()
+
+    return sync_to_async(call, thread_sensitive=False)()
+
+
 class _FakeCall:
     def __init__(self, request_id: str):
         self.request_id, self.created, self.cancelled = request_id, 0, False
@@ -300,23 +314,11 @@ def test_the_runner_retries_a_refusal_of_a_moment_records_each_outcome_and_stops
     """The runner's own logic, with the calls faked: what reaches a worker is tests/e2e's."""
     import asyncio
 
-    from asgiref.sync import sync_to_async
-    from django.db import connections
-
     from gateway import batch_runner
 
     org, key, _ = org_key()
     batch = _batch(org, key, lines=4)
     _, token = services.claim_batch(batch_id=batch.pk, lease=timedelta(seconds=60))
-    def on_a_thread(fn, **kwargs):  # as admission's threads do: the connection is closed after
-        def call():
-            try:
-                return fn(**kwargs)
-            finally:
-                connections.close_all()
-
-        return sync_to_async(call, thread_sensitive=False)()
-
     monkeypatch.setattr(batch_runner, "_db", on_a_thread)
     monkeypatch.setattr(batch_runner, "BEAT_SECONDS", 0.05)
     monkeypatch.setattr(batch_runner, "_retry_after", lambda exc: 0.01)
@@ -380,9 +382,6 @@ def test_a_stopping_worker_cancels_the_running_requests_and_leaves_the_batch_to_
     import asyncio
     import threading
 
-    from asgiref.sync import sync_to_async
-    from django.db import connections
-
     from gateway import batch_runner
 
     org, key, _ = org_key()
@@ -391,15 +390,6 @@ def test_a_stopping_worker_cancels_the_running_requests_and_leaves_the_batch_to_
     Batch.objects.filter(pk=batch.pk).update(requests=json.dumps(requests))
     batch.refresh_from_db()
     _, token = services.claim_batch(batch_id=batch.pk, lease=timedelta(seconds=60))
-
-    def on_a_thread(fn, **kwargs):
-        def call():
-            try:
-                return fn(**kwargs)
-            finally:
-                connections.close_all()
-
-        return sync_to_async(call, thread_sensitive=False)()
 
     stopping, running = threading.Event(), []
     monkeypatch.setattr(batch_runner, "_db", on_a_thread)
