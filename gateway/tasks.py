@@ -7,7 +7,7 @@ import logging
 from celery import shared_task
 from celery.signals import worker_shutting_down
 
-from . import services
+from . import batch_runner, services  # imported now: a shutdown must not import (see _stop_batch_runners)
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +34,7 @@ def purge_expired_batch_files() -> int:
 def run_batch(batch_id: str) -> None:
     """Run a batch to its end (on the ``batches`` queue). Acknowledged at once: a runner that dies
     is resumed by ``resume_batches``, not by the broker's redelivery."""
-    from .batch_runner import run
-
-    run(batch_id)
+    batch_runner.run(batch_id)
 
 
 @shared_task(name="gateway.resume_batches", ignore_result=True)
@@ -47,6 +45,4 @@ def resume_batches() -> int:
 
 @worker_shutting_down.connect
 def _stop_batch_runners(**kwargs) -> None:
-    from .batch_runner import stopping
-
-    stopping.set()
+    batch_runner.stopping.set()

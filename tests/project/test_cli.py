@@ -291,7 +291,7 @@ def test_up_starts_everything_on_embedded_defaults_and_ctrl_c_leaves_no_process(
         assert "Dashboard:" in output and "Log in as:" in output
         gone, alive = psutil.wait_procs(children, timeout=15)
         assert alive == [], f"left behind: {[p.cmdline() for p in alive]}"
-        for name in ("worker.log", "billing.log", "beat.log"):  # Redis outlived them: a clean shutdown
+        for name in ("worker.log", "billing.log", "batches.log", "beat.log"):  # Redis outlived them: a clean shutdown
             assert "Traceback" not in (tmp_path / "logs" / name).read_text(), name
     finally:
         if proc.poll() is None:
