@@ -15,11 +15,11 @@ import functools
 import json
 import logging
 import threading
-from datetime import timedelta
 from decimal import Decimal
 
 from django.conf import settings
 from django.db import DatabaseError, IntegrityError, InterfaceError, close_old_connections
+from django.utils import timezone
 
 from . import admission, answers, calls, formatting, selectors, services
 from .batch_input import ENDPOINTS
@@ -28,7 +28,6 @@ from .models import Batch
 from .protocol import parse_chat, parse_completion
 
 log = logging.getLogger(__name__)
-LEASE = timedelta(seconds=60)  # a runner silent this long is taken for dead
 BEAT_SECONDS = 2.0  # how often the runner shows life and looks for a cancel
 # Refusals of a moment: the request is sent again (backing off) until the batch expires.
 RETRIED = {(429, "queue_full"), (429, "rate_limit_exceeded"), (503, "model_unavailable"),
@@ -40,7 +39,7 @@ INTERNAL = ApiError(500, "The batch runner failed on this request; it is logged.
 def run(batch_id: str) -> None:
     """Run what is left of a batch and end it, unless another runner is on it. A worker that stops
     cancels the requests in flight (billed for what they made) and leaves the batch to be resumed."""
-    claimed = services.claim_batch(batch_id=batch_id, lease=LEASE)
+    claimed = services.claim_batch(batch_id=batch_id, lease=services.RUNNER_LEASE)
     if claimed is None:
         return
     batch, token = claimed
@@ -95,7 +94,7 @@ class _Runner:
         waiting.reverse()  # popped from the end: input order
         running: set[asyncio.Task] = set()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + (self.batch.expires_at - _now()).total_seconds()
+        deadline = loop.time() + (self.batch.expires_at - timezone.now()).total_seconds()
         try:
             while waiting or running:
                 status = await _db(services.beat_batch, batch_id=self.batch.pk, token=self.token)
@@ -194,9 +193,3 @@ def _retry_after(exc: ApiError) -> float:
         return min(60.0, max(0.5, float(headers.get("retry-after") or 1)))
     except ValueError:
         return 1.0
-
-
-def _now():
-    from django.utils import timezone
-
-    return timezone.now()

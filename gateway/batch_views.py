@@ -67,10 +67,14 @@ def files(request, caller):
     return JsonResponse(selectors.file_json(created))
 
 
+def _no_file(file_id: str) -> ApiError:
+    return ApiError(404, f"No such File object: {file_id[:80]}", param="id", code="file_not_found")
+
+
 def _file(caller, file_id: str) -> UploadedFile:
     found = selectors.file_of(organization_id=caller.org_id, file_id=file_id)
     if found is None:
-        raise ApiError(404, f"No such File object: {file_id[:80]}", param="id", code="file_not_found")
+        raise _no_file(file_id)
     return found
 
 
@@ -87,7 +91,9 @@ def file_detail(request, caller, file_id: str):
 @_api
 def file_content(request, caller, file_id: str):
     _method(request, "GET")
-    content = selectors.file_content(organization_id=caller.org_id, file_id=_file(caller, file_id).pk)
+    content = selectors.file_content(organization_id=caller.org_id, file_id=file_id)
+    if content is None:
+        raise _no_file(file_id)
     return HttpResponse(content, content_type="application/jsonl")
 
 

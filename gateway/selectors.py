@@ -20,9 +20,15 @@ def kept(*, organization_id) -> "QuerySet[StoredResponse]":  # noqa: F821
     return StoredResponse.objects.filter(organization_id=organization_id, created_at__gt=since)
 
 
+def fits(value: str, model) -> bool:
+    """Whether ``value`` can be a primary key of ``model``: a longer one is no row, and a NUL cannot
+    even be sent to the database."""
+    return value.isprintable() and len(value) <= model._meta.pk.max_length
+
+
 def _row(*, organization_id, response_id: str) -> StoredResponse | None:
-    if not response_id.isprintable() or len(response_id) > StoredResponse._meta.pk.max_length:
-        return None  # a NUL cannot even be sent to the database
+    if not fits(response_id, StoredResponse):
+        return None
     return kept(organization_id=organization_id).filter(pk=response_id).first()
 
 
@@ -106,13 +112,13 @@ def _files(organization_id) -> "QuerySet[UploadedFile]":  # noqa: F821
 
 
 def file_of(*, organization_id, file_id: str) -> UploadedFile | None:
-    if not file_id.isprintable() or len(file_id) > UploadedFile._meta.pk.max_length:
+    if not fits(file_id, UploadedFile):
         return None
     return _files(organization_id).filter(pk=file_id).defer("content").first()
 
 
 def file_content(*, organization_id, file_id: str) -> bytes | None:
-    if not file_id.isprintable() or len(file_id) > UploadedFile._meta.pk.max_length:
+    if not fits(file_id, UploadedFile):
         return None
     content = _files(organization_id).filter(pk=file_id).values_list("content", flat=True).first()
     return bytes(content) if content is not None else None
@@ -137,7 +143,7 @@ def file_json(row: UploadedFile) -> dict:
 # ---------------------------------------------------------------------------------------- batches
 
 def batch_of(*, organization_id, batch_id: str) -> Batch | None:
-    if not batch_id.isprintable() or len(batch_id) > Batch._meta.pk.max_length:
+    if not fits(batch_id, Batch):
         return None
     return Batch.objects.filter(organization_id=organization_id, pk=batch_id).defer("requests").first()
 

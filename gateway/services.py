@@ -1,4 +1,4 @@
-"""Writes of the gateway's stored responses."""
+"""Writes of the gateway: stored responses, files, and batches with their runners' leases."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def _json_text(value) -> str:
 
 def delete_response(*, organization_id, response_id: str) -> bool:
     """Delete one of the organization's stored responses; False when it has none by that id."""
-    if not response_id.isprintable():  # a NUL cannot even be sent to the database
+    if not selectors.fits(response_id, StoredResponse):
         return False
     deleted, _ = selectors.kept(organization_id=organization_id).filter(pk=response_id).delete()
     return deleted > 0
@@ -70,7 +70,7 @@ def purge_expired_batch_files(*, now=None) -> int:
 
 
 def delete_file(*, organization_id, file_id: str) -> bool:
-    if not file_id.isprintable():
+    if not selectors.fits(file_id, UploadedFile):
         return False
     deleted, _ = UploadedFile.objects.filter(organization_id=organization_id, pk=file_id).delete()
     return deleted > 0
@@ -103,11 +103,12 @@ def _start(batch_id: str) -> None:
 
 BATCH_WINDOWS = {"24h": timedelta(hours=24)}
 RUNNING = (Batch.Status.IN_PROGRESS, Batch.Status.CANCELLING)
+RUNNER_LEASE = timedelta(seconds=60)  # a runner silent this long is taken for dead
 
 
 def cancel_batch(*, batch: Batch) -> Batch:
-    """Ask a running batch to stop: its runner cancels the requests in flight and writes what
-    finished. A batch that already ended is returned as it is."""
+    """Ask a running batch to stop: its runner starts no other request, lets those running finish
+    and writes what finished. A batch that already ended is returned as it is."""
     now = timezone.now()
     Batch.objects.filter(pk=batch.pk, status=Batch.Status.IN_PROGRESS).update(
         status=Batch.Status.CANCELLING, cancelling_at=now)
@@ -192,9 +193,7 @@ def finish_batch(*, batch_id: str, token: str | None = None) -> Batch:
 
 def silent_batches() -> list[str]:
     """The running batches whose runner has shown no life for a lease (or never started)."""
-    from .batch_runner import LEASE
-
-    cutoff = timezone.now() - LEASE
+    cutoff = timezone.now() - RUNNER_LEASE
     return list(Batch.objects.filter(status__in=RUNNING).filter(
         models.Q(runner_seen_at__lt=cutoff) | models.Q(runner_seen_at__isnull=True, created_at__lt=cutoff))
         .order_by("created_at").values_list("pk", flat=True))
@@ -203,8 +202,6 @@ def silent_batches() -> list[str]:
 def resume_batches() -> int:
     """Each running batch whose runner went silent: one cancelled or past its window is ended here
     (its runner may wait for a free thread for long); the others get a runner again."""
-    from .tasks import run_batch
-
     silent = silent_batches()
     for batch_id in silent:
         batch = Batch.objects.defer("requests").get(pk=batch_id)

@@ -113,10 +113,9 @@ def batch_cancel(request, batch_id: str):
 @require_GET
 def batch_file(request, file_id: str):
     """A batch's input, output or error file, downloaded from the dashboard."""
-    found = responses.file_of(organization_id=request.organization.pk, file_id=file_id)
-    content = responses.file_content(organization_id=request.organization.pk, file_id=file_id) if found else None
-    if content is None:  # none, expired, or deleted meanwhile
+    content = responses.file_content(organization_id=request.organization.pk, file_id=file_id)
+    if content is None:  # none, expired, or deleted
         raise Http404("No such file (it may have expired or been deleted).")
     download = HttpResponse(content, content_type="application/jsonl")
-    download["Content-Disposition"] = f'attachment; filename="{found.pk}.jsonl"'
+    download["Content-Disposition"] = f'attachment; filename="{file_id}.jsonl"'
     return download

@@ -319,7 +319,15 @@ def test_the_runner_retries_a_refusal_of_a_moment_records_each_outcome_and_stops
     org, key, _ = org_key()
     batch = _batch(org, key, lines=4)
     _, token = services.claim_batch(batch_id=batch.pk, lease=timedelta(seconds=60))
-    monkeypatch.setattr(batch_runner, "_db", on_a_thread)
+    beats = []  # the statuses the runner read, beat by beat
+
+    async def counted(fn, **kwargs):
+        result = await on_a_thread(fn, **kwargs)
+        if fn is services.beat_batch:
+            beats.append(result)
+        return result
+
+    monkeypatch.setattr(batch_runner, "_db", counted)
     monkeypatch.setattr(batch_runner, "BEAT_SECONDS", 0.05)
     monkeypatch.setattr(batch_runner, "_retry_after", lambda exc: 0.01)
     attempts, calls_made = {}, []
@@ -359,12 +367,14 @@ def test_the_runner_retries_a_refusal_of_a_moment_records_each_outcome_and_stops
         while len(await on_a_thread(selectors.done_lines, batch_id=batch.pk)) < 3 or "event" not in release:
             await asyncio.sleep(0.02)
         await on_a_thread(services.cancel_batch, batch=batch)
-        await asyncio.sleep(0.3)  # beats go by: the running line is not cut off
+        while beats.count("cancelling") < 3:  # it saw the cancel and beats on: the running line is not cut off
+            assert not task.done()
+            await asyncio.sleep(0.02)
         assert not task.done()
         release["event"].set()
         return await asyncio.wait_for(task, timeout=10)
 
-    assert asyncio.run(scenario()) is True
+    assert asyncio.run(asyncio.wait_for(scenario(), timeout=30)) is True  # its waits end, or the test fails
     outcomes = {o.line: o for o in Batch.objects.get(pk=batch.pk).outcomes.all()}
     assert attempts[0] == 2 and outcomes[0].status_code == 200  # sent again after the 429
     assert outcomes[1].status_code == 404 and attempts[1] == 1  # not a refusal of a moment
