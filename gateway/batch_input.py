@@ -16,6 +16,12 @@ MAX_REQUESTS = 50_000
 MAX_CUSTOM_ID = 512
 
 
+def line_id(batch_id: str, line: int) -> str:
+    """A batch request's id (0-based ``line``): its output line's, and the id billing records it
+    under, so that the request run again after its runner died is charged once."""
+    return f"batch_req_{batch_id.removeprefix('batch_')}_{line}"
+
+
 def objects(content: bytes, *, param: str) -> Iterator[tuple[int, dict]]:
     """Each non-blank line's JSON object, with its line number; 400 naming ``param`` and the line."""
     try:

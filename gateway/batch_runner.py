@@ -22,7 +22,7 @@ from django.db import DatabaseError, IntegrityError, InterfaceError, close_old_c
 from django.utils import timezone
 
 from . import admission, answers, calls, formatting, selectors, services
-from .batch_input import ENDPOINTS
+from .batch_input import ENDPOINTS, line_id
 from .errors import ApiError
 from .models import Batch
 from .protocol import parse_chat, parse_completion
@@ -136,7 +136,8 @@ class _Runner:
         loop, backoff = asyncio.get_running_loop(), 1.0
         while True:
             try:
-                call, _ = await calls.begin(inference, caller=self._caller, price_factor=self.price_factor)
+                billed = calls.Billed(price_factor=self.price_factor, billing_id=line_id(self.batch.pk, line))
+                call, _ = await calls.begin(inference, caller=self._caller, billed=billed)
                 break
             except ApiError as exc:
                 wait = max(_retry_after(exc), backoff)

@@ -222,6 +222,7 @@ class Call:
     queue_timeout: float | None = None  # longer while a scaled-to-zero deployment cold-starts
     cold_start: bool = False  # no replica was ready: the wait for a worker is the model's load
     prices: dict | None = None  # the route's at admission, for billing (None: the catalog's when billed)
+    billing_id: str | None = None  # what billing records it under (None: ``request_id``)
 
     def payload(self) -> dict:
         """The task's argument: what the worker runs, and where to send the events."""
@@ -234,6 +235,9 @@ class Call:
             "api_key_id": self.caller.api_key.pk if self.caller.api_key is not None else None,
             "user": self.request.user,
             "prices": self.prices,
+            # Billing is idempotent by this id: a batch line run again (its runner died) is its own
+            # request, yet one charge.
+            "billing_id": self.billing_id or self.request_id,
             # A client that does not stream sees nothing until the end: a copy redelivered after
             # its worker died may then run again from the start (``inference.restarted``).
             "stream": self.request.stream,
@@ -368,7 +372,7 @@ def new_request_id(kind: str) -> str:
 
 
 def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], request_id: str, reply_channel: str,
-          stages: Stages, price_factor: Decimal | None = None) -> Call:
+          stages: Stages, billed: Billed) -> Call:
     """Admit and dispatch, blocking (one trip to a thread). Refusals come in the order clients see
     them: the key and the body (``identify``), the model (404), a max_tokens beyond its context, credit and spend limits (429
     insufficient_quota), a full deployment queue (429 queue_full), then rate limits (429), which
@@ -382,7 +386,7 @@ def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], request_id: s
     stages.mark("admit")
     call = Call(caller=caller, request=request, spec=spec, request_id=request_id, reply_channel=reply_channel,
                 headers={**decision.headers, "x-request-id": request_id}, stages=stages,
-                prices=_scaled(prices, price_factor))
+                prices=_scaled(prices, billed.price_factor), billing_id=billed.billing_id)
     dispatch.enqueue(call.payload())
     # A deployment with no ready replica: have the fleet load it, and wait as long as that takes.
     call.queue_timeout = float(settings.GATEWAY_QUEUE_TIMEOUT) if ready else capacity.wake(spec)
@@ -399,13 +403,20 @@ def _scaled(prices: dict, factor: Decimal | None) -> dict:
     return Prices(**{name: (Decimal(value) * factor).quantize(step) for name, value in prices.items()}).as_strings()
 
 
+class Billed(NamedTuple):
+    """How a request is billed, where not as the API's: a batch's discount and its line's id."""
+
+    price_factor: Decimal | None = None  # scales the route's prices
+    billing_id: str | None = None  # billing's idempotency key (None: the request's id)
+
+
 async def _begin(kind: str, identify: Callable[[], tuple[Caller, InferenceRequest]],
-                 stages: Stages, price_factor: Decimal | None = None) -> tuple[Call, InferenceRequest, dict]:
+                 stages: Stages, billed: Billed = Billed()) -> tuple[Call, InferenceRequest, dict]:
     request_id = new_request_id(kind)
     reply_channel = await get_channel_layer().new_channel()  # a name only: no I/O
     try:
         try:
-            call = await admission.run(_open, identify, request_id, reply_channel, stages, price_factor)
+            call = await admission.run(_open, identify, request_id, reply_channel, stages, billed)
         except REDIS_FAILURES as exc:
             raise unavailable(exc) from None
         except (DatabaseOperationalError, DatabaseInterfaceError) as exc:
@@ -428,12 +439,12 @@ async def _begin(kind: str, identify: Callable[[], tuple[Caller, InferenceReques
 
 
 async def begin(request: InferenceRequest, *, caller: Callable[[], Caller],
-                price_factor: Decimal | None = None) -> tuple[Call, dict]:
+                billed: Billed = Billed()) -> tuple[Call, dict]:
     """Admit, dispatch and start a parsed request (the WebSocket API, batches); ``caller()`` says who
-    calls, on the admission thread (raising ApiError to refuse); ``price_factor`` scales the prices
-    it is billed at. Returns the call and the response headers (rate limits and the
+    calls, on the admission thread (raising ApiError to refuse); ``billed`` says how it is billed
+    where not as the API's. Returns the call and the response headers (rate limits and the
     ``Server-Timing`` of the stages so far)."""
-    call, _, headers = await _begin(request.kind, lambda: (caller(), request), Stages(), price_factor)
+    call, _, headers = await _begin(request.kind, lambda: (caller(), request), Stages(), billed)
     return call, headers
 
 

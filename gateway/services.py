@@ -12,6 +12,7 @@ from django.db import models, transaction
 from django.utils import timezone
 
 from . import selectors
+from .batch_input import line_id
 from .models import Batch, BatchOutcome, StoredResponse, UploadedFile
 
 log = logging.getLogger(__name__)
@@ -160,7 +161,7 @@ def finish_batch(*, batch_id: str, token: str | None = None) -> Batch:
     outcomes = {o.line: o for o in BatchOutcome.objects.filter(batch_id=batch_id)}
     answers, failures = [], []
     for line, request in enumerate(json.loads(batch.requests)):
-        entry_id = f"batch_req_{batch_id.removeprefix('batch_')}_{line}"
+        entry_id = line_id(batch_id, line)
         outcome = outcomes.get(line)
         if outcome is None:
             code = "batch_cancelled" if ended == Batch.Status.CANCELLED else "batch_expired"

@@ -277,7 +277,8 @@ def _usage_event(payload: dict, answers: choices.Choices) -> dict:
         usage = choices.usage(outputs, n=answers.n, prompt_tokens=answers.prompt_tokens)
         timings, status = {"queue_ms": None, "ttft_ms": None, "latency_ms": None}, "failed"
     return {
-        "request_id": payload["request_id"],
+        # Billing's idempotency key: a batch line's id, the same for each run of the line.
+        "request_id": payload.get("billing_id") or payload["request_id"],
         "organization_id": payload["organization_id"],
         "api_key_id": payload.get("api_key_id"),
         "deployment_id": deployment["id"],

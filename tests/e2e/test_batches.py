@@ -64,7 +64,7 @@ def test_a_batch_answers_each_request_as_the_api_would_at_the_batch_price(openai
         from billing.models import UsageRecord
         from models_catalog.models import CatalogModel
 
-        ids = [a["response"]["request_id"] for a in answers]
+        ids = [a["id"] for a in answers]  # a batch request is billed under its line's id
         records = list(UsageRecord.objects.filter(request_id__in=ids))
         return records, CatalogModel.objects.get(slug=DEPLOYMENT)
 

@@ -333,9 +333,9 @@ def test_the_runner_retries_a_refusal_of_a_moment_records_each_outcome_and_stops
     attempts, calls_made = {}, []
     release = {}  # line 3's answer waits for this event: it is still running when the cancel comes
 
-    async def begin(inference, *, caller, price_factor):
-        assert price_factor == Decimal("0.5")
+    async def begin(inference, *, caller, billed):
         line = int(inference.messages[0]["content"])
+        assert billed == (Decimal("0.5"), batch_input.line_id(batch.pk, line))
         attempts[line] = attempts.get(line, 0) + 1
         if line == 0 and attempts[line] == 1:
             raise ApiError(429, "queue full", code="queue_full")
@@ -406,18 +406,32 @@ def test_a_stopping_worker_cancels_the_running_requests_and_leaves_the_batch_to_
     monkeypatch.setattr(batch_runner, "BEAT_SECONDS", 0.05)
     monkeypatch.setattr(batch_runner, "stopping", stopping)
 
-    async def begin(inference, *, caller, price_factor):
-        running.append(_FakeCall("chatcmpl-0"))
+    billed_as = []
+
+    async def begin(inference, *, caller, billed):
+        billed_as.append(billed.billing_id)
+        running.append(_FakeCall(f"chatcmpl-{len(running)}"))
         return running[-1], {}
 
     async def collect(call, ctx):
-        stopping.set()  # the worker is told to stop while the answer is being written
-        await asyncio.Event().wait()
+        if call is running[0]:
+            stopping.set()  # the worker is told to stop while the answer is being written
+            await asyncio.Event().wait()
+        return {"id": call.request_id, "usage": {"prompt_tokens": 1, "completion_tokens": 1}}
 
     monkeypatch.setattr(batch_runner.calls, "begin", begin)
     monkeypatch.setattr(batch_runner.answers, "collect", collect)
     assert asyncio.run(asyncio.wait_for(batch_runner._Runner(batch, token).run(), timeout=10)) is True
     assert running[0].cancelled and not Batch.objects.get(pk=batch.pk).outcomes.exists()
+
+    # Resumed by another runner: the line runs again as a new request, billed under the same id
+    # (the cancelled run's charge is the line's one; billing drops the second).
+    services.release_batch(batch_id=batch.pk, token=token)
+    stopping.clear()
+    _, token = services.claim_batch(batch_id=batch.pk, lease=timedelta(seconds=60))
+    assert asyncio.run(asyncio.wait_for(batch_runner._Runner(batch, token).run(), timeout=10)) is True
+    [answer] = services.finish_batch(batch_id=batch.pk, token=token).outcomes.all()
+    assert answer.request_id == "chatcmpl-1" and billed_as == [batch_input.line_id(batch.pk, 0)] * 2
 
 
 @pytest.mark.django_db

@@ -250,6 +250,32 @@ def test_the_usage_event_carries_the_prices_the_gateway_admitted_the_request_at(
     assert parse_usage_event(inference._usage_event(payload, finished_answers(final))).prices is None
 
 
+@pytest.mark.django_db
+def test_a_batch_line_run_twice_is_charged_once():
+    """Its runner died mid-request: the line runs again as a new request (a new request id, the
+    cancel of the first one must not stop it), but under the line's billing id, which billing
+    records once; the first charge stands."""
+    from billing.models import LedgerEntry, UsageRecord
+    from billing.services import record_usage
+    from tests.billing.conftest import make_organization
+    from workers.engine.sequence import RequestOutput, RequestTimings
+
+    organization = make_organization()
+    prices = {"input_per_mtok": "1.000000", "cached_input_per_mtok": "0.500000", "output_per_mtok": "2.000000",
+              "per_request": "0.000000"}
+    runs = []
+    for completion_tokens, reason in ((3, "abort"), (8, "stop")):
+        final = RequestOutput(request_id="r", token_ids=[5] * completion_tokens, text="hi", logprobs=None,
+                              finished=True, finish_reason=reason, prompt_tokens=4, cached_prompt_tokens=0,
+                              completion_tokens=completion_tokens, timings=RequestTimings(arrival_time=0.0))
+        payload = {"request_id": f"chatcmpl-{uuid.uuid4().hex}", "billing_id": "batch_req_abc_7", "deployment": SPEC,
+                   "organization_id": organization.pk, "prices": prices}
+        runs.append(record_usage(event=inference._usage_event(payload, finished_answers(final))))
+    assert runs[0].pk == runs[1].pk and runs[0].request_id == "batch_req_abc_7"
+    assert (runs[1].status, runs[1].completion_tokens) == ("cancelled", 3)
+    assert UsageRecord.objects.count() == 1 and LedgerEntry.objects.filter(kind="usage").count() == 1
+
+
 def finished_answers(*outputs):
     """A request's answers, each ended with its output."""
     from workers.choices import Choices
