@@ -10,22 +10,18 @@ from __future__ import annotations
 from rest_framework import exceptions as drf_exceptions
 from rest_framework.response import Response
 
-STATUS_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    406: "invalid_request_error",
-    409: "invalid_request_error",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-}
+def error_type(status: int) -> str:
+    """OpenAI's error ``type`` for a status: every client error is an ``invalid_request_error``
+    (401, 403 and 404 too), a 429 a limit on ``requests`` unless the error says otherwise
+    (``tokens``, ``insufficient_quota``), and every server error a ``server_error``."""
+    if status == 429:
+        return "requests"
+    return "invalid_request_error" if 400 <= status < 500 else "server_error"
 
 
 def error_response(status: int, message: str, *, type: str | None = None, param=None, code=None,
                    headers=None) -> Response:
-    body = {"error": {"message": message, "type": type or STATUS_TYPES.get(status, "server_error"),
+    body = {"error": {"message": message, "type": type or error_type(status),
                       "param": param, "code": code}}
     return Response(body, status=status, headers=headers)
 

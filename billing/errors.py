@@ -65,7 +65,6 @@ class NotAllowed(BillingError):
     """The user's role in the organization does not allow this change."""
 
     status = 403
-    type = "permission_error"
     code = "insufficient_role"
     default_message = "Your role in this organization does not allow this."
 
@@ -83,7 +82,7 @@ class CardDeclined(BillingError):
 
 class PaymentsNotConfigured(BillingError):
     status = 503
-    type = "service_unavailable"
+    type = "server_error"
     code = "payments_not_configured"
     default_message = "Payments are not configured on this platform (STRIPE_SECRET_KEY is unset)."
 

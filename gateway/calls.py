@@ -156,14 +156,29 @@ def _admit(caller: Caller, spec: dict, queue_limit: int, request_id: str) -> rat
     limit by its own size."""
     decision = ratelimit.admit(key_id=caller.key_id, org_id=caller.org_id, request_id=request_id,
                                queue_lists=dispatch.queue_lists(spec["name"]), queue_limit=queue_limit)
-    if decision.queue_full:
+    if decision.queue_full:  # the platform's capacity, not the caller's limits
         raise ApiError(429, f"The deployment '{spec['name']}' has {queue_limit} requests waiting, its limit; "
-                            "retry shortly.", code="queue_full", type="rate_limit_error",
+                            "retry shortly.", code="queue_full", type="server_error",
                        headers={"Retry-After": "1"})
     if not decision.allowed:
-        raise ApiError(429, "Rate limit reached for requests or tokens per minute; retry after the reset.",
-                       code="rate_limit_exceeded", headers=decision.headers)
+        raise _rate_limited(caller, decision)
     return decision
+
+
+def _rate_limited(caller: Caller, decision: ratelimit.Decision) -> ApiError:
+    """OpenAI's 429: which limit was reached, how much of it is used, and when to try again; its
+    ``type`` is the unit (``requests`` or ``tokens``)."""
+    window = decision.exhausted
+    wait = ratelimit.duration(decision.retry_after_ms)
+    if window is None:  # a window freed up between the check and this read: cannot say which
+        return ApiError(429, f"Rate limit reached; please try again in {wait}.", code="rate_limit_exceeded",
+                        headers=decision.headers)
+    whose = ("your organization" if window.scope == "organization"
+             else "this API key" if caller.api_key is not None else "your account")
+    per = "RPM" if window.unit == "requests" else "TPM"
+    return ApiError(429, f"Rate limit reached for {window.unit} per min ({per}) on {whose}: limit {window.limit}, "
+                         f"used {window.used}. Please try again in {wait}.", code="rate_limit_exceeded",
+                    type=window.unit, headers=decision.headers)
 
 
 def _check_quota(caller: Caller) -> None:

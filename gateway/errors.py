@@ -6,20 +6,7 @@ import re
 
 from django.http import JsonResponse
 
-# OpenAI's error types by status code.
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "service_unavailable",
-    504: "timeout",
-}
-
+from accounts.api_errors import error_type
 
 class ApiError(Exception):
     """Raised anywhere in the gateway; rendered once, in OpenAI's shape, with its status."""
@@ -31,7 +18,7 @@ class ApiError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.type = type or ERROR_TYPES.get(status, "server_error")
+        self.type = type or error_type(self.status)
         self.headers = headers or {}
 
     def body(self) -> dict:

@@ -118,11 +118,23 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class Window:
+    """One of the four windows, as admission found it."""
+
+    unit: str  # "requests" or "tokens"
+    scope: str  # "key" or "organization"
+    limit: int
+    used: int
+    reset_ms: int
+
+
+@dataclass(frozen=True)
 class Decision:
     allowed: bool
     retry_after_ms: int
     headers: dict
     queue_full: bool = False  # refused for the deployment's queue (``headers`` empty), not a window
+    exhausted: Window | None = None  # a refusal's window: the full one that frees up last
 
 
 def _keys(key_id, org_id) -> list[str]:
@@ -184,10 +196,16 @@ def admit(*, key_id, org_id, request_id: str, limits: Limits | None = None, queu
         headers[f"x-ratelimit-limit-{unit}"] = str(limit)
         headers[f"x-ratelimit-remaining-{unit}"] = str(remaining)
         headers[f"x-ratelimit-reset-{unit}"] = duration(reset)
-    if not allowed:
-        headers["retry-after"] = str(max(1, -(-retry_ms // 1000)))
-        headers["retry-after-ms"] = str(retry_ms)
-    return Decision(bool(allowed), retry_ms, headers)
+    if allowed:
+        return Decision(True, retry_ms, headers)
+    headers["retry-after"] = str(max(1, -(-retry_ms // 1000)))
+    headers["retry-after-ms"] = str(retry_ms)
+    windows = (Window("requests", "key", limits.key_rpm, key_req, key_req_reset),
+               Window("requests", "organization", limits.org_rpm, org_req, org_req_reset),
+               Window("tokens", "key", limits.key_tpm, key_tok, key_tok_reset),
+               Window("tokens", "organization", limits.org_tpm, org_tok, org_tok_reset))
+    full = [window for window in windows if window.used >= window.limit]
+    return Decision(False, retry_ms, headers, exhausted=max(full, key=lambda w: w.reset_ms, default=None))
 
 
 def _binding(key: tuple[int, int, int], org: tuple[int, int, int]) -> tuple[int, int, int]:

@@ -130,7 +130,7 @@ def metrics(request):
     if not _allowed(request):
         return JsonResponse({"error": {
             "message": "The metrics need 'Authorization: Bearer <METRICS_TOKEN>' or an operator's login.",
-            "type": "authentication_error", "param": None, "code": "invalid_api_key"}}, status=401)
+            "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}, status=401)
     registry = CollectorRegistry(auto_describe=False)
     for path in settings.METRICS_COLLECTORS:
         registry.register(import_string(path)())

@@ -45,7 +45,7 @@ def _billed_organization(request):
 
 
 def _not_found() -> JsonResponse:
-    return JsonResponse({"error": {"message": "Unknown reply.", "type": "not_found_error", "param": None,
+    return JsonResponse({"error": {"message": "Unknown reply.", "type": "invalid_request_error", "param": None,
                                    "code": "not_found"}}, status=404)
 
 

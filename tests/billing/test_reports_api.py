@@ -288,7 +288,7 @@ def test_organizations_never_see_each_other(client, world):
 def test_authentication_and_scopes(client, world):
     response = client.get("/v1/usage")
     assert response.status_code == 401
-    assert response.json()["error"]["type"] == "authentication_error"
+    assert response.json()["error"]["type"] == "invalid_request_error"
     response = client.get("/v1/billing/balance", headers=bearer("sk-nottherightshape"))
     assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     _, inference_only = make_key(world["acme"], scopes=["inference"], name="inference only")

@@ -210,7 +210,7 @@ def test_scopes_and_authentication(client, acme):
     response = client.get(LIMITS, headers=bearer(inference))  # reading takes read_usage
     assert response.status_code == 403 and response.json()["error"]["code"] == "missing_scope"
     response = put(client, {"monthly_limit": "1.00"})
-    assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
+    assert response.status_code == 401 and response.json()["error"]["type"] == "invalid_request_error"
     assert client.get(LIMITS).status_code == 401
     assert limit_of(organization) is None
     assert client.post(LIMITS, {"monthly_limit": "1.00"}, content_type="application/json",
@@ -229,7 +229,7 @@ def test_dashboard_session_owners_and_admins_may_change_it_members_may_not(clien
     else:
         assert response.status_code == 403
         error = response.json()["error"]
-        assert error["type"] == "permission_error" and error["code"] == "insufficient_role"
+        assert error["type"] == "invalid_request_error" and error["code"] == "insufficient_role"
         assert limit_of(organization) is None
 
 

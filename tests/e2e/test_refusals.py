@@ -105,7 +105,9 @@ def test_a_key_gets_exactly_its_request_limit(tenant, limited_server, db_read):
     assert [r.headers["x-ratelimit-remaining-requests"] for r in answers[:3]] == ["2", "1", "0"]
     assert all(r.headers["x-ratelimit-limit-requests"] == "3" for r in answers)
     refused = answers[3]
-    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    error = refused.json()["error"]
+    assert (error["code"], error["type"]) == ("rate_limit_exceeded", "requests")  # OpenAI's: the unit
+    assert "for requests per min (RPM) on this API key: limit 3, used 3. Please try again in" in error["message"]
     assert int(refused.headers["retry-after"]) >= 1 and refused.headers["x-ratelimit-reset-requests"] != "0s"
     assert "x-ratelimit-remaining-tokens" in refused.headers
     wait_for_usage(db_read, tenant, 3)

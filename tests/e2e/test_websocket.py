@@ -113,11 +113,11 @@ def test_a_key_revoked_while_its_connection_is_open_is_refused_from_the_next_req
         db_read(lambda: revoke_api_key(api_key=ApiKey.objects.get(pk=tenant.api_key_id)))
         ws.send(json.dumps({"request_id": "after", **ask}))
         [frame] = frames_until_done(ws, "after")
-    assert frame["type"] == "error" and frame["error"]["type"] == "authentication_error"
+    assert frame["type"] == "error" and frame["error"]["type"] == "invalid_request_error"
     assert "revoked" in frame["error"]["message"]
 
 
 def test_a_bad_key_is_refused_at_the_handshake(tenant):
     with connect(ws_url(tenant), additional_headers={"Authorization": "Bearer sk-nope"}) as ws:
         frame = json.loads(ws.recv(timeout=30))
-    assert frame["type"] == "error" and frame["error"]["type"] == "authentication_error"
+    assert frame["type"] == "error" and frame["error"]["type"] == "invalid_request_error"

@@ -228,7 +228,7 @@ def test_a_full_deployment_queue_is_refused_with_429(client, seeded, org_key, wa
     response = post(client, chat(), key=plaintext)
     assert response.status_code == 429, response.content
     error = response.json()["error"]
-    assert (error["code"], error["type"]) == ("queue_full", "rate_limit_error") and "2 requests waiting" in error["message"]
+    assert (error["code"], error["type"]) == ("queue_full", "server_error") and "2 requests waiting" in error["message"]
     assert response["Retry-After"] == "1" and response["x-request-id"].startswith("chatcmpl-")
     assert not UsageRecord.objects.filter(organization=org).exists()
 

@@ -98,7 +98,7 @@ def test_a_cold_start_that_never_comes_is_a_503_and_not_billed(client, settings,
     assert response["Content-Type"] == "application/json"  # before any SSE byte, also when streaming
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert (error["type"], error["code"], error["param"]) == ("service_unavailable", "model_unavailable", None)
+    assert (error["type"], error["code"], error["param"]) == ("server_error", "model_unavailable", None)
     assert name in error["message"]
     request_id = response["x-request-id"]
     assert cancel_marked(request_id)  # a worker that loads the model later must not run it for nobody

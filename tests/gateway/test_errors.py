@@ -50,7 +50,7 @@ def chat(model="smollm2-135m-instruct", **extra):
 
 
 def test_missing_and_bad_keys_are_401(client, seeded):
-    assert_error(post(client, CHAT, chat()), 401, type_="authentication_error", code="invalid_api_key")
+    assert_error(post(client, CHAT, chat()), 401, type_="invalid_request_error", code="invalid_api_key")
     assert_error(post(client, CHAT, chat(), key="sk-not-a-real-key"), 401, code="invalid_api_key")
 
 
@@ -68,7 +68,7 @@ def test_revoked_and_expired_keys_fail_at_once(client, seeded, org_key):
 
 def test_a_key_without_the_inference_scope_is_403(client, seeded, org_key):
     org, key, plaintext = org_key(scopes=["read_usage"])
-    assert_error(post(client, CHAT, chat(), key=plaintext), 403, type_="permission_error", code="missing_scope")
+    assert_error(post(client, CHAT, chat(), key=plaintext), 403, type_="invalid_request_error", code="missing_scope")
     assert no_usage(org)
 
 
@@ -90,7 +90,7 @@ def test_another_organizations_dedicated_deployment_is_404(client, seeded, org_k
     assert "private-one" in error["message"]
     for stream in (False, True):
         error = assert_error(post(client, COMPLETIONS, {"model": "private-one", "prompt": "Hi", "stream": stream},
-                                  key=plaintext), 404, type_="not_found_error", param="model", code="model_not_found")
+                                  key=plaintext), 404, type_="invalid_request_error", param="model", code="model_not_found")
         assert "private-one" in error["message"]
     listed = client.get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {plaintext}").json()["data"]
     assert "private-one" not in [m["id"] for m in listed]
@@ -175,7 +175,7 @@ def test_another_organizations_dedicated_deployment_cannot_be_called_over_the_we
         frame = refused[request_id]
         assert frame["type"] == "error" and set(frame["error"]) == {"message", "type", "param", "code"}, frame
         assert (frame["error"]["type"], frame["error"]["code"], frame["error"]["param"]) == \
-            ("not_found_error", "model_not_found", "model")
+            ("invalid_request_error", "model_not_found", "model")
         assert name in frame["error"]["message"]
         assert served[request_id]["error"]["code"] == "model_unavailable", served[request_id]
     assert no_usage(keys["other_org"]) and no_usage(keys["owner_org"])

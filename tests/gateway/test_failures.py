@@ -88,7 +88,7 @@ def test_losing_redis_while_waiting_is_a_503(monkeypatch):
         return caught.value
 
     error = asyncio.run(scenario())
-    assert (error.status, error.type, error.code) == (503, "service_unavailable", "service_unavailable")
+    assert (error.status, error.type, error.code) == (503, "server_error", "service_unavailable")
     assert error.headers["Retry-After"]
 
 

@@ -43,6 +43,8 @@ def test_a_key_gets_exactly_its_request_limit(ids):
     assert [a.allowed for a in answers] == [True, True, True, False]
     assert [a.headers["x-ratelimit-remaining-requests"] for a in answers[:3]] == ["2", "1", "0"]
     assert answers[3].retry_after_ms == ratelimit.WINDOW_MS - 3 and answers[3].headers["retry-after"] == "60"
+    assert answers[3].exhausted == ratelimit.Window("requests", "key", 3, 3, ratelimit.WINDOW_MS - 3)
+    assert answers[2].exhausted is None
     assert admit(ids, limits, now + ratelimit.WINDOW_MS).allowed  # the first one left the window
 
 
@@ -73,6 +75,7 @@ def test_tokens_count_once_per_request_and_leave_the_window_on_time(ids):
     refused = admit(ids, limits, now)
     assert not refused.allowed and refused.headers["x-ratelimit-remaining-tokens"] == "0"
     assert 0 < refused.retry_after_ms <= 1000  # when req-old leaves the window
+    assert refused.exhausted == ratelimit.Window("tokens", "key", 100, 110, refused.retry_after_ms)
     later = admit(ids, limits, now + 1500)
     assert later.allowed and later.headers["x-ratelimit-remaining-tokens"] == "50"
 

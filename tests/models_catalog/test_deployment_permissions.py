@@ -109,7 +109,7 @@ def _calls(client, headers: dict, name: str) -> list:
 def test_a_members_key_cannot_change_the_owners_deployment(client, acme):
     for response in _calls(client, acme["keys"]["member"], "owner-dep"):
         error = _error(response, 403, param="name", code="insufficient_role")
-        assert error["type"] == "permission_error"
+        assert error["type"] == "invalid_request_error"
     deployment = _deployment("owner-dep")
     assert (deployment.batch_window_ms, deployment.max_replicas, deployment.status) == (20, 1, "pending")
     # Reading it stays allowed.

@@ -88,7 +88,7 @@ def test_another_organizations_metrics_do_not_exist(client, world):
 
 def test_only_operators_see_the_workers(client, world):
     response = client.get("/v1/fleet/workers", headers=bearer(world["key"]))
-    assert response.status_code == 403 and response.json()["error"]["type"] == "permission_error"
+    assert response.status_code == 403 and response.json()["error"]["type"] == "invalid_request_error"
     assert client.get("/v1/fleet/workers").status_code == 401
 
     operator = create_user(email="ops@platform.test", password=None)

@@ -121,7 +121,7 @@ def test_requests_waiting_on_a_deleted_deployment_get_a_404_and_are_not_billed(c
             assert response["Content-Type"] == "application/json"  # before any SSE byte, also when streaming
             error = response.json()["error"]
             assert set(error) == {"message", "type", "param", "code"}
-            assert (error["type"], error["code"]) == ("not_found_error", "model_not_found")
+            assert (error["type"], error["code"]) == ("invalid_request_error", "model_not_found")
             assert name in error["message"] and "deleted" in error["message"]
             assert cancel_marked(response["x-request-id"])  # a redelivered copy would not run
         assert queue_depth(name) == 0  # taken off the queue, not left for a future namesake
