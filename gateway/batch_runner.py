@@ -1,9 +1,9 @@
 """Runs a batch: its requests go through the same path as the API's (``calls.begin``: the key, the
-model, credit and spend limits, the deployment's queue, the rate limits) a few at a time, billed at
-BATCH_PRICE_FACTOR of the model's prices; each outcome is kept as it comes, so that a runner that
-dies is resumed (``tasks.resume_batches``) without running a finished request again.
+model, credit and spend limits, the deployment's queue; not the per-minute limits) a few at a time,
+billed at BATCH_PRICE_FACTOR of the model's prices; each outcome is kept as it comes, so that a
+runner that dies is resumed (``tasks.resume_batches``) without running a finished request again.
 
-A request refused for a moment (429 queue or rate limit, 503 no replica yet) waits and is sent
+A request refused for a moment (429 queue full, 503 no replica yet) waits and is sent
 again, until the batch expires; any other error is its outcome. A cancel or the expiry lets the
 requests running finish (they are billed, so their answers are kept) and starts no other.
 """
@@ -30,8 +30,7 @@ from .protocol import parse_chat, parse_completion
 log = logging.getLogger(__name__)
 BEAT_SECONDS = 2.0  # how often the runner shows life and looks for a cancel
 # Refusals of a moment: the request is sent again (backing off) until the batch expires.
-RETRIED = {(429, "queue_full"), (429, "rate_limit_exceeded"), (503, "model_unavailable"),
-           (503, "model_overloaded"), (503, "service_unavailable")}
+RETRIED = {(429, "queue_full"), (503, "model_unavailable"), (503, "model_overloaded"), (503, "service_unavailable")}
 PARSERS = {"chat": parse_chat, "completion": parse_completion}
 INTERNAL = ApiError(500, "The batch runner failed on this request; it is logged.", code="internal_error")
 
@@ -136,8 +135,8 @@ class _Runner:
         loop, backoff = asyncio.get_running_loop(), 1.0
         while True:
             try:
-                billed = calls.Billed(price_factor=self.price_factor, billing_id=line_id(self.batch.pk, line))
-                call, _ = await calls.begin(inference, caller=self._caller, billed=billed)
+                batch_line = calls.BatchLine(self.price_factor, line_id(self.batch.pk, line))
+                call, _ = await calls.begin(inference, caller=self._caller, batch=batch_line)
                 break
             except ApiError as exc:
                 wait = max(_retry_after(exc), backoff)

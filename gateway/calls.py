@@ -149,13 +149,17 @@ def _check_max_tokens(request: InferenceRequest, context_length: int | None) -> 
                             "tokens, prompt included.", param=name, code="invalid_value")
 
 
-def _admit(caller: Caller, spec: dict, queue_limit: int, request_id: str) -> ratelimit.Decision:
+def _admit(caller: Caller, spec: dict, queue_limit: int, request_id: str, *, batch: bool = False) -> ratelimit.Decision:
     """Count the request against its rate limits, unless its deployment's queue is full (a full
     queue turns requests away rather than let them wait past any use) or a limit is reached: one
     script in Redis. The check and the enqueue are not atomic: a burst may overshoot the queue
-    limit by its own size."""
+    limit by its own size. A batch's request counts against no limit of the caller's, and finds
+    the queue full at BATCH_QUEUE_PERCENT of its limit: the rest is the API's."""
+    if batch:
+        queue_limit = max(1, queue_limit * settings.BATCH_QUEUE_PERCENT // 100)
     decision = ratelimit.admit(key_id=caller.key_id, org_id=caller.org_id, request_id=request_id,
-                               queue_lists=dispatch.queue_lists(spec["name"]), queue_limit=queue_limit)
+                               queue_lists=dispatch.queue_lists(spec["name"]), queue_limit=queue_limit,
+                               windows=not batch)
     if decision.queue_full:  # the platform's capacity, not the caller's limits
         raise ApiError(429, f"The deployment '{spec['name']}' has {queue_limit} requests waiting, its limit; "
                             "retry shortly.", code="queue_full", type="server_error",
@@ -233,7 +237,7 @@ class Call:
     cancelled: bool = False
     tokens_used: int = 0
     completion_seen: int = 0  # tokens relayed so far
-    tokens_counted: bool = False  # against the token rate limits: once per request
+    tokens_counted: bool = False  # against the token rate limits: once per request (a batch's: never)
     queue_timeout: float | None = None  # longer while a scaled-to-zero deployment cold-starts
     cold_start: bool = False  # no replica was ready: the wait for a worker is the model's load
     prices: dict | None = None  # the route's at admission, for billing (None: the catalog's when billed)
@@ -387,7 +391,7 @@ def new_request_id(kind: str) -> str:
 
 
 def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], request_id: str, reply_channel: str,
-          stages: Stages, billed: Billed) -> Call:
+          stages: Stages, batch: BatchLine | None) -> Call:
     """Admit and dispatch, blocking (one trip to a thread). Refusals come in the order clients see
     them: the key and the body (``identify``), the model (404), a max_tokens beyond its context, credit and spend limits (429
     insufficient_quota), a full deployment queue (429 queue_full), then rate limits (429), which
@@ -397,11 +401,13 @@ def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], request_id: s
         spec, ready, queue_limit, context_length, prices = _deployment_spec(caller, request.model)
     _check_max_tokens(request, context_length)
     _check_quota(caller)
-    decision = _admit(caller, spec, queue_limit, request_id)
+    decision = _admit(caller, spec, queue_limit, request_id, batch=batch is not None)
     stages.mark("admit")
     call = Call(caller=caller, request=request, spec=spec, request_id=request_id, reply_channel=reply_channel,
-                headers={**decision.headers, "x-request-id": request_id}, stages=stages,
-                prices=_scaled(prices, billed.price_factor), billing_id=billed.billing_id)
+                headers={**decision.headers, "x-request-id": request_id}, stages=stages, prices=prices)
+    if batch is not None:
+        call.prices, call.billing_id = _scaled(prices, batch.price_factor), batch.billing_id
+        call.tokens_counted = True  # outside the caller's limits
     dispatch.enqueue(call.payload())
     # A deployment with no ready replica: have the fleet load it, and wait as long as that takes.
     call.queue_timeout = float(settings.GATEWAY_QUEUE_TIMEOUT) if ready else capacity.wake(spec)
@@ -410,28 +416,29 @@ def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], request_id: s
     return call
 
 
-def _scaled(prices: dict, factor: Decimal | None) -> dict:
+def _scaled(prices: dict, factor: Decimal) -> dict:
     """The route's prices (Decimal strings) times ``factor`` (a batch's discount)."""
-    if factor is None:
-        return prices
     step = Decimal(1).scaleb(-PRICE_DECIMAL_PLACES)  # as fine as a usage record keeps a price
     return Prices(**{name: (Decimal(value) * factor).quantize(step) for name, value in prices.items()}).as_strings()
 
 
-class Billed(NamedTuple):
-    """How a request is billed, where not as the API's: a batch's discount and its line's id."""
+class BatchLine(NamedTuple):
+    """A Batch API request: billed at ``price_factor`` of the prices, under its line's id (each run
+    of the line is a new request, charged once), and admitted outside the caller's per-minute
+    limits (a batch must not starve the API's requests of its key, nor they the batch) while its
+    deployment's queue is below BATCH_QUEUE_PERCENT of its limit."""
 
-    price_factor: Decimal | None = None  # scales the route's prices
-    billing_id: str | None = None  # billing's idempotency key (None: the request's id)
+    price_factor: Decimal
+    billing_id: str
 
 
 async def _begin(kind: str, identify: Callable[[], tuple[Caller, InferenceRequest]],
-                 stages: Stages, billed: Billed = Billed()) -> tuple[Call, InferenceRequest, dict]:
+                 stages: Stages, batch: BatchLine | None = None) -> tuple[Call, InferenceRequest, dict]:
     request_id = new_request_id(kind)
     reply_channel = await get_channel_layer().new_channel()  # a name only: no I/O
     try:
         try:
-            call = await admission.run(_open, identify, request_id, reply_channel, stages, billed)
+            call = await admission.run(_open, identify, request_id, reply_channel, stages, batch)
         except REDIS_FAILURES as exc:
             raise unavailable(exc) from None
         except (DatabaseOperationalError, DatabaseInterfaceError) as exc:
@@ -454,12 +461,12 @@ async def _begin(kind: str, identify: Callable[[], tuple[Caller, InferenceReques
 
 
 async def begin(request: InferenceRequest, *, caller: Callable[[], Caller],
-                billed: Billed = Billed()) -> tuple[Call, dict]:
+                batch: BatchLine | None = None) -> tuple[Call, dict]:
     """Admit, dispatch and start a parsed request (the WebSocket API, batches); ``caller()`` says who
-    calls, on the admission thread (raising ApiError to refuse); ``billed`` says how it is billed
-    where not as the API's. Returns the call and the response headers (rate limits and the
-    ``Server-Timing`` of the stages so far)."""
-    call, _, headers = await _begin(request.kind, lambda: (caller(), request), Stages(), billed)
+    calls, on the admission thread (raising ApiError to refuse); ``batch``: a Batch API request's
+    line. Returns the call and the response headers (rate limits and the ``Server-Timing`` of the
+    stages so far)."""
+    call, _, headers = await _begin(request.kind, lambda: (caller(), request), Stages(), batch)
     return call, headers
 
 

@@ -51,6 +51,7 @@ if queue_limit >= 0 then  -- KEYS[7..]: the deployment's queue lists
   for i = 7, #KEYS do waiting = waiting + redis.call('LLEN', KEYS[i]) end
   if waiting >= queue_limit then return {-1, waiting} end
 end
+if ARGV[9] == '0' then return {1, 0} end  -- outside the windows (a batch's request)
 local cutoff = now - window
 local out = {1, 0}
 for i = 1, 2 do  -- request windows: one member per request
@@ -171,19 +172,22 @@ def _admission_script():
 
 
 def admit(*, key_id, org_id, request_id: str, limits: Limits | None = None, queue_lists: list[str] = (),
-          queue_limit: int | None = None, now_ms: int | None = None) -> Decision:
+          queue_limit: int | None = None, windows: bool = True, now_ms: int | None = None) -> Decision:
     """Count this request if its deployment's queue is below ``queue_limit`` (the requests waiting
     on ``queue_lists``; None: not checked) and every window has room; otherwise refuse it,
-    counting nothing. Blocking: it runs in the request's admission thread, with the database checks."""
+    counting nothing. ``windows=False``: the queue only (nothing counted, no headers). Blocking: it
+    runs in the request's admission thread, with the database checks."""
     limits = limits or Limits.from_settings()
     now = int(time.time() * 1000) if now_ms is None else now_ms
     out = _admission_script()(
         keys=[*_keys(key_id, org_id), *queue_lists],
         args=[now, WINDOW_MS, limits.key_rpm, limits.org_rpm, limits.key_tpm, limits.org_tpm, request_id,
-              -1 if queue_limit is None else queue_limit],
+              -1 if queue_limit is None else queue_limit, 1 if windows else 0],
     )
     if int(out[0]) == -1:
         return Decision(False, 1000, {}, queue_full=True)
+    if not windows:
+        return Decision(True, 0, {})
     allowed, retry_ms, key_req, key_req_reset, org_req, org_req_reset, key_tok, key_tok_reset, org_tok, org_tok_reset = (
         int(v) for v in out
     )

@@ -203,6 +203,10 @@ try:
 except (ArithmeticError, ValueError):
     raise ImproperlyConfigured(f"BATCH_PRICE_FACTOR must be a decimal in (0, 1], not {BATCH_PRICE_FACTOR!r}") from None
 BATCH_MAX_IN_FLIGHT = env_int("BATCH_MAX_IN_FLIGHT", 16, minimum=1)  # requests of one batch running at once
+# Batch requests wait while a deployment's queue holds this share of its limit: the rest is the API's.
+BATCH_QUEUE_PERCENT = env_int("BATCH_QUEUE_PERCENT", 50, minimum=1)
+if BATCH_QUEUE_PERCENT > 100:
+    raise ImproperlyConfigured(f"BATCH_QUEUE_PERCENT must be at most 100, not {BATCH_QUEUE_PERCENT}")
 FILES_MAX_BYTES = env_int("FILES_MAX_BYTES", 50 << 20, minimum=1024)  # the largest file a client may upload
 BATCH_OUTPUT_RETENTION_DAYS = env_int("BATCH_OUTPUT_RETENTION_DAYS", 30, minimum=1)  # a batch's output and error files
 if BATCH_OUTPUT_RETENTION_DAYS > 36500:

@@ -37,7 +37,7 @@ def _lines(client, file_id: str | None) -> list[dict]:
     return [json.loads(line) for line in client.files.content(file_id).text.splitlines()] if file_id else []
 
 
-def test_a_batch_answers_each_request_as_the_api_would_at_the_batch_price(openai_client, db_read):
+def test_a_batch_answers_each_request_as_the_api_would_at_the_batch_price(openai_client, tenant, db_read):
     content = "".join(_line(f"q{i}", _chat(q)) for i, q in enumerate(QUESTIONS))
     content += _line("bad", _chat("Hi", temperature=5))
     uploaded = openai_client.files.create(file=("requests.jsonl", content.encode()), purpose="batch")
@@ -74,6 +74,14 @@ def test_a_batch_answers_each_request_as_the_api_would_at_the_batch_price(openai
         assert record.price_input_per_mtok == catalog.price_input_per_mtok * Decimal("0.5")
         assert record.price_output_per_mtok == catalog.price_output_per_mtok * Decimal("0.5")
         assert record.cost > 0
+    # Outside the key's per-minute limits: its windows hold the direct requests, none of the batch's.
+    import redis
+    from django.conf import settings
+
+    windows = redis.Redis.from_url(settings.REDIS_URL)
+    counted = {m.decode().split(":")[0] for name in ("req", "tok")
+               for m in windows.zrange(f"rl:key:{tenant.api_key_id}:{name}", 0, -1)}
+    assert len(counted) == len(QUESTIONS) and not counted & {a["response"]["request_id"] for a in answers}
     listed = [b.id for b in openai_client.batches.list(limit=5)]
     assert listed[0] == batch.id  # newest first
 

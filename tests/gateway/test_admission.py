@@ -254,6 +254,36 @@ def test_the_queue_limit_counts_the_requests_waiting_and_a_refusal_counts_nowher
     assert [m.decode() for m in windows.zrange(f"rl:key:{key.pk}:req", 0, -1)] == ["req-one-place-left"]
 
 
+@pytest.mark.django_db
+def test_a_batch_request_counts_against_no_rate_limit_and_leaves_the_api_its_share_of_the_queue(
+        seeded, org_key, waiting_requests, settings):
+    import redis
+
+    from gateway import calls
+    from gateway.errors import ApiError
+
+    org, key, _ = org_key()
+    caller = calls.Caller(api_key=key, organization=org)
+    spec = {"name": "smollm2-135m-instruct"}
+    settings.RATE_LIMIT_KEY_RPM, settings.BATCH_QUEUE_PERCENT = 1, 50
+    waiting_requests("smollm2-135m-instruct", 0)
+    assert calls._admit(caller, spec, 10, "req-api").allowed  # the key's one request this minute
+    with pytest.raises(ApiError) as limited:
+        calls._admit(caller, spec, 10, "req-api-2")
+    assert limited.value.code == "rate_limit_exceeded"
+    batch = calls._admit(caller, spec, 10, "req-batch", batch=True)
+    assert batch.allowed and batch.headers == {}
+    windows = redis.Redis.from_url(settings.REDIS_URL)
+    assert [m.decode() for m in windows.zrange(f"rl:key:{key.pk}:req", 0, -1)] == ["req-api"]  # not the batch's
+
+    waiting_requests("smollm2-135m-instruct", 5)  # half the queue limit of 10
+    with pytest.raises(ApiError) as full:
+        calls._admit(caller, spec, 10, "req-batch-2", batch=True)
+    assert (full.value.status, full.value.code) == (429, "queue_full")
+    settings.RATE_LIMIT_KEY_RPM = 100
+    assert calls._admit(caller, spec, 10, "req-api-3").allowed  # the other half is the API's
+
+
 def test_a_known_key_and_deployment_are_read_from_the_database_once(org_key, seeded, django_assert_num_queries):
     from gateway import calls
     from inference_platform import read_cache

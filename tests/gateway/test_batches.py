@@ -70,7 +70,6 @@ def test_a_batch_is_billed_at_its_share_of_the_prices():
 
     prices = {"input_per_mtok": "0.05", "cached_input_per_mtok": "0.025", "output_per_mtok": "0.10",
               "per_request": "0.000003"}
-    assert _scaled(prices, None) is prices
     assert _scaled(prices, Decimal("0.5")) == {"input_per_mtok": "0.0250000000", "cached_input_per_mtok": "0.0125000000",
                                                "output_per_mtok": "0.0500000000", "per_request": "0.0000015000"}
     assert _scaled(prices, Decimal("0.333"))["per_request"] == "0.0000009990"  # ten places, as a record keeps
@@ -318,6 +317,7 @@ def test_the_runner_retries_a_refusal_of_a_moment_records_each_outcome_and_stops
 
     org, key, _ = org_key()
     batch = _batch(org, key, lines=4)
+    batch_id = batch.pk
     _, token = services.claim_batch(batch_id=batch.pk, lease=timedelta(seconds=60))
     beats = []  # the statuses the runner read, beat by beat
 
@@ -333,9 +333,9 @@ def test_the_runner_retries_a_refusal_of_a_moment_records_each_outcome_and_stops
     attempts, calls_made = {}, []
     release = {}  # line 3's answer waits for this event: it is still running when the cancel comes
 
-    async def begin(inference, *, caller, billed):
+    async def begin(inference, *, caller, batch):
         line = int(inference.messages[0]["content"])
-        assert billed == (Decimal("0.5"), batch_input.line_id(batch.pk, line))
+        assert batch == (Decimal("0.5"), batch_input.line_id(batch_id, line))
         attempts[line] = attempts.get(line, 0) + 1
         if line == 0 and attempts[line] == 1:
             raise ApiError(429, "queue full", code="queue_full")
@@ -396,6 +396,7 @@ def test_a_stopping_worker_cancels_the_running_requests_and_leaves_the_batch_to_
 
     org, key, _ = org_key()
     batch = _batch(org, key, lines=1)
+    batch_id = batch.pk
     requests = [{"custom_id": "c0", "body": {"model": "smol", "messages": [{"role": "user", "content": "0"}]}}]
     Batch.objects.filter(pk=batch.pk).update(requests=json.dumps(requests))
     batch.refresh_from_db()
@@ -408,8 +409,8 @@ def test_a_stopping_worker_cancels_the_running_requests_and_leaves_the_batch_to_
 
     billed_as = []
 
-    async def begin(inference, *, caller, billed):
-        billed_as.append(billed.billing_id)
+    async def begin(inference, *, caller, batch):
+        billed_as.append(batch.billing_id)
         running.append(_FakeCall(f"chatcmpl-{len(running)}"))
         return running[-1], {}
 
@@ -431,7 +432,7 @@ def test_a_stopping_worker_cancels_the_running_requests_and_leaves_the_batch_to_
     _, token = services.claim_batch(batch_id=batch.pk, lease=timedelta(seconds=60))
     assert asyncio.run(asyncio.wait_for(batch_runner._Runner(batch, token).run(), timeout=10)) is True
     [answer] = services.finish_batch(batch_id=batch.pk, token=token).outcomes.all()
-    assert answer.request_id == "chatcmpl-1" and billed_as == [batch_input.line_id(batch.pk, 0)] * 2
+    assert answer.request_id == "chatcmpl-1" and billed_as == [batch_input.line_id(batch_id, 0)] * 2
 
 
 @pytest.mark.django_db
