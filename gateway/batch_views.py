@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 
 from django.conf import settings
-from django.http import HttpResponse, JsonResponse
+from django.http import JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from . import batch_input, calls, pages, selectors, services
+from .downloads import download
 from .errors import ApiError, invalid
 from .models import Batch, UploadedFile
 from .views import read_json
@@ -91,10 +92,10 @@ def file_detail(request, caller, file_id: str):
 @_api
 def file_content(request, caller, file_id: str):
     _method(request, "GET")
-    content = selectors.file_content(organization_id=caller.org_id, file_id=file_id)
-    if content is None:
+    found = selectors.file_of(organization_id=caller.org_id, file_id=file_id)
+    if found is None:
         raise _no_file(file_id)
-    return HttpResponse(content, content_type="application/jsonl")
+    return download(found)
 
 
 # ---------------------------------------------------------------------------------------- batches

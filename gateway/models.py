@@ -38,7 +38,6 @@ class UploadedFile(models.Model):
     organization = models.ForeignKey("accounts.Organization", on_delete=models.CASCADE, related_name="+")
     purpose = models.CharField(max_length=16, choices=Purpose.choices)
     filename = models.CharField(max_length=255)
-    content = models.BinaryField()
     size = models.PositiveBigIntegerField()
     created_at = models.DateTimeField()
 
@@ -47,6 +46,21 @@ class UploadedFile(models.Model):
 
     def __str__(self) -> str:
         return self.id
+
+
+class FileChunk(models.Model):
+    """A piece of a file's content, numbered from 0, each but the last CHUNK_BYTES long: a file is
+    written and read a chunk at a time, so that none has to fit in memory or in one database value
+    (a batch's answers may come to gigabytes)."""
+
+    CHUNK_BYTES = 1 << 20
+
+    file = models.ForeignKey(UploadedFile, on_delete=models.CASCADE, related_name="chunks")
+    index = models.PositiveIntegerField()
+    data = models.BinaryField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["file", "index"], name="file_chunk_index_unique")]
 
 
 class Batch(models.Model):

@@ -11,7 +11,7 @@ from django.conf import settings
 from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
-from .models import Batch, BatchOutcome, StoredResponse, UploadedFile
+from .models import Batch, BatchOutcome, FileChunk, StoredResponse, UploadedFile
 
 
 def kept(*, organization_id) -> "QuerySet[StoredResponse]":  # noqa: F821
@@ -114,19 +114,27 @@ def _files(organization_id) -> "QuerySet[UploadedFile]":  # noqa: F821
 def file_of(*, organization_id, file_id: str) -> UploadedFile | None:
     if not fits(file_id, UploadedFile):
         return None
-    return _files(organization_id).filter(pk=file_id).defer("content").first()
+    return _files(organization_id).filter(pk=file_id).first()
 
 
 def file_content(*, organization_id, file_id: str) -> bytes | None:
-    if not fits(file_id, UploadedFile):
+    """A whole file (a batch's input: at most FILES_MAX_BYTES); downloads read ``file_chunk``."""
+    found = file_of(organization_id=organization_id, file_id=file_id)
+    if found is None:
         return None
-    content = _files(organization_id).filter(pk=file_id).values_list("content", flat=True).first()
-    return bytes(content) if content is not None else None
+    parts = FileChunk.objects.filter(file_id=found.pk).order_by("index").values_list("data", flat=True)
+    return b"".join(bytes(part) for part in parts)
+
+
+def file_chunk(*, file_id: str, index: int) -> bytes | None:
+    """A file's ``index``-th chunk; None past its end, or once the file is deleted."""
+    data = FileChunk.objects.filter(file_id=file_id, index=index).values_list("data", flat=True).first()
+    return None if data is None else bytes(data)
 
 
 def files_of(*, organization_id, purpose: str | None = None) -> list[dict]:
     """The organization's files, oldest first (``pages`` orders and cuts them)."""
-    rows = _files(organization_id).defer("content").order_by("created_at", "pk")
+    rows = _files(organization_id).order_by("created_at", "pk")
     if purpose:
         rows = rows.filter(purpose=purpose)
     return [file_json(row) for row in rows]

@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from . import selectors
 from .batch_input import line_id
-from .models import Batch, BatchOutcome, StoredResponse, UploadedFile
+from .models import Batch, BatchOutcome, FileChunk, StoredResponse, UploadedFile
 
 log = logging.getLogger(__name__)
 
@@ -57,17 +57,48 @@ def purge_expired_responses(*, now=None) -> int:
 
 # ------------------------------------------------------------------------------------------ files
 
+class FileWriter:
+    """Writes a new file a chunk at a time, so that its content never has to be whole in memory.
+    Use it inside a transaction: a file is then seen whole or not at all."""
+
+    def __init__(self, *, organization_id, purpose: str, filename: str):
+        self.file = UploadedFile.objects.create(pk=f"file-{secrets.token_hex(12)}", organization_id=organization_id,
+                                                purpose=purpose, filename=filename[:255], size=0,
+                                                created_at=timezone.now())
+        self.pending = bytearray()
+        self.chunks = 0
+
+    def write(self, data: bytes) -> None:
+        self.pending += data
+        self.file.size += len(data)
+        while len(self.pending) >= FileChunk.CHUNK_BYTES:
+            self._store(self.pending[:FileChunk.CHUNK_BYTES])
+            del self.pending[:FileChunk.CHUNK_BYTES]
+
+    def close(self) -> UploadedFile:
+        if self.pending:
+            self._store(self.pending)
+            self.pending = bytearray()
+        UploadedFile.objects.filter(pk=self.file.pk).update(size=self.file.size)
+        return self.file
+
+    def _store(self, data) -> None:
+        FileChunk.objects.create(file_id=self.file.pk, index=self.chunks, data=bytes(data))
+        self.chunks += 1
+
+
 def create_file(*, organization_id, purpose: str, filename: str, content: bytes) -> UploadedFile:
-    return UploadedFile.objects.create(pk=f"file-{secrets.token_hex(12)}", organization_id=organization_id,
-                                       purpose=purpose, filename=filename[:255], content=content, size=len(content),
-                                       created_at=timezone.now())
+    with transaction.atomic():
+        writer = FileWriter(organization_id=organization_id, purpose=purpose, filename=filename)
+        writer.write(content)
+        return writer.close()
 
 
 def purge_expired_batch_files(*, now=None) -> int:
     """Delete the batch output and error files past BATCH_OUTPUT_RETENTION_DAYS; how many."""
     cutoff = (now or timezone.now()) - timedelta(days=settings.BATCH_OUTPUT_RETENTION_DAYS)
-    deleted, _ = UploadedFile.objects.filter(purpose=UploadedFile.Purpose.BATCH_OUTPUT, created_at__lte=cutoff).delete()
-    return deleted
+    _, deleted = UploadedFile.objects.filter(purpose=UploadedFile.Purpose.BATCH_OUTPUT, created_at__lte=cutoff).delete()
+    return deleted.get(UploadedFile._meta.label, 0)  # not counting their chunks
 
 
 def delete_file(*, organization_id, file_id: str) -> bool:
@@ -153,43 +184,65 @@ def record_outcome(*, batch_id: str, line: int, request_id: str, status_code: in
 def finish_batch(*, batch_id: str, token: str | None = None) -> Batch:
     """Write the output file (the answers) and the error file (the failures, and the requests never
     run), in input order, and end the batch: completed, cancelled or expired. ``token``: the
-    runner's lease (None: a resume ending a batch no runner holds)."""
-    batch = Batch.objects.get(pk=batch_id)
+    runner's lease (None: a resume ending a batch no runner holds). The files are written an
+    outcome at a time, each in a transaction of its own before the batch's lock is taken (writing
+    a large one takes a while): whole or not at all, and deleted if the batch turns out lost."""
+    batch = Batch.objects.defer("requests").get(pk=batch_id)
     now = timezone.now()
     ended = (Batch.Status.CANCELLED if batch.status == Batch.Status.CANCELLING
              else Batch.Status.EXPIRED if now >= batch.expires_at else Batch.Status.COMPLETED)
-    outcomes = {o.line: o for o in BatchOutcome.objects.filter(batch_id=batch_id)}
-    answers, failures = [], []
-    for line, request in enumerate(json.loads(batch.requests)):
-        entry_id = line_id(batch_id, line)
-        outcome = outcomes.get(line)
-        if outcome is None:
-            code = "batch_cancelled" if ended == Batch.Status.CANCELLED else "batch_expired"
-            failures.append({"id": entry_id, "custom_id": request["custom_id"], "response": None, "error": {
-                "code": code, "message": f"The batch was {ended} before this request ran."}})
-            continue
-        entry = {"id": entry_id, "custom_id": request["custom_id"], "response": {
-            "status_code": outcome.status_code, "request_id": outcome.request_id, "body": json.loads(outcome.body)},
-            "error": None}
-        (answers if outcome.status_code == 200 else failures).append(entry)
-    written = {}
-    for entries, field in ((answers, "output_file_id"), (failures, "error_file_id")):
-        if entries:  # before the lock: writing the file may take a while
-            content = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries).encode("utf-8", "replace")
-            written[field] = create_file(organization_id=batch.organization_id,
-                                         purpose=UploadedFile.Purpose.BATCH_OUTPUT,
-                                         filename=f"{batch_id}_{field.removesuffix('_file_id')}.jsonl",
-                                         content=content).pk
+    requests = Batch.objects.filter(pk=batch_id).values_list("requests", flat=True).get()
+    custom_ids = [request["custom_id"] for request in json.loads(requests)]
+    written, outcomes = {}, 0
+    for answers, field in ((True, "output_file_id"), (False, "error_file_id")):
+        with transaction.atomic():
+            writer = None
+            for entry, ran in _entries(batch_id, custom_ids, ended, answers=answers):
+                outcomes += ran
+                if writer is None:
+                    writer = FileWriter(organization_id=batch.organization_id, purpose=UploadedFile.Purpose.BATCH_OUTPUT,
+                                        filename=f"{batch_id}_{field.removesuffix('_file_id')}.jsonl")
+                writer.write((json.dumps(entry, ensure_ascii=False) + "\n").encode("utf-8", "replace"))
+            if writer is not None:
+                written[field] = writer.close().pk
     with transaction.atomic():
         current = Batch.objects.select_for_update().defer("requests").get(pk=batch_id)
         lost = current.status not in RUNNING or (token is not None and current.runner != token) \
-            or set(BatchOutcome.objects.filter(batch_id=batch_id).values_list("line", flat=True)) != set(outcomes)
+            or BatchOutcome.objects.filter(batch_id=batch_id).count() != outcomes
         if not lost:
             fields = {"status": ended, f"{ended}_at": timezone.now(), "finalizing_at": now, "runner": "", **written}
             Batch.objects.filter(pk=batch_id).update(**fields)
     if lost:  # another runner ended it, or an outcome came in meanwhile: this run's files are void
         UploadedFile.objects.filter(pk__in=written.values()).delete()
     return Batch.objects.defer("requests").get(pk=batch_id)
+
+
+def _entries(batch_id: str, custom_ids: list[str], ended: str, *, answers: bool):
+    """The output file's lines (``answers``) or the error file's, in input order, each with whether
+    it is an outcome's: read from the outcomes a few hundred at a time, never all at once. A line
+    with no outcome (never run) is an error."""
+    outcomes = BatchOutcome.objects.filter(batch_id=batch_id).order_by("line")
+    outcomes = outcomes.filter(status_code=200) if answers else outcomes.exclude(status_code=200)
+    rows = outcomes.values_list("line", "request_id", "status_code", "body").iterator(chunk_size=200)
+    if answers:
+        for line, request_id, status_code, body in rows:
+            yield _entry(batch_id, line, custom_ids[line], request_id, status_code, body), True
+        return
+    code = "batch_cancelled" if ended == Batch.Status.CANCELLED else "batch_expired"
+    done = set(BatchOutcome.objects.filter(batch_id=batch_id).values_list("line", flat=True))
+    failed = next(rows, None)
+    for line, custom_id in enumerate(custom_ids):
+        if failed is not None and failed[0] == line:
+            yield _entry(batch_id, line, custom_id, *failed[1:]), True
+            failed = next(rows, None)
+        elif line not in done:
+            yield {"id": line_id(batch_id, line), "custom_id": custom_id, "response": None, "error": {
+                "code": code, "message": f"The batch was {ended} before this request ran."}}, False
+
+
+def _entry(batch_id: str, line: int, custom_id: str, request_id: str, status_code: int, body: str) -> dict:
+    return {"id": line_id(batch_id, line), "custom_id": custom_id, "response": {
+        "status_code": status_code, "request_id": request_id, "body": json.loads(body)}, "error": None}
 
 
 def silent_batches() -> list[str]:

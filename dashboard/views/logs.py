@@ -7,11 +7,12 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 from django.contrib import messages
-from django.http import Http404, HttpResponse
+from django.http import Http404
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_POST
 
 from gateway import selectors as responses
+from gateway.downloads import download
 from gateway import services as response_services
 
 from .common import organization_required
@@ -113,9 +114,7 @@ def batch_cancel(request, batch_id: str):
 @require_GET
 def batch_file(request, file_id: str):
     """A batch's input, output or error file, downloaded from the dashboard."""
-    content = responses.file_content(organization_id=request.organization.pk, file_id=file_id)
-    if content is None:  # none, expired, or deleted
+    found = responses.file_of(organization_id=request.organization.pk, file_id=file_id)
+    if found is None:  # none, expired, or deleted
         raise Http404("No such file (it may have expired or been deleted).")
-    download = HttpResponse(content, content_type="application/jsonl")
-    download["Content-Disposition"] = f'attachment; filename="{file_id}.jsonl"'
-    return download
+    return download(found, attachment=True)

@@ -57,7 +57,7 @@ def test_a_batch_is_cancelled_from_the_page_and_its_files_download(ada, acme, gl
     assert ada.get("/batches/_rows/").status_code == 286  # and a page still polling is told to stop
     download = ada.get(f"/files/{ended.output_file_id}/")
     assert download.status_code == 200 and download["Content-Disposition"].startswith("attachment;")
-    assert json.loads(download.content.decode().splitlines()[0])["custom_id"] == "c0"
+    assert json.loads(b"".join(download).decode().splitlines()[0])["custom_id"] == "c0"
     theirs = _batch(globex[1])
     assert ada.get(f"/files/{theirs.input_file_id}/").status_code == 404
     assert ada.post(f"/batches/{theirs.pk}/cancel/").status_code == 404

@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from gateway import batch_input, selectors, services
 from gateway.errors import ApiError
-from gateway.models import Batch, UploadedFile
+from gateway.models import Batch, FileChunk, UploadedFile
 
 CHAT = "/v1/chat/completions"
 
@@ -152,7 +152,9 @@ def test_a_silent_cancelled_or_expired_batch_is_ended_by_the_resume_itself(org_k
 
 
 @pytest.mark.django_db
-def test_the_output_holds_the_answers_and_the_errors_the_rest_in_input_order(org_key):
+@pytest.mark.parametrize("chunk_bytes", [FileChunk.CHUNK_BYTES, 7])
+def test_the_output_holds_the_answers_and_the_errors_the_rest_in_input_order(org_key, monkeypatch, chunk_bytes):
+    monkeypatch.setattr(FileChunk, "CHUNK_BYTES", chunk_bytes)  # 7: many chunks, lines cut across them
     org, key, _ = org_key()
     batch = _batch(org, key)
     services.record_outcome(batch_id=batch.pk, line=2, request_id="chatcmpl-2", status_code=200, body=_answer("two"))
@@ -181,7 +183,64 @@ def test_the_output_holds_the_answers_and_the_errors_the_rest_in_input_order(org
     assert shown["usage"]["input_tokens"] == 10 and shown["usage"]["output_tokens"] == 4
     output = UploadedFile.objects.get(pk=ended.output_file_id)
     assert output.purpose == "batch_output" and output.organization_id == org.pk
+    chunks = list(output.chunks.order_by("index").values_list("index", "data"))
+    assert [index for index, _ in chunks] == list(range(-(-output.size // chunk_bytes)))
+    assert all(len(data) == chunk_bytes for _, data in chunks[:-1]) and sum(len(d) for _, d in chunks) == output.size
     assert services.finish_batch(batch_id=batch.pk).output_file_id == ended.output_file_id  # ends once
+
+
+@pytest.mark.django_db
+def test_an_outcome_that_comes_in_while_the_files_are_written_voids_them(org_key, monkeypatch):
+    """A runner that lost its lease may still record a line: the files written without it are
+    deleted and the batch stays running, for the next finish to write them whole."""
+    org, key, _ = org_key()
+    batch = _batch(org, key, lines=2)
+    services.record_outcome(batch_id=batch.pk, line=0, request_id="chatcmpl-0", status_code=200, body=_answer("a"))
+    writes = services.FileWriter.write
+
+    def write_then_a_late_outcome(writer, data):
+        writes(writer, data)
+        services.record_outcome(batch_id=batch.pk, line=1, request_id="chatcmpl-1", status_code=200,
+                                body=_answer("b"))
+
+    monkeypatch.setattr(services.FileWriter, "write", write_then_a_late_outcome)
+    assert services.finish_batch(batch_id=batch.pk).status == "in_progress"
+    assert not UploadedFile.objects.filter(purpose="batch_output").exists() and not FileChunk.objects.exists()
+    monkeypatch.setattr(services.FileWriter, "write", writes)
+    ended = services.finish_batch(batch_id=batch.pk)
+    assert ended.status == "completed" and ended.error_file_id is None
+    assert len(selectors.file_content(organization_id=org.pk, file_id=ended.output_file_id).splitlines()) == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_migration_moves_each_file_into_chunks_and_back(org_key, monkeypatch):
+    from django.db import connection
+    from django.db.migrations.executor import MigrationExecutor
+
+    org, _, _ = org_key()
+    before, after = [("gateway", "0002_batches")], [("gateway", "0003_file_chunks")]
+    big = bytes(range(256)) * 5000  # over one chunk
+    executor = MigrationExecutor(connection)
+    executor.migrate(before)
+    try:
+        old_file = executor.loader.project_state(before).apps.get_model("gateway", "UploadedFile")
+        for name, content in (("big", big), ("small", b"{}\n"), ("empty", b"")):
+            old_file.objects.create(pk=f"file-{name}", organization_id=org.pk, purpose="batch", filename=name,
+                                    content=content, size=len(content), created_at=timezone.now())
+    finally:
+        executor = MigrationExecutor(connection)
+        executor.migrate(executor.loader.graph.leaf_nodes())
+    for name, content in (("big", big), ("small", b"{}\n"), ("empty", b"")):
+        assert selectors.file_content(organization_id=org.pk, file_id=f"file-{name}") == content
+    assert FileChunk.objects.filter(file_id="file-big").count() == 2
+    executor = MigrationExecutor(connection)
+    executor.migrate(before)  # and back: each file whole again
+    try:
+        old_file = executor.loader.project_state(before).apps.get_model("gateway", "UploadedFile")
+        assert bytes(old_file.objects.get(pk="file-big").content) == big
+    finally:
+        executor = MigrationExecutor(connection)
+        executor.migrate(executor.loader.graph.leaf_nodes())
 
 
 @pytest.mark.django_db
@@ -218,7 +277,8 @@ def test_an_upload_is_checked_and_kept_for_its_organization(client, org_key, set
     uploaded = _upload(client, key, _line().encode())
     assert uploaded.status_code == 200 and uploaded.json()["purpose"] == "batch"
     file_id = uploaded.json()["id"]
-    assert client.get(f"/v1/files/{file_id}/content", **_auth(key)).content == _line().encode()
+    download = client.get(f"/v1/files/{file_id}/content", **_auth(key))
+    assert b"".join(download) == _line().encode() and download["Content-Length"] == str(len(_line().encode()))
     assert client.get(f"/v1/files/{file_id}", **_auth(their_key)).status_code == 404
     assert [f["id"] for f in client.get("/v1/files?purpose=batch", **_auth(key)).json()["data"]] == [file_id]
     assert client.get("/v1/files", **_auth(their_key)).json()["data"] == []
