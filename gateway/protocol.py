@@ -16,7 +16,7 @@ from typing import Any
 from workers.dispatch import response_format_problem
 
 from .errors import invalid, text_only
-from .tools import ToolTurns, calls_tools, parse_tools
+from .tools import ToolTurns, parse_tools
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_STOP = 4  # OpenAI allows up to four stop sequences
@@ -98,9 +98,6 @@ def parse_chat(body: Any) -> InferenceRequest:
     if response_format is not None:
         sampling["response_format"] = response_format
     sampling.update(parse_tools(body))
-    if response_format is not None and calls_tools(sampling):
-        raise invalid("response_format", "response_format cannot be combined with tools yet: send "
-                                         'tool_choice "none" or leave response_format out')
     request = _request("chat", body, sampling, messages=messages)
     if body.get("max_completion_tokens") is not None:
         request.max_tokens_param = "max_completion_tokens"

@@ -101,3 +101,32 @@ def test_results_sent_back_get_an_answer_in_text(openai_client):
     other = conversation[:-1] + [{**conversation[-1], "content": "Sunny, 30 degrees."}]
     assert create(openai_client, messages=other, tool_choice="none", max_tokens=24).choices[0].message.content \
         != reply.message.content
+
+
+def test_a_response_format_with_tools_gives_its_json_or_calls(openai_client):
+    """As OpenAI's: with tool_choice "auto" the reply calls tools or answers in the format."""
+    from typing import Literal
+
+    import openai
+    from pydantic import BaseModel
+
+    class GetWeather(BaseModel):
+        city: str
+
+    class Forecast(BaseModel):
+        sky: Literal["sunny", "cloudy", "rainy"]
+        degrees: int
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "GetWeather", "arguments": '{"city": "Paris"}'}}
+    conversation = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                          {"role": "tool", "tool_call_id": "call_1", "content": "Rain, 11 degrees."}]
+    for messages in (ASK, conversation):
+        reply = openai_client.chat.completions.parse(
+            model=DEPLOYMENT, messages=messages, tools=[openai.pydantic_function_tool(GetWeather)],
+            response_format=Forecast, temperature=0, max_tokens=80)
+        choice = reply.choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls" and choice.message.parsed is None
+            assert isinstance(choice.message.tool_calls[0].function.parsed_arguments, GetWeather)
+        else:
+            assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Forecast)

@@ -121,6 +121,35 @@ def test_stop_strings_apply_to_text_but_not_inside_calls():
     assert not matcher.stops_apply and matcher.done  # after a call only calls may follow
 
 
+ANSWER = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": {
+    "type": "object", "properties": {"sky": {"enum": ["sunny", "rainy"]}}, "required": ["sky"],
+    "additionalProperties": False}}}
+
+
+def test_auto_with_a_response_format_answers_in_its_json_or_calls():
+    grammar = SamplingParams(tools=TOOLS, tool_choice="auto", response_format=ANSWER).grammar
+    assert grammar is SamplingParams(tools=TOOLS, tool_choice="auto", response_format=ANSWER).grammar  # shared
+
+    def whole(text: str) -> bool:
+        matcher = grammar.matcher()
+        if not matcher.accepts(text.encode()):
+            return False
+        matcher.advance(text.encode())
+        return matcher.done
+
+    assert whole('{"sky": "sunny"}') and whole(PARIS) and whole(PARIS + "\n" + UTC)
+    assert not whole("It is sunny.") and not whole('{"sky": "foggy"}') and not whole('{"sky": "sunny"}' + PARIS)
+    assert not whole("Let me check.\n" + PARIS)  # no text before a call: the reply is JSON or calls
+    matcher = grammar.matcher()
+    assert not matcher.done and [chr(b) for b, ok in enumerate(matcher.allowed_first_bytes()) if ok and chr(b) in "{<a"] \
+        == ["<", "{"]
+    matcher.advance(b'{"sky": "rai')
+    assert matcher.stops_apply and not matcher.done  # a stop string may cut the answer, as without tools
+    # "required" (or a named function) still means calls only: the answer does not apply.
+    required = SamplingParams(tools=TOOLS, tool_choice="required", response_format=ANSWER).grammar.matcher()
+    assert not required.accepts(b'{"sky"') and required.accepts(PARIS.encode())
+
+
 def test_none_means_text_that_never_opens_a_call_and_schemas_are_checked():
     matcher = tool_grammar_for(TOOLS, "none", True).matcher()
     assert matcher.done and matcher.accepts(b"It is sunny. <tool_call")  # the tag's start may be text
@@ -240,7 +269,8 @@ def test_sampling_params_check_tools():
         ({"tools": TOOLS, "tool_choice": "required", "ignore_eos": True}, "tools"),
         ({"tools": [{"name": "f", "parameters": {"type": "string"}}]}, "tools"),
         ({"tools": [{"name": "f", "parameters": {"type": "object", "multipleOf": 1}}]}, "tools"),
-        ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": TOOLS, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "n", "schema": {"type": "integer", "multipleOf": 2}}}}, "response_format"),
         ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ]:
         with pytest.raises(InvalidRequestError) as caught:
@@ -291,6 +321,20 @@ def test_a_stop_string_cuts_text_but_not_a_call(engine):
     out = engine.submit_chat(ASK, SamplingParams(tools=TOOLS, max_tokens=60, temperature=0, stop=["Paris"])).result(
         timeout=300)
     assert out.stop_reason == "Paris" and "Paris" not in out.text
+
+
+def test_with_auto_and_a_response_format_the_model_answers_in_it_or_calls(engine):
+    out = engine.submit_chat(ASK, SamplingParams(tools=TOOLS, tool_choice="auto", response_format=ANSWER,
+                                                 max_tokens=160, temperature=0)).result(timeout=300)
+    assert out.finish_reason == "stop", out.text
+    text, calls = parse_tool_calls(out.text)
+    if calls:
+        assert text == ""
+        by_name = {t["name"]: t for t in TOOLS}
+        for call in calls:
+            jsonschema.validate(json.loads(call["arguments"]), by_name[call["name"]].get("parameters", {}))
+    else:
+        jsonschema.validate(json.loads(text), ANSWER["json_schema"]["schema"])
 
 
 def test_with_auto_the_model_may_answer_in_text(engine):

@@ -225,7 +225,6 @@ def test_another_organizations_dedicated_deployment_cannot_be_called_over_the_we
     (CHAT, chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice"),
     (CHAT, chat(tools=[TOOL], tool_choice="always"), "tool_choice"),
     (CHAT, chat(tools=[TOOL], parallel_tool_calls="yes"), "parallel_tool_calls"),
-    (CHAT, chat(tools=[TOOL], response_format={"type": "json_object"}), "response_format"),
     (CHAT, chat(messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}]),
      "messages[1].tool_call_id"),
     (CHAT, chat(messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "18 C"}]),

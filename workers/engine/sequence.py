@@ -125,6 +125,11 @@ class SamplingParams:
         if self.top_logprobs and not self.logprobs:
             _fail("top_logprobs", "needs logprobs=True")
         self._valid_tools()
+        if self.response_format is not None:  # on its own first: with tools, an error names the right one
+            try:
+                grammar_for(self.response_format)
+            except SchemaError as exc:
+                _fail("response_format", str(exc))
         try:
             grammar = self.grammar
         except SchemaError as exc:
@@ -153,9 +158,6 @@ class SamplingParams:
             _fail("tool_choice", f"names {choice['name']!r}, which is not in tools")
         if not isinstance(self.parallel_tool_calls, bool):
             _fail("parallel_tool_calls", f"must be a boolean, got {self.parallel_tool_calls!r}")
-        if self.calls_tools and self.json_output:
-            _fail("response_format", "JSON output cannot be combined with tools yet; send tool_choice "
-                                     "\"none\" or leave response_format out")
 
     @property
     def calls_tools(self) -> bool:
@@ -208,9 +210,9 @@ class SamplingParams:
     def grammar(self) -> JsonGrammar | ToolGrammar | None:
         """What the output must follow, compiled (None for free text): the tools' calls or the
         response_format, shared by the requests that ask for the same."""
-        if self.calls_tools:
-            return tool_grammar_for(self.tools, self.tool_choice, self.parallel_tool_calls)
         grammar = None if self.response_format is None else grammar_for(self.response_format)
+        if self.calls_tools:  # calls, or (tool_choice "auto") the response_format's JSON
+            return tool_grammar_for(self.tools, self.tool_choice, self.parallel_tool_calls, answer=grammar)
         if grammar is None and self.tools:  # shown, never called
             return tool_grammar_for(self.tools, "none", False)
         return grammar

@@ -13,7 +13,7 @@ form (results inside ``<tool_response>`` tags, as a user turn, which every chat 
 Nothing here trusts the model to follow the form: a ``ToolGrammar`` makes the sampler write it
 exactly, with the arguments following the function's ``parameters`` schema (see ``json_grammar``).
 With ``tool_choice="auto"`` the reply is free text until the model writes ``<tool_call>``, and from
-there on the grammar holds; ``"required"`` starts with a call; a named function allows that one
+there on the grammar holds (with a response_format, it is that JSON or calls); ``"required"`` starts with a call; a named function allows that one
 alone; ``"none"`` allows text that never opens a call. ``ToolCallParser`` reads such a reply, streamed or whole, back into text and calls.
 """
 
@@ -98,11 +98,13 @@ def call_text(name: str, arguments: str) -> str:
 @dataclass(eq=False)
 class ToolGrammar:
     """What a reply may be: ``free`` text first (tool_choice "auto"), then calls of ``tools``
-    (name, compiled arguments schema); one call, or a run of them when ``parallel``."""
+    (name, compiled arguments schema); one call, or a run of them when ``parallel``. With an
+    ``answer`` (a response_format), a free reply is either that JSON or calls, not text."""
 
     tools: tuple[tuple[str, JsonGrammar], ...]
     free: bool
     parallel: bool
+    answer: JsonGrammar | None = None
 
     @property
     def needs_end(self) -> bool:
@@ -113,9 +115,10 @@ class ToolGrammar:
         return ToolCallMatcher(self)
 
 
-def tool_grammar_for(tools: list[dict], choice: Any, parallel: bool) -> ToolGrammar:
+def tool_grammar_for(tools: list[dict], choice: Any, parallel: bool, answer: JsonGrammar | None = None) -> ToolGrammar:
     """The grammar of a reply to ``tools`` under ``tool_choice``, compiled once per distinct set;
-    a SchemaError names the tool whose parameters cannot be followed."""
+    a SchemaError names the tool whose parameters cannot be followed. ``answer``: the JSON a reply
+    that calls nothing must be (tool_choice "auto" with a response_format)."""
     if choice == "none":
         return NO_CALLS
     try:
@@ -123,7 +126,13 @@ def tool_grammar_for(tools: list[dict], choice: Any, parallel: bool) -> ToolGram
     except (TypeError, ValueError, RecursionError, KeyError) as exc:
         raise SchemaError(f"tools must be JSON: {str(exc)[:100]}") from None
     named = choice.get("name") if isinstance(choice, dict) else None
-    return _compiled(key, named, choice == "auto", bool(parallel) and named is None)
+    grammar = _compiled(key, named, choice == "auto", bool(parallel) and named is None)
+    return grammar if answer is None or not grammar.free else _answering(grammar, answer)
+
+
+@functools.lru_cache(maxsize=64)
+def _answering(grammar: ToolGrammar, answer: JsonGrammar) -> ToolGrammar:
+    return ToolGrammar(grammar.tools, grammar.free, grammar.parallel, answer)
 
 
 # tool_choice "none": the model sees the tools (a prompt the same as the turns that may call
@@ -151,6 +160,7 @@ def _compiled(key: str, named: str | None, free: bool, parallel: bool) -> ToolGr
 
 # A thread is one reading of the reply so far:
 #   ("free", k)              free text whose last k bytes begin OPEN
+#   ("json", states)         inside the answer (the JSON automaton's states)
 #   ("lit", text, at, then)  inside a fixed text, ``at`` of its bytes matched; then: the index of
 #                            the tool whose arguments follow, or _END
 #   ("args", i, states)      inside tool i's arguments (the JSON automaton's states)
@@ -166,17 +176,22 @@ class ToolCallMatcher(Matcher):
         self._open = OPEN.encode()
         self._heads = [(OPEN + _HEAD.format(name=name)).encode() for name, _ in grammar.tools]
         self._tail = _TAIL.encode()
-        super().__init__((("free", 0),) if grammar.free else self._call_starts(0))
+        if grammar.answer is not None:  # the JSON answer, or calls from the first byte ('{' or '<')
+            starts = (("json", start_states(grammar.answer)),) + self._call_starts(0)
+        else:
+            starts = (("free", 0),) if grammar.free else self._call_starts(0)
+        super().__init__(starts)
 
     @property
     def done(self) -> bool:
-        """Whether the reply may end here: free text, or after a whole call."""
-        return any(t[0] in ("free", "end") for t in self.states)
+        """Whether the reply may end here: free text, a whole answer, or after a whole call."""
+        return any(t[0] in ("free", "end") or (t[0] == "json" and states_done(t[1])) for t in self.states)
 
     @property
     def stops_apply(self) -> bool:
-        """Whether a stop string may end the reply here: in free text, not inside the calls."""
-        return any(t[0] == "free" for t in self.states)
+        """Whether a stop string may end the reply here: in free text or the answer (the caller
+        asked for it), not inside the calls."""
+        return any(t[0] in ("free", "json") for t in self.states)
 
     def _call_starts(self, at: int) -> tuple:
         """A call of any of the tools, ``at`` bytes into its head (which names the tool)."""
@@ -205,6 +220,9 @@ class ToolCallMatcher(Matcher):
             return [("args", then, start_states(self.grammar.tools[then][1]))]
         if kind == "end":
             return self._call_starts(0) if self.grammar.parallel and b == ord(_SEPARATOR) else ()
+        if kind == "json":
+            following = step_states(thread[1], bytes((b,)))
+            return [("json", following)] if following else ()
         _, i, states = thread
         out = []
         following = step_states(states, bytes((b,)))
