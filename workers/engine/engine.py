@@ -491,6 +491,10 @@ class Engine:
         leaves no room for one token or for the max_tokens asked for, or that needs more KV blocks
         than the engine has, is refused."""
         n = len(prompt_ids)
+        if n >= self.max_model_len and params.embed:
+            raise InvalidRequestError(
+                f"prompt: {n} tokens are more than this model's context takes ({self.max_model_len - 1})",
+                param="prompt")
         if n >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt: {n} tokens leave no room to generate in this model's context of "
@@ -644,6 +648,8 @@ class Engine:
                 seq.num_computed_tokens += num_new
         for seq, start, entries in result.prompt_logprobs:
             seq.prompt_logprobs[start:start + len(entries)] = entries
+        for seq, vector in result.embeddings:  # the sequence ends as it takes its (dropped) token
+            seq.embedding = vector
         now = time.monotonic()
         batch_size = len(result.sampled)
         for row, seq in enumerate(result.sampled):
@@ -666,7 +672,7 @@ class Engine:
         live = self._live.get(seq.request_id)
         if live is None or live.seq is not seq:
             return  # aborted, or ended by a stop string while this step ran: token dropped
-        if seq.max_tokens == 0:  # its prompt is scored: the token after it is not wanted
+        if seq.max_tokens == 0:  # its prompt is scored or embedded: the token after it is not wanted
             self.scheduler.finish(seq, FinishReason.LENGTH)
             self._finish_live(seq)
             return
@@ -794,6 +800,7 @@ class Engine:
             timings=replace(timings),  # a snapshot: the sequence's own keeps changing
             stop_reason=seq.stop_reason if finished else None,
             error=seq.error if finished else None,
+            embedding=seq.embedding if finished else None,
         )
         # The prompt's logprobs go with the first output, if whole (a request ended while its
         # prompt was being computed has some missing); a copy: a preemption recomputes them.

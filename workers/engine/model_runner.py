@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .attention.base import AttentionMetadata
 from .cpuinfo import cpuinfo_field
@@ -217,23 +218,28 @@ class StepResult:
     top_logprobs: list[list[float]] | None
     # Prompt tokens scored this step: (sequence, first prompt position, their logprobs).
     prompt_logprobs: list[tuple[Sequence, int, list[TokenLogprob]]] = field(default_factory=list)
+    # Embedding requests whose prompt this step finished: (sequence, its embedding).
+    embeddings: list[tuple[Sequence, np.ndarray]] = field(default_factory=list)
 
 
 class PendingStep:
     """A launched step; ``result()`` waits for the device (the step's one wait)."""
 
     def __init__(self, sampled: list[Sequence], copy: HostCopy | None,
-                 prompt_logprobs: list[tuple[Sequence, int, list[TokenLogprob]]] | None = None) -> None:
+                 prompt_logprobs: list[tuple[Sequence, int, list[TokenLogprob]]] | None = None,
+                 embeddings: list[tuple[Sequence, np.ndarray]] | None = None) -> None:
         self._sampled = sampled
         self._copy = copy
         self._prompt_logprobs = prompt_logprobs or []
+        self._embeddings = embeddings or []
 
     def result(self) -> StepResult:
         if self._copy is None:
-            return StepResult([], [], None, None, None, self._prompt_logprobs)
+            return StepResult([], [], None, None, None, self._prompt_logprobs, self._embeddings)
         token_ids, logprobs, top_ids, top_logprobs = self._copy.lists()
         return StepResult(sampled=self._sampled, token_ids=token_ids, logprobs=logprobs,
-                          top_ids=top_ids, top_logprobs=top_logprobs, prompt_logprobs=self._prompt_logprobs)
+                          top_ids=top_ids, top_logprobs=top_logprobs, prompt_logprobs=self._prompt_logprobs,
+                          embeddings=self._embeddings)
 
 
 class ModelRunner:
@@ -307,16 +313,19 @@ class ModelRunner:
         """Start one step: on a GPU it runs on while the caller does other work, until
         ``result()`` waits for it. The sequences' token lists are read here, not later."""
         graphs = self.decode_graphs
-        if graphs is not None and _each_takes_its_next_token(seqs, num_new_tokens):
+        embeds = any(s.params.embed for s in seqs)
+        if graphs is not None and not embeds and _each_takes_its_next_token(seqs, num_new_tokens):
             logits = graphs.run_decode(seqs)  # the lean path of every decode step
             if logits is not None:
                 return self._sample(seqs, logits)
         plan = self._plan(seqs, num_new_tokens)
         sampled = [seqs[i] for i in plan.sample_index.tolist()]
         scoring = prompt_scoring.plan(seqs, num_new_tokens, plan.query_start)
-        if scoring:  # rare: prompts scored (echo), eagerly, their logits taken along the way
-            logits, scored = self._forward(plan, scoring)
-            return self._sample(sampled, logits, scored) if sampled else PendingStep([], None, scored)
+        pooling = [row for row, seq in enumerate(sampled) if seq.params.embed] if embeds else []
+        if scoring or pooling:  # rare: prompts scored (echo) or embedded, eagerly, along the way
+            logits, scored, pooled = self._forward(plan, scoring, pooling)
+            embedded = [(sampled[row], vector) for row, vector in zip(pooling, pooled)]
+            return self._sample(sampled, logits, scored, embedded) if sampled else PendingStep([], None, scored)
         if graphs is not None and plan.max_query_len == 1 \
                 and graphs.fits(len(seqs), plan.block_tables.shape[1]):
             logits = graphs.run(DecodeStep(plan.tokens, plan.positions, plan.slots,
@@ -330,21 +339,23 @@ class ModelRunner:
             return PendingStep([], None)
         return self._sample(sampled, logits)
 
-    def _sample(self, sampled: list[Sequence], logits: torch.Tensor, scored=None) -> "PendingStep":
+    def _sample(self, sampled: list[Sequence], logits: torch.Tensor, scored=None, embedded=None) -> "PendingStep":
         batch = SamplingBatch.build(
             [s.params for s in sampled], [s.token_ids for s in sampled],
             [s.num_prompt_tokens for s in sampled], vocab_size=logits.shape[-1],
             device=self.device, guides=[s.guide for s in sampled], vocab=self.vocab_bytes)
         out: SamplerOutput = self.sampler(logits, batch)
-        return PendingStep(sampled, out.to_host_async(), scored)
+        return PendingStep(sampled, out.to_host_async(), scored, embedded)
 
     def _run_eager(self, plan: "_StepPlan") -> torch.Tensor | None:
         """Logits of the sampled rows (None when no row samples)."""
         return self._forward(plan)[0]
 
-    def _forward(self, plan: "_StepPlan", scoring: list | None = None):
-        """The eager step: the logits of the sampled rows (None when no row samples), and the
-        prompt logprobs ``scoring`` asks for (``prompt_scoring.plan``; None without)."""
+    def _forward(self, plan: "_StepPlan", scoring: list | None = None, pooling: list[int] = ()):
+        """The eager step: the logits of the sampled rows (None when no row samples), the
+        prompt logprobs ``scoring`` asks for (``prompt_scoring.plan``; None without), and the
+        embeddings of the sampled rows ``pooling`` lists (their last token's final hidden state,
+        L2-normalized, float32 on the host)."""
         device = self.device
         meta = AttentionMetadata(
             slot_mapping=_on(plan.slots, device),
@@ -363,18 +374,22 @@ class ModelRunner:
         if threads and threads != default_threads:
             torch.set_num_threads(threads)
         logits = scored = None
+        pooled = []
         try:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
             if scoring:
                 scored = prompt_scoring.score(self.model, hidden, scoring, chunk_rows=self.max_batch_size)
             if plan.sample_index.shape[0]:
-                logits = self.model.compute_logits(hidden[_on(plan.last_rows, device)])
+                last = hidden[_on(plan.last_rows, device)]
+                logits = self.model.compute_logits(last)
+                if pooling:
+                    pooled = list(F.normalize(last[_on(np.asarray(pooling), device)].float(), dim=-1).cpu().numpy())
         finally:
             if threads and threads != default_threads:
                 torch.set_num_threads(default_threads)  # MKL's setting is process-wide
         if self.threads:
             self.threads.record(num_tokens, threads, time.perf_counter() - started)
-        return logits, scored
+        return logits, scored, pooled
 
     def _plan(self, seqs: list[Sequence], num_new_tokens: list[int]) -> "_StepPlan":
         bs = self.block_size

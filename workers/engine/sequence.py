@@ -80,13 +80,24 @@ class SamplingParams:
     tools: list[dict] | None = None
     tool_choice: str | dict = "auto"
     parallel_tool_calls: bool = True
+    # An embedding: the request's output is the final hidden state of its prompt's last token,
+    # L2-normalized (``RequestOutput.embedding``); nothing is generated (max_tokens reads as 0).
+    embed: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.embed, bool):
+            _fail("embed", f"must be a boolean, got {self.embed!r}")
+        if self.embed:
+            if self.max_tokens not in (None, 0):
+                _fail("max_tokens", "an embedding generates nothing: leave max_tokens out")
+            if self.tools or self.response_format is not None or self.prompt_logprobs is not None:
+                _fail("embed", "an embedding takes no tools, response_format or prompt_logprobs")
+            self.max_tokens, self.temperature = 0, 0.0  # the token a step samples for it is dropped
         if self.prompt_logprobs is not None and (
                 not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
             _fail("prompt_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, "
                                      f"got {self.prompt_logprobs!r}")
-        least = 0 if self.prompt_logprobs is not None else 1
+        least = 0 if self.prompt_logprobs is not None or self.embed else 1
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < least):
             _fail("max_tokens", f"must be a positive integer (0 only with prompt_logprobs), got {self.max_tokens!r}")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) \
@@ -285,6 +296,8 @@ class RequestOutput:
     # prompt token's logprob (None for the first, which nothing comes before).
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # An embedding request's (``SamplingParams.embed``), on its final output: float32 [hidden].
+    embedding: Any = None
 
 
 class Sequence:
@@ -320,6 +333,7 @@ class Sequence:
         self.last_token_time: float | None = None
         self.sampled_steps = 0  # the steps that sampled a token for this request
         self.sampled_alongside = 0  # the tokens those steps sampled, its own included
+        self.embedding: Any = None  # an embedding request's, once its prompt is computed
 
     @property
     def num_tokens(self) -> int:
