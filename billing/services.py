@@ -207,11 +207,17 @@ def _record_usage(parsed) -> UsageRecord:
         except IntegrityError:  # recorded meanwhile (request_id is unique): charged there, not here
             existing = _recorded(parsed.request_id)
             if existing is not None:
+                if parsed.status == UsageRecord.Status.COMPLETED and existing.status != UsageRecord.Status.COMPLETED:
+                    return _complete(existing, parsed, prices, cost)
                 return existing
             if attempt:
                 raise  # another constraint: a real error, not a duplicate
             # Or its key or deployment was deleted since they were looked up (PostgreSQL checks
             # foreign keys at commit): look them up again rather than lose the event.
+
+
+def entry_description(parsed) -> str:
+    return parsed.model + (f" on {parsed.deployment}" if parsed.deployment else "")
 
 
 def _write_usage(parsed, prices: Prices, cost: Decimal) -> UsageRecord:
@@ -244,14 +250,47 @@ def _write_usage(parsed, prices: Prices, cost: Decimal) -> UsageRecord:
         # Either way the balance's row is taken first: the lock order reconcile relies on.
         if cost > 0:
             _write_entry(organization_id=parsed.organization_id, kind=LedgerEntry.Kind.USAGE, amount=-cost,
-                         reference=parsed.request_id,
-                         description=parsed.model + (f" on {parsed.deployment}" if parsed.deployment else ""))
+                         reference=parsed.request_id, description=entry_description(parsed))
         else:
             totals.add_to_balance(organization_id=parsed.organization_id, amount=Decimal(0))
         billed = is_billed(status=parsed.status, completion_tokens=parsed.completion_tokens)
         totals.add_usage(organization_id=parsed.organization_id, api_key_id=api_key_id,
                          created_at=record.created_at, cost=cost,
                          tokens=parsed.prompt_tokens + parsed.completion_tokens if billed else 0)
+    return record
+
+
+def _complete(existing: UsageRecord, parsed, prices: Prices, cost: Decimal) -> UsageRecord:
+    """A request recorded as cancelled or failed ran again under its id and completed (a batch's
+    line, run again after its runner stopped mid-answer; a worker's answer whose recovery event
+    came first): the record becomes the completed run's and its charge that run's cost, so the
+    client pays for the one answer it got, once. A completed record is never changed."""
+    with transaction.atomic():
+        totals.add_to_balance(organization_id=existing.organization_id, amount=Decimal(0))  # the lock order
+        record = UsageRecord.objects.select_for_update().get(pk=existing.pk)
+        if record.status == UsageRecord.Status.COMPLETED:
+            return record
+        was_billed = is_billed(status=record.status, completion_tokens=record.completion_tokens)
+        old_cost, old_tokens = record.cost, record.prompt_tokens + record.completion_tokens if was_billed else 0
+        for name in ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "status", "queue_ms",
+                     "ttft_ms", "latency_ms"):
+            setattr(record, name, getattr(parsed, name))
+        record.mean_batch_size = parsed.batch_size
+        record.price_input_per_mtok, record.price_cached_input_per_mtok = prices.input_per_mtok, prices.cached_input_per_mtok
+        record.price_output_per_mtok, record.price_per_request = prices.output_per_mtok, prices.per_request
+        record.cost = cost
+        record.save()
+        entry = LedgerEntry.objects.select_for_update().filter(kind=LedgerEntry.Kind.USAGE,
+                                                               reference=record.request_id).first()
+        if entry is None:
+            _write_entry(organization_id=record.organization_id, kind=LedgerEntry.Kind.USAGE, amount=-cost,
+                         reference=record.request_id, description=entry_description(parsed))
+        else:
+            LedgerEntry.objects.filter(pk=entry.pk).update(amount=-cost)
+            totals.add_to_balance(organization_id=record.organization_id, amount=old_cost - cost)
+        totals.add_usage(organization_id=record.organization_id, api_key_id=record.api_key_id,
+                         created_at=record.created_at, cost=cost - old_cost,
+                         tokens=parsed.prompt_tokens + parsed.completion_tokens - old_tokens, requests=0)
     return record
 
 

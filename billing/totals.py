@@ -60,13 +60,13 @@ def add_to_balance(*, organization_id: int, amount: Decimal) -> None:
 
 
 def add_usage(*, organization_id: int, api_key_id: int | None, created_at: datetime, cost: Decimal,
-              tokens: int) -> None:
+              tokens: int, requests: int = 1) -> None:
     """A usage record was written (in this transaction): its cost counts toward its month's
     spend, and it counts toward its key's cost, tokens (those of a billed request: the caller's
-    ``tokens``) and requests."""
+    ``tokens``) and requests. (A record changed: the differences, and ``requests=0``.)"""
     _add(MonthlySpend, {"organization": organization_id, "month": month_of(created_at)}, micros=micros(cost))
     if api_key_id is not None:
-        _add(ApiKeyTotals, {"api_key": api_key_id}, micros=micros(cost), tokens=tokens, requests=1)
+        _add(ApiKeyTotals, {"api_key": api_key_id}, micros=micros(cost), tokens=tokens, requests=requests)
 
 
 # --- recomputing them from the rows ---------------------------------------------------------------

@@ -16,8 +16,8 @@ leaves for billing before this returns, i.e. before Celery acknowledges the task
 before inference.finished, so a worker that dies between the two has still billed what the
 client received (a request is never served for free, nor billed twice: billing keys it by id).
 One narrow window remains: a death between the emit and the progress record's "billed" stage
-looks like a death mid-stream, and recovery's "failed, free" event races the real one (billing
-keeps whichever it records first).
+looks like a death mid-stream, and recovery's "failed, free" event races the real one (a
+completed one replaces it, in whichever order billing records them).
 """
 
 from __future__ import annotations

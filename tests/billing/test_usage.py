@@ -51,6 +51,28 @@ def test_usage_is_recorded_with_prices_applied_and_charged(organization, catalog
     assert selectors.balance(organization=organization) == SIGNUP - SAMPLE_COST
 
 
+@pytest.mark.parametrize("cut_tokens", [0, 7])  # cut before any output (free), or after some (charged)
+def test_a_completed_run_replaces_a_cancelled_record_of_its_id_and_nothing_replaces_a_completed_one(
+        organization, catalog_model, cut_tokens):
+    """A batch line cut off and run again to the end under the same id is charged for the answer
+    it gave, once; the totals follow."""
+    api_key, _ = make_key(organization)
+    cut = usage_event(organization, api_key=api_key, status="cancelled", completion_tokens=cut_tokens)
+    assert (services.record_usage(event=cut).cost > 0) == (cut_tokens > 0)
+    whole = dict(cut, status="completed", completion_tokens=500)
+    record = services.record_usage(event=whole)
+    assert (record.status, record.completion_tokens, record.cost) == ("completed", 500, SAMPLE_COST)
+    assert UsageRecord.objects.filter(request_id=cut["request_id"]).count() == 1
+    assert [e.amount for e in LedgerEntry.objects.filter(kind="usage", reference=cut["request_id"])] == [-SAMPLE_COST]
+    assert selectors.balance(organization=organization) == SIGNUP - SAMPLE_COST
+    assert selectors.api_key_spend(api_key=api_key).tokens == 1500
+    stored, from_rows = totals.reconcile(organization_id=organization.pk, fix=False)
+    assert stored == from_rows
+    for later in (cut, dict(whole, completion_tokens=9)):  # a replay, or another run: the answer stands
+        assert services.record_usage(event=later).completion_tokens == 500
+    assert selectors.balance(organization=organization) == SIGNUP - SAMPLE_COST
+
+
 def test_the_same_event_twice_bills_once(organization, catalog_model):
     event = usage_event(organization)
     first = services.record_usage(event=event)

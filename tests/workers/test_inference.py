@@ -252,9 +252,9 @@ def test_the_usage_event_carries_the_prices_the_gateway_admitted_the_request_at(
 
 @pytest.mark.django_db
 def test_a_batch_line_run_twice_is_charged_once():
-    """Its runner died mid-request: the line runs again as a new request (a new request id, the
+    """Its runner stopped mid-request: the line runs again as a new request (a new request id, the
     cancel of the first one must not stop it), but under the line's billing id, which billing
-    records once; the first charge stands."""
+    records once: for the run that completed."""
     from billing.models import LedgerEntry, UsageRecord
     from billing.services import record_usage
     from tests.billing.conftest import make_organization
@@ -272,8 +272,9 @@ def test_a_batch_line_run_twice_is_charged_once():
                    "organization_id": organization.pk, "prices": prices}
         runs.append(record_usage(event=inference._usage_event(payload, finished_answers(final))))
     assert runs[0].pk == runs[1].pk and runs[0].request_id == "batch_req_abc_7"
-    assert (runs[1].status, runs[1].completion_tokens) == ("cancelled", 3)
-    assert UsageRecord.objects.count() == 1 and LedgerEntry.objects.filter(kind="usage").count() == 1
+    assert (runs[1].status, runs[1].completion_tokens) == ("completed", 8)
+    assert UsageRecord.objects.count() == 1
+    assert [e.amount for e in LedgerEntry.objects.filter(kind="usage")] == [-runs[1].cost]
 
 
 def finished_answers(*outputs):
