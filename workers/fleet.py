@@ -221,6 +221,7 @@ def claim(payload: dict, *, instance: str, hostname: str) -> dict:
         "organization_id": payload.get("organization_id") or "", "api_key_id": payload.get("api_key_id") or "",
         "deployment_id": deployment.get("id") or "", "deployment": deployment.get("name", ""),
         "model": deployment.get("model", ""),
+        "billing_id": payload.get("billing_id") or payload["request_id"],
     }
     if not previous:
         record["stage"] = STAGE_ACCEPTED
@@ -275,7 +276,7 @@ def fail_interrupted(request_id: str, record: dict, *, reason: str) -> bool:
 
         try:
             emit_usage({
-                "request_id": request_id, "organization_id": organization_id,
+                "request_id": record.get("billing_id") or request_id, "organization_id": organization_id,
                 "api_key_id": _int_or_none(record.get("api_key_id")),
                 "deployment_id": _int_or_none(record.get("deployment_id")),
                 "deployment": record.get("deployment", ""), "model": record["model"],

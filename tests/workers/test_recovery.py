@@ -284,3 +284,17 @@ def test_a_copy_is_run_when_its_worker_is_back_but_no_longer_holds_the_request()
         assert recorder.ran == 1 and recorder.sent == ["inference.delta", "inference.finished"]
     finally:
         fleet.clear_alive("paused-one")
+
+
+def test_an_interrupted_batch_line_is_recorded_under_its_lines_billing_id(monkeypatch):
+    """So that the run that completes it when the batch resumes replaces this free record."""
+    from workers import inference
+
+    emitted = []
+    monkeypatch.setattr(inference, "emit_usage", emitted.append)
+    payload = {**_payload(f"r-{uuid.uuid4().hex[:6]}"), "organization_id": 7, "billing_id": "batch_req_abc_3"}
+    fleet.claim(payload, instance="i-1", hostname="me@here")
+    record = fleet.client().hgetall(fleet._progress_key(payload["request_id"]))
+    assert fleet.fail_interrupted(payload["request_id"], record, reason="its worker died")
+    [event] = emitted
+    assert (event["request_id"], event["status"], event["completion_tokens"]) == ("batch_req_abc_3", "failed", 0)
