@@ -40,6 +40,9 @@ class UploadedFile(models.Model):
     filename = models.CharField(max_length=255)
     size = models.PositiveBigIntegerField()
     created_at = models.DateTimeField()
+    # False while its chunks are being written, each in a short transaction of its own (a long one
+    # would hold SQLite's one write lock): nobody sees a file before it is whole.
+    ready = models.BooleanField(default=True)
 
     class Meta:
         ordering = ["created_at"]

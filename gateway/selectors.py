@@ -104,10 +104,10 @@ def _cut(text: str) -> str:
 # ------------------------------------------------------------------------------------------ files
 
 def _files(organization_id) -> "QuerySet[UploadedFile]":  # noqa: F821
-    """The organization's files, less the batch outputs past their retention (gone for every read,
-    whether or not the hourly purge has deleted them yet)."""
+    """The organization's files, less those being written and the batch outputs past their
+    retention (gone for every read, whether or not the hourly purge has deleted them yet)."""
     cutoff = timezone.now() - timedelta(days=settings.BATCH_OUTPUT_RETENTION_DAYS)
-    return UploadedFile.objects.filter(organization_id=organization_id).exclude(
+    return UploadedFile.objects.filter(organization_id=organization_id, ready=True).exclude(
         purpose=UploadedFile.Purpose.BATCH_OUTPUT, created_at__lte=cutoff)
 
 

@@ -58,13 +58,14 @@ def purge_expired_responses(*, now=None) -> int:
 # ------------------------------------------------------------------------------------------ files
 
 class FileWriter:
-    """Writes a new file a chunk at a time, so that its content never has to be whole in memory.
-    Use it inside a transaction: a file is then seen whole or not at all."""
+    """Writes a new file a chunk at a time, so that its content never has to be whole in memory,
+    each chunk in a transaction of its own; the file is seen once ``close`` makes it ready (one
+    never closed, its writer gone, is purged with the expired files)."""
 
     def __init__(self, *, organization_id, purpose: str, filename: str):
         self.file = UploadedFile.objects.create(pk=f"file-{secrets.token_hex(12)}", organization_id=organization_id,
                                                 purpose=purpose, filename=filename[:255], size=0,
-                                                created_at=timezone.now())
+                                                created_at=timezone.now(), ready=False)
         self.pending = bytearray()
         self.chunks = 0
 
@@ -79,7 +80,8 @@ class FileWriter:
         if self.pending:
             self._store(self.pending)
             self.pending = bytearray()
-        UploadedFile.objects.filter(pk=self.file.pk).update(size=self.file.size)
+        UploadedFile.objects.filter(pk=self.file.pk).update(size=self.file.size, ready=True)
+        self.file.ready = True
         return self.file
 
     def _store(self, data) -> None:
@@ -88,16 +90,22 @@ class FileWriter:
 
 
 def create_file(*, organization_id, purpose: str, filename: str, content: bytes) -> UploadedFile:
-    with transaction.atomic():
-        writer = FileWriter(organization_id=organization_id, purpose=purpose, filename=filename)
-        writer.write(content)
-        return writer.close()
+    writer = FileWriter(organization_id=organization_id, purpose=purpose, filename=filename)
+    writer.write(content)
+    return writer.close()
+
+
+UNFINISHED_FILE_AGE = timedelta(days=1)  # a file not ready after this: its writer died
 
 
 def purge_expired_batch_files(*, now=None) -> int:
-    """Delete the batch output and error files past BATCH_OUTPUT_RETENTION_DAYS; how many."""
-    cutoff = (now or timezone.now()) - timedelta(days=settings.BATCH_OUTPUT_RETENTION_DAYS)
-    _, deleted = UploadedFile.objects.filter(purpose=UploadedFile.Purpose.BATCH_OUTPUT, created_at__lte=cutoff).delete()
+    """Delete the batch output and error files past BATCH_OUTPUT_RETENTION_DAYS, and those a dead
+    writer left unfinished; how many."""
+    now = now or timezone.now()
+    cutoff = now - timedelta(days=settings.BATCH_OUTPUT_RETENTION_DAYS)
+    _, deleted = UploadedFile.objects.filter(
+        models.Q(purpose=UploadedFile.Purpose.BATCH_OUTPUT, created_at__lte=cutoff)
+        | models.Q(ready=False, created_at__lte=now - UNFINISHED_FILE_AGE)).delete()
     return deleted.get(UploadedFile._meta.label, 0)  # not counting their chunks
 
 
@@ -185,8 +193,8 @@ def finish_batch(*, batch_id: str, token: str | None = None) -> Batch:
     """Write the output file (the answers) and the error file (the failures, and the requests never
     run), in input order, and end the batch: completed, cancelled or expired. ``token``: the
     runner's lease (None: a resume ending a batch no runner holds). The files are written an
-    outcome at a time, each in a transaction of its own before the batch's lock is taken (writing
-    a large one takes a while): whole or not at all, and deleted if the batch turns out lost."""
+    outcome at a time before the batch's lock is taken (writing a large one takes a while), and
+    deleted if the batch turns out lost."""
     batch = Batch.objects.defer("requests").get(pk=batch_id)
     now = timezone.now()
     ended = (Batch.Status.CANCELLED if batch.status == Batch.Status.CANCELLING
@@ -194,17 +202,21 @@ def finish_batch(*, batch_id: str, token: str | None = None) -> Batch:
     requests = Batch.objects.filter(pk=batch_id).values_list("requests", flat=True).get()
     custom_ids = [request["custom_id"] for request in json.loads(requests)]
     written, outcomes = {}, 0
-    for answers, field in ((True, "output_file_id"), (False, "error_file_id")):
-        with transaction.atomic():
+    try:
+        for answers, field in ((True, "output_file_id"), (False, "error_file_id")):
             writer = None
             for entry, ran in _entries(batch_id, custom_ids, ended, answers=answers):
                 outcomes += ran
                 if writer is None:
                     writer = FileWriter(organization_id=batch.organization_id, purpose=UploadedFile.Purpose.BATCH_OUTPUT,
                                         filename=f"{batch_id}_{field.removesuffix('_file_id')}.jsonl")
+                    written[field] = writer.file.pk
                 writer.write((json.dumps(entry, ensure_ascii=False) + "\n").encode("utf-8", "replace"))
             if writer is not None:
-                written[field] = writer.close().pk
+                writer.close()
+    except BaseException:
+        UploadedFile.objects.filter(pk__in=written.values()).delete()
+        raise
     with transaction.atomic():
         current = Batch.objects.select_for_update().defer("requests").get(pk=batch_id)
         lost = current.status not in RUNNING or (token is not None and current.runner != token) \

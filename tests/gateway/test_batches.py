@@ -190,6 +190,23 @@ def test_the_output_holds_the_answers_and_the_errors_the_rest_in_input_order(org
 
 
 @pytest.mark.django_db
+def test_a_file_is_seen_once_whole_and_one_its_writer_left_unfinished_is_purged(org_key, monkeypatch):
+    monkeypatch.setattr(FileChunk, "CHUNK_BYTES", 4)
+    org, _, _ = org_key()
+    writer = services.FileWriter(organization_id=org.pk, purpose="batch_output", filename="o.jsonl")
+    writer.write(b'{"a": 1}\n')
+    assert FileChunk.objects.filter(file_id=writer.file.pk).count() == 2  # committed as it goes
+    assert selectors.file_of(organization_id=org.pk, file_id=writer.file.pk) is None
+    assert writer.file.pk not in [f["id"] for f in selectors.files_of(organization_id=org.pk)]
+    later = timezone.now() + services.UNFINISHED_FILE_AGE + timedelta(minutes=1)
+    done = services.create_file(organization_id=org.pk, purpose="batch", filename="i.jsonl", content=b"{}\n")
+    assert services.purge_expired_batch_files(now=later) == 1  # the unfinished one, not the upload
+    assert not UploadedFile.objects.filter(pk=writer.file.pk).exists() and not FileChunk.objects.filter(
+        file_id=writer.file.pk).exists()
+    assert selectors.file_content(organization_id=org.pk, file_id=done.pk) == b"{}\n"
+
+
+@pytest.mark.django_db
 def test_an_outcome_that_comes_in_while_the_files_are_written_voids_them(org_key, monkeypatch):
     """A runner that lost its lease may still record a line: the files written without it are
     deleted and the batch stays running, for the next finish to write them whole."""
