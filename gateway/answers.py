@@ -66,6 +66,8 @@ async def stream_chunks(call, ctx: formatting.Context, include_usage: bool):
 
 async def collect(call, ctx: formatting.Context) -> dict:
     """The whole response of a call whose client does not stream."""
+    if ctx.kind == "embedding":
+        return await _embeddings(call, ctx)
     sampling, count = call.request.sampling, _count(call.request)
     texts: list[list[str]] = [[] for _ in range(count)]
     logprobs: list[list[dict]] = [[] for _ in range(count)]
@@ -84,6 +86,22 @@ async def collect(call, ctx: formatting.Context) -> dict:
                        for index, reason in formatting.choice_ends(event)]
             return formatting.response(ctx, choices=choices, usage=event["usage"])
     raise ApiError(500, "The worker ended the request without finishing it.")
+
+
+async def _embeddings(call, ctx: formatting.Context) -> dict:
+    """An embeddings response: one embedding per input, each in the delta of its index."""
+    vectors: list[str | None] = [None] * len(call.request.prompts)
+    async for event in call.events():
+        if event["type"] == "inference.delta" and "embedding" in event:
+            vectors[event.get("index", 0)] = event["embedding"]
+        elif event["type"] == "inference.restarted":
+            vectors = [None] * len(vectors)
+        elif event["type"] == "inference.finished":
+            if None in vectors:
+                break
+            return formatting.embeddings(ctx, vectors, encoding=call.request.extra["encoding_format"],
+                                         usage=event["usage"])
+    raise ApiError(500, "The worker ended the request without an embedding for each input.")
 
 
 def _count(request) -> int:

@@ -11,7 +11,7 @@ from inference_platform import jsonbody
 
 from .errors import invalid
 
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embedding"}
 MAX_REQUESTS = 50_000
 MAX_CUSTOM_ID = 512
 

@@ -25,13 +25,13 @@ from . import admission, answers, calls, formatting, selectors, services
 from .batch_input import ENDPOINTS, line_id
 from .errors import ApiError
 from .models import Batch
-from .protocol import parse_chat, parse_completion
+from .protocol import parse_chat, parse_completion, parse_embedding
 
 log = logging.getLogger(__name__)
 BEAT_SECONDS = 2.0  # how often the runner shows life and looks for a cancel
 # Refusals of a moment: the request is sent again (backing off) until the batch expires.
 RETRIED = {(429, "queue_full"), (503, "model_unavailable"), (503, "model_overloaded"), (503, "service_unavailable")}
-PARSERS = {"chat": parse_chat, "completion": parse_completion}
+PARSERS = {"chat": parse_chat, "completion": parse_completion, "embedding": parse_embedding}
 INTERNAL = ApiError(500, "The batch runner failed on this request; it is logged.", code="internal_error")
 
 

@@ -383,7 +383,7 @@ async def _send_cancel(request_id: str) -> bool:
     return True
 
 
-ID_PREFIXES = {"chat": "chatcmpl-", "completion": "cmpl-", "response": "resp_"}
+ID_PREFIXES = {"chat": "chatcmpl-", "completion": "cmpl-", "response": "resp_", "embedding": "embd-"}
 
 
 def new_request_id(kind: str) -> str:

@@ -7,15 +7,18 @@ ids and per-token logprobs as ``{"token", "bytes", "logprob", "top": [[token, lo
 
 from __future__ import annotations
 
+import base64
 import codecs
 from dataclasses import dataclass
+
+import numpy as np
 
 SYSTEM_FINGERPRINT = "fp_inference_platform_1"
 
 
 @dataclass(frozen=True)
 class Context:
-    kind: str  # "chat" | "completion"
+    kind: str  # "chat" | "completion" | "embedding"
     id: str
     created: int
     model: str
@@ -131,6 +134,20 @@ def choice(ctx: Context, *, index: int, text: str, finish_reason: str, logprobs:
 def response(ctx: Context, *, choices: list[dict], usage: dict) -> dict:
     """A whole non-streamed response."""
     return {**ctx.envelope(chunk=False), "choices": choices, "usage": usage_json(usage)}
+
+
+def embeddings(ctx: Context, vectors: list[str], *, encoding: str, usage: dict) -> dict:
+    """OpenAI's embeddings response; ``vectors``: each input's embedding as the worker sends it,
+    base64 of little-endian float32, written back as numbers unless the client asked for base64."""
+    def value(vector: str):
+        if encoding == "base64":
+            return vector
+        return np.frombuffer(base64.b64decode(vector), dtype="<f4").tolist()
+
+    tokens = usage["prompt_tokens"]
+    return {"object": "list", "model": ctx.model,
+            "data": [{"object": "embedding", "index": i, "embedding": value(v)} for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 def choice_ends(event: dict) -> list[tuple[int, str]]:

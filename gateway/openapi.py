@@ -124,6 +124,31 @@ COMPLETION_REQUEST = {
                     "description": "Accepted only equal to n (every answer generated is returned)."},
     },
 }
+EMBEDDING_REQUEST = {
+    "type": "object",
+    "required": ["model", "input"],
+    "additionalProperties": False,
+    "properties": {
+        "model": {"type": "string", "description": "A deployment name (see GET /v1/models)"},
+        "input": {"oneOf": [PROMPT_TEXT, PROMPT_TOKENS,
+                            {"type": "array", "items": {"oneOf": [PROMPT_TEXT, PROMPT_TOKENS]}, "minItems": 1,
+                             "maxItems": 2048}],
+                  "description": "Text or token ids, or up to 2048 of either: one embedding each, the model's "
+                                 "final hidden state at the input's last token, L2-normalized."},
+        "encoding_format": {"type": "string", "enum": ["float", "base64"], "default": "float",
+                            "description": "Numbers, or base64 of little-endian float32."},
+        "dimensions": {"type": "integer", "minimum": 1,
+                       "description": "Keep this many leading values (at most the model's hidden size), normalized again."},
+        "user": {"type": "string"},
+    },
+}
+EMBEDDINGS = {"type": "object", "required": ["object", "data", "model", "usage"], "properties": {
+    "object": {"type": "string", "enum": ["list"]}, "model": {"type": "string"},
+    "data": {"type": "array", "items": {"type": "object", "properties": {
+        "object": {"type": "string", "enum": ["embedding"]}, "index": {"type": "integer"},
+        "embedding": {"oneOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}]}}}},
+    "usage": {"type": "object", "properties": {"prompt_tokens": {"type": "integer"},
+                                               "total_tokens": {"type": "integer"}}}}}
 TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {
     "type": {"type": "string", "enum": ["input_text", "output_text"]}, "text": {"type": "string"}}}
 RESPONSES_REQUEST = {
@@ -204,7 +229,8 @@ FILE = {"type": "object", "properties": {
 BATCH_REQUEST = {"type": "object", "required": ["input_file_id", "endpoint", "completion_window"],
                  "additionalProperties": False, "properties": {
                      "input_file_id": {"type": "string"},
-                     "endpoint": {"type": "string", "enum": ["/v1/chat/completions", "/v1/completions"]},
+                     "endpoint": {"type": "string", "enum": ["/v1/chat/completions", "/v1/completions",
+                                                             "/v1/embeddings"]},
                      "completion_window": {"type": "string", "enum": ["24h"]},
                      "metadata": {"type": "object", "maxProperties": 16, "additionalProperties": {"type": "string"}},
                      "output_expires_after": {"type": "object", "description": "Accepted; output files are kept"}}}
@@ -288,6 +314,7 @@ def build() -> dict:
     document["components"].setdefault("securitySchemes", {})["bearer"] = {"type": "http", "scheme": "bearer"}
     document["components"]["schemas"].update(
         {"ChatCompletionRequest": CHAT_REQUEST, "CompletionRequest": COMPLETION_REQUEST, "ResponseRequest": RESPONSES_REQUEST,
+         "EmbeddingRequest": EMBEDDING_REQUEST,
          "Completion": RESPONSE, "Error": ERROR}
     )
     model = {"type": "object", "properties": {"id": {"type": "string"}, "object": {"type": "string"},
@@ -295,6 +322,14 @@ def build() -> dict:
     document["paths"].update({
         "/v1/chat/completions": _inference_path("Create a chat completion", "ChatCompletionRequest"),
         "/v1/completions": _inference_path("Create a completion", "CompletionRequest"),
+        "/v1/embeddings": {"post": {
+            "summary": "Create embeddings",
+            "security": [{"bearer": []}],
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/EmbeddingRequest"}}}},
+            "responses": {"200": {"description": "One embedding per input, in input order",
+                                  "content": {"application/json": {"schema": EMBEDDINGS}}}, **ERRORS},
+        }},
         "/v1/responses": {"post": {
             "summary": "Create a response (OpenAI's Responses API)",
             "security": [{"bearer": []}],

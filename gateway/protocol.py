@@ -46,11 +46,13 @@ CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", 
                                "response_format", "tools", "tool_choice", "parallel_tool_calls"} | set(CHAT_NO_OPS)
 SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on the inputs of one request
 
 
 @dataclass
 class InferenceRequest:
-    kind: str  # "chat" | "completion"
+    kind: str  # "chat" | "completion" | "embedding"
     model: str
     stream: bool
     include_usage: bool
@@ -139,6 +141,47 @@ def parse_completion(body: Any) -> InferenceRequest:
         raise invalid("best_of", f"best_of={json.dumps(best_of)[:200]} is not supported by this platform; leave "
                                  "it out or send it equal to n", code="unsupported_value")
     return request
+
+
+def parse_embedding(body: Any) -> InferenceRequest:
+    """OpenAI's embeddings request: each ``input`` (a string, an array of token ids, or an array
+    of either) is embedded by the deployment's model; ``dimensions`` keeps that many of each
+    embedding's first values (normalized again), ``encoding_format`` writes them as numbers or
+    as base64 of little-endian float32."""
+    body = _object(body)
+    _no_unknown(body, EMBEDDING_FIELDS)
+    inputs = _inputs(body.get("input"))
+    encoding = body.get("encoding_format")
+    if encoding is not None and encoding not in ("float", "base64"):
+        raise invalid("encoding_format", 'encoding_format must be "float" or "base64"')
+    sampling = {"embed": True}
+    if body.get("dimensions") is not None:
+        sampling["dimensions"] = _int(body, "dimensions", minimum=1)
+    request = _request("embedding", body, sampling, prompts=inputs)
+    request.extra["encoding_format"] = encoding or "float"
+    return request
+
+
+def _inputs(value: Any) -> list[str | list[int]]:
+    if value is None:
+        raise invalid("input", "input is required", code="missing_required_parameter")
+    if isinstance(value, str) or _is_tokens(value):
+        inputs = [value]
+    elif isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
+        if len(value) > MAX_EMBEDDING_INPUTS:
+            raise invalid("input", f"at most {MAX_EMBEDDING_INPUTS} inputs are allowed per request")
+        inputs = value
+    else:
+        raise invalid("input", "input must be a non-empty string, an array of token ids, or an array of either")
+    for i, one in enumerate(inputs):
+        where = "input" if len(inputs) == 1 and one is value else f"input[{i}]"
+        if isinstance(one, str):
+            if not one:
+                raise invalid("input", f"{where} must not be empty")
+            text_only(one, "input")
+        elif not _is_tokens(one):
+            raise invalid("input", f"{where} must be a non-empty string or a non-empty array of token ids")
+    return inputs
 
 
 def _request(kind: str, body: dict, sampling: dict, **content) -> InferenceRequest:

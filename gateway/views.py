@@ -16,7 +16,7 @@ from inference_platform import jsonbody
 
 from . import admission, answers, calls, formatting, pages, response_events, selectors, services
 from .errors import ApiError, invalid
-from .protocol import MAX_MODEL_NAME, parse_chat, parse_completion
+from .protocol import MAX_MODEL_NAME, parse_chat, parse_completion, parse_embedding
 from .responses import parse_response_request, renamed
 
 log = logging.getLogger(__name__)
@@ -214,6 +214,11 @@ async def chat_completions(request):
 @csrf_exempt
 async def completions(request):
     return await _inference(request, parse_completion, "completion")
+
+
+@csrf_exempt
+async def embeddings(request):
+    return await _inference(request, parse_embedding, "embedding")
 
 
 def _model_json(deployment) -> dict:

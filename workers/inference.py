@@ -77,6 +77,7 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
                                       param=exc.param) from None
 
     try:
+        _check_dimensions(payload["sampling"], engine)
         params = SamplingParams(**_engine_sampling(payload["sampling"]))
         answers.submit(submit)
     except InvalidRequestError as exc:
@@ -152,6 +153,8 @@ class _Delta:
         tokenizer, sampling = self.tokenizer, self.sampling
         delta = {"type": "inference.delta", "index": self.index, "text": out.text, "token_ids": out.token_ids,
                  "logprobs": _logprobs(tokenizer, out.logprobs, sampling)}
+        if getattr(out, "embedding", None) is not None:
+            delta["embedding"] = _embedding(out.embedding, sampling.get("dimensions"))
         if self.echoing:
             self.echoing = False
             ids = out.prompt_token_ids or (self.prompt if isinstance(self.prompt, list) else None)
@@ -160,6 +163,20 @@ class _Delta:
                 "logprobs": _prompt_logprobs(tokenizer, out, sampling) if out.prompt_logprobs is not None else None,
             }
         return delta
+
+
+def _embedding(vector, dimensions: int | None) -> str:
+    """An embedding as base64 of little-endian float32 (OpenAI's ``encoding_format: "base64"``,
+    and a third of the JSON numbers' size on the way), cut to ``dimensions`` and normalized again."""
+    import base64
+
+    import numpy as np
+
+    vector = np.asarray(vector, dtype=np.float32)
+    if dimensions is not None and dimensions < vector.shape[0]:
+        vector = vector[:dimensions]
+        vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+    return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
 
 
 def _bill(payload: dict, answers: choices.Choices, cancels) -> dict:
@@ -179,9 +196,20 @@ def emit_usage(event: dict) -> None:
     emit_usage_event(event)
 
 
+def _check_dimensions(sampling: dict, engine) -> None:
+    """An embedding's ``dimensions`` cannot be more than the model's hidden size."""
+    from workers.engine import InvalidRequestError
+
+    dimensions = sampling.get("dimensions")
+    if dimensions is not None and dimensions > (hidden_size := engine.config.hidden_size):
+        raise InvalidRequestError(f"dimensions: this model's embeddings have {hidden_size} dimensions; "
+                                  f"ask for {hidden_size} or fewer", param="dimensions")
+
+
 def _engine_sampling(sampling: dict) -> dict:
     out = dict(sampling)
     out.pop("echo", None)  # the worker's to do (``_Delta``), not the engine's
+    out.pop("dimensions", None)  # so is cutting an embedding
     if "logit_bias" in out:
         out["logit_bias"] = {int(k): v for k, v in out["logit_bias"].items()}
     return out
@@ -190,8 +218,9 @@ def _engine_sampling(sampling: dict) -> dict:
 def _refusal(exc, kind: str) -> dict:
     message = str(exc)
     param = exc.param or "prompt"
-    if kind == "chat" and param == "prompt":  # the prompt a chat request has is its rendered messages
-        param = "messages"
+    if param == "prompt" and kind != "completion":  # chat's prompt is its rendered messages, an embedding's its input
+        param = "messages" if kind == "chat" else "input"
+        message = message.replace("prompt", param, 1) if kind == "embedding" else message
     code = "context_length_exceeded" if "context" in message.lower() else "invalid_value"
     return _error(400, message, param=param, code=code)
 

@@ -171,7 +171,7 @@ class StreamRelay:
                 if stream.ended:
                     continue  # its relay failed: the rest goes nowhere
                 stream.last, stream.progressed = out, time.monotonic()
-                if out.token_ids or out.text or out.prompt_logprobs is not None:
+                if out.token_ids or out.text or out.prompt_logprobs is not None or getattr(out, "embedding", None) is not None:
                     try:
                         outgoing.append((stream, stream.to_message(out)))
                     except Exception as exc:

@@ -314,7 +314,7 @@ def test_an_upload_is_checked_and_kept_for_its_organization(client, org_key, set
 
 @pytest.mark.django_db
 @pytest.mark.parametrize("body, status, param", [
-    ({"endpoint": "/v1/embeddings"}, 400, "endpoint"),
+    ({"endpoint": "/v1/moderations"}, 400, "endpoint"),
     ({"completion_window": "1h"}, 400, "completion_window"),
     ({"metadata": {"k": 1}}, 400, "metadata"),
     ({"priority": "high"}, 400, "priority"),

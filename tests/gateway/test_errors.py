@@ -368,7 +368,7 @@ def test_the_models_endpoints_answer_get_only(client, seeded, org_key, path):
         assert_error(method(path, **auth), 405, code="method_not_allowed")
 
 
-@pytest.mark.parametrize("method, path", [("post", "/v1/embeddings"), ("post", "/v1/chat/completions/"),
+@pytest.mark.parametrize("method, path", [("post", "/v1/moderations"), ("post", "/v1/chat/completions/"),
                                           ("get", "/v1/models/a/b"), ("get", "/v1/nothing")])
 def test_an_unknown_api_path_is_a_json_404(client, method, path):
     response = client.post(path, data="{}", content_type="application/json") if method == "post" else client.get(path)

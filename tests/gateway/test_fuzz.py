@@ -29,7 +29,8 @@ def bodies(schema: dict):
 
 
 def _content(names: list[str]) -> dict:
-    """What the request asks about: chat's messages, a completion's prompt, or a response's input items."""
+    """What the request asks about: chat's messages, a completion's prompt, or a response's input
+    items (or an embedding's input)."""
     messages = st.lists(st.fixed_dictionaries(
         {"role": st.sampled_from(["user", "system", "assistant", "x"]), "content": values}), max_size=3)
     if "messages" in names:
@@ -46,13 +47,13 @@ def _content(names: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def schemas():
-    from gateway.openapi import CHAT_REQUEST, COMPLETION_REQUEST, RESPONSES_REQUEST
+    from gateway.openapi import CHAT_REQUEST, COMPLETION_REQUEST, EMBEDDING_REQUEST, RESPONSES_REQUEST
 
     return {"/v1/chat/completions": CHAT_REQUEST, "/v1/completions": COMPLETION_REQUEST,
-            "/v1/responses": RESPONSES_REQUEST}
+            "/v1/responses": RESPONSES_REQUEST, "/v1/embeddings": EMBEDDING_REQUEST}
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"])
 def test_no_body_makes_the_gateway_fail(client, seeded, broke_org_key, schemas, path):
     org, key, plaintext = broke_org_key
 
