@@ -141,3 +141,15 @@ def test_files_are_the_organizations_own(openai_client, make_tenant):
     assert openai_client.files.delete(uploaded.id).deleted
     with pytest.raises(openai.NotFoundError):
         openai_client.files.retrieve(uploaded.id)
+
+
+def test_a_file_of_several_chunks_downloads_whole_through_the_server(openai_client):
+    """Stored and streamed a chunk (1 MiB) at a time: what comes back is the upload, byte for byte."""
+    from gateway.models import FileChunk
+
+    pad = "x" * 1000
+    content = "".join(_line(f"c{i}", _chat(f"{i} {pad}")) for i in range(3000)).encode()
+    assert len(content) > 2 * FileChunk.CHUNK_BYTES
+    uploaded = openai_client.files.create(file=("big.jsonl", content), purpose="batch")
+    download = openai_client.files.content(uploaded.id)
+    assert download.response.headers["content-length"] == str(len(content)) and download.content == content
