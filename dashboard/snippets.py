@@ -15,7 +15,7 @@ def endpoints(request) -> dict:
 
 
 def examples(*, base_url: str, ws_url: str, model: str) -> dict[str, str]:
-    """{"curl", "python", "websocket"}: the same chat request three ways."""
+    """{"curl", "python", "websocket"}: the same chat request three ways; and "embeddings"."""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Write a haiku about GPUs."}],
                        "max_tokens": 128, "stream": False}, indent=2)
     curl = (
@@ -68,4 +68,17 @@ async def main():
     print()
 
 asyncio.run(main())'''
-    return {"curl": curl, "python": python, "websocket": websocket}
+    embeddings = f'''import os
+from openai import OpenAI
+
+client = OpenAI(
+    base_url="{base_url}",
+    api_key=os.environ["{KEY_VARIABLE}"],
+)
+
+texts = ["GPUs run matrix multiplications.", "The sea is calm tonight."]
+reply = client.embeddings.create(model="{model}", input=texts)
+for text, item in zip(texts, reply.data):
+    print(len(item.embedding), text)  # one unit-length vector per text
+print(reply.usage.prompt_tokens, "tokens")'''
+    return {"curl": curl, "python": python, "websocket": websocket, "embeddings": embeddings}

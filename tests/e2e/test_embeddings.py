@@ -98,3 +98,21 @@ def test_a_batch_of_embeddings_answers_each_line(openai_client):
     first = answers[0]["response"]["body"]
     assert answers[0]["custom_id"] == "e0" and first["object"] == "list"
     assert np.abs(np.asarray(first["data"][0]["embedding"]) - np.asarray(direct.data[0].embedding)).max() < 1e-3
+
+
+def test_the_dashboards_embeddings_example_runs_as_shown(tenant):
+    """The code the model and deployment pages show, run as a user would paste it."""
+    import os
+    import subprocess
+    import sys
+
+    from dashboard import snippets
+
+    code = snippets.examples(base_url=f"{tenant.base_url}/v1", ws_url="", model=DEPLOYMENT)["embeddings"]
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, snippets.KEY_VARIABLE: tenant.api_key})
+    assert run.returncode == 0, run.stderr
+    first, second, usage = run.stdout.splitlines()
+    size = first.split()[0]
+    assert int(size) > 0 and first == f"{size} GPUs run matrix multiplications." and second.startswith(f"{size} The sea")
+    assert int(usage.split()[0]) > 0 and usage.endswith(" tokens")
