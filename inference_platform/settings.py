@@ -226,6 +226,9 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
+    # Django's own console handler (in debug mode) would print each of its lines a second time,
+    # without the time: its loggers go through the root's handler alone.
+    "loggers": {"django": {"handlers": [], "level": "INFO", "propagate": True}},
 }
 
 # --- billing (billing/): sign-up credit, Stripe top-ups ----------------------------------------

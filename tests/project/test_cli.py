@@ -137,6 +137,15 @@ def test_a_bad_setting_stops_with_a_line_naming_it(name, value, says):
     assert name in result.stderr and says in result.stderr
 
 
+def test_a_django_log_line_is_written_once_with_its_time_in_debug_mode():
+    code = ("import django, logging, os; os.environ['DJANGO_SETTINGS_MODULE'] = 'inference_platform.settings'; "
+            "django.setup(); logging.getLogger('django.request').warning('Bad Request: /v1/embeddings')")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env={**os.environ, "DEBUG": "true"},
+                            capture_output=True, text=True, timeout=60)
+    lines = [line for line in result.stderr.splitlines() if "Bad Request" in line]
+    assert len(lines) == 1 and " WARNING django.request: Bad Request" in lines[0], result.stderr
+
+
 def test_a_lowercase_log_level_is_fine_and_a_bad_port_is_refused_by_the_parser():
     from inference_platform.cli import local_url
 
