@@ -115,8 +115,16 @@ def can_revoke_api_key(*, membership: Membership | None, api_key: ApiKey) -> boo
 
     Takes the membership rather than the user so that a page of keys asks the database once. Staff
     (operators) get nothing more here: their powers are the operator pages and the admin site."""
-    if membership is None or membership.organization_id != api_key.organization_id:
+    return can_change(membership=membership, organization_id=api_key.organization_id,
+                      created_by_id=api_key.created_by_id)
+
+
+def can_change(*, membership: Membership | None, organization_id: int, created_by_id: int | None) -> bool:
+    """Whether the holder of ``membership`` may change or end something of ``organization_id``
+    that ``created_by_id`` made (a key; a batch, made by a key): owners and admins anything of
+    their organization, a member only their own."""
+    if membership is None or membership.organization_id != organization_id:
         return False
     if membership.role in MANAGER_ROLES:
         return True
-    return api_key.created_by_id is not None and api_key.created_by_id == membership.user_id
+    return created_by_id is not None and created_by_id == membership.user_id

@@ -153,7 +153,13 @@ def file_json(row: UploadedFile) -> dict:
 def batch_of(*, organization_id, batch_id: str) -> Batch | None:
     if not fits(batch_id, Batch):
         return None
-    return Batch.objects.filter(organization_id=organization_id, pk=batch_id).defer("requests").first()
+    return (Batch.objects.filter(organization_id=organization_id, pk=batch_id).select_related("api_key")
+            .defer("requests").first())
+
+
+def batch_creator_id(batch: Batch) -> int | None:
+    """The user whose key started ``batch`` (None: a key made for no user, or deleted)."""
+    return batch.api_key.created_by_id if batch.api_key is not None else None
 
 
 def batch_ids_of(*, organization_id) -> list[dict]:
@@ -165,8 +171,8 @@ def batch_ids_of(*, organization_id) -> list[dict]:
 
 def latest_batches(*, organization_id, limit: int) -> list[Batch]:
     """The organization's ``limit`` newest batches, newest first."""
-    return list(Batch.objects.filter(organization_id=organization_id).defer("requests")
-                .order_by("-created_at", "-pk")[:limit])
+    return list(Batch.objects.filter(organization_id=organization_id).select_related("api_key")
+                .defer("requests").order_by("-created_at", "-pk")[:limit])
 
 
 def batches_by_id(*, organization_id, ids: list[str]) -> list[Batch]:

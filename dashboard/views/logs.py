@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 from django.contrib import messages
+from django.core.exceptions import PermissionDenied
 from django.http import Http404
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_POST
@@ -14,6 +15,9 @@ from django.views.decorators.http import require_GET, require_POST
 from gateway import selectors as responses
 from gateway.downloads import download
 from gateway import services as response_services
+
+from accounts.models import MANAGER_ROLES
+from accounts.selectors import can_change, membership_for
 
 from .common import organization_required
 
@@ -44,12 +48,20 @@ def response_detail(request, response_id: str):
         "created": datetime.fromtimestamp(created, tz=timezone.utc) if isinstance(created, int) else None,
         "items": [_shown(item) for item in items],
         "output": [_shown(item) for item in response.get("output", [])],
+        "can_delete": _manages(request),
     })
+
+
+def _manages(request) -> bool:
+    """Stored responses keep no creator: deleting one from the dashboard is an owner's or admin's."""
+    return request.role in MANAGER_ROLES
 
 
 @organization_required
 @require_POST
 def response_delete(request, response_id: str):
+    if not _manages(request):
+        raise PermissionDenied("Deleting a stored response needs an owner or admin of the organization.")
     if not response_services.delete_response(organization_id=request.organization.pk, response_id=response_id):
         raise Http404("No such response.")
     messages.success(request, f"Response {response_id} is deleted.")
@@ -83,9 +95,11 @@ def batch_rows(request):
 
 
 def _batches(request) -> list[dict]:
-    shown = responses.batches_json(responses.latest_batches(organization_id=request.organization.pk,
-                                                            limit=BATCHES_SHOWN))
-    for batch in shown:
+    rows = responses.latest_batches(organization_id=request.organization.pk, limit=BATCHES_SHOWN)
+    membership = membership_for(user=request.user, organization=request.organization)
+    shown = responses.batches_json(rows)
+    for batch, row in zip(shown, rows):
+        batch["can_cancel"] = _may_cancel(membership, row)
         counts = batch["request_counts"]
         batch["done"] = counts["completed"] + counts["failed"]
         batch["percent"] = round(100 * batch["done"] / counts["total"]) if counts["total"] else 100
@@ -97,12 +111,19 @@ def _batches(request) -> list[dict]:
 BATCHES_SHOWN = 50
 
 
+def _may_cancel(membership, batch) -> bool:
+    return can_change(membership=membership, organization_id=batch.organization_id,
+                      created_by_id=responses.batch_creator_id(batch))
+
+
 @organization_required
 @require_POST
 def batch_cancel(request, batch_id: str):
     batch = responses.batch_of(organization_id=request.organization.pk, batch_id=batch_id)
     if batch is None:
         raise Http404("No such batch.")
+    if not _may_cancel(membership_for(user=request.user, organization=request.organization), batch):
+        raise PermissionDenied("A member may cancel the batches their own keys started; ask an owner or admin.")
     if response_services.cancel_batch(batch=batch).status == "cancelling":
         messages.success(request, f"Batch {batch_id} is cancelling: the requests running finish, no other starts.")
     else:

@@ -85,3 +85,27 @@ def test_the_pages_need_a_signed_in_member(client):
 def test_no_batch_yet_says_how_to_start_one(ada):
     html = ada.get("/batches/").content.decode()
     assert "No batches yet" in html and "hx-get" not in html
+
+
+def test_a_member_cancels_the_batches_their_keys_started_and_no_other(acme):
+    from django.test import Client
+
+    from accounts.services import add_member, create_api_key
+    from tests.dashboard.conftest import sign_up
+
+    owner, organization = acme
+    member, _ = sign_up("Mel", "Mel's own")
+    add_member(organization=organization, user=member, role="member")
+    theirs, owners = _batch(organization), _batch(organization)
+    for batch, user in ((theirs, member), (owners, owner)):
+        key, _ = create_api_key(organization=organization, name=f"{user.pk}-key", scopes=["inference"], created_by=user)
+        Batch.objects.filter(pk=batch.pk).update(api_key=key)
+    client = Client()
+    client.force_login(member)
+    client.post("/organizations/switch/", {"organization": organization.pk})
+    rows = client.get("/batches/_rows/").content.decode()
+    assert f"/batches/{theirs.pk}/cancel/" in rows and f"/batches/{owners.pk}/cancel/" not in rows
+    assert client.post(f"/batches/{owners.pk}/cancel/").status_code == 403
+    assert Batch.objects.get(pk=owners.pk).status == "in_progress"
+    client.post(f"/batches/{theirs.pk}/cancel/")
+    assert Batch.objects.get(pk=theirs.pk).status == "cancelling"

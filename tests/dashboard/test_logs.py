@@ -84,3 +84,26 @@ def test_an_expired_response_is_not_shown(ada, acme, settings):
 
 def test_the_log_needs_a_signed_in_member(client):
     assert client.get("/responses/").status_code == 302
+
+
+def test_only_an_owner_or_admin_deletes_a_stored_response(acme):
+    """Stored responses keep no creator: a member reads them and cannot delete one."""
+    from django.test import Client
+
+    from accounts.services import add_member
+    from tests.dashboard.conftest import sign_up
+
+    owner, organization = acme
+    member, _ = sign_up("Mel", "Mel's own")
+    add_member(organization=organization, user=member, role="member")
+    _store(organization, "resp_kept")
+    as_member = Client()
+    as_member.force_login(member)
+    as_member.post("/organizations/switch/", {"organization": organization.pk})
+    page = as_member.get("/responses/resp_kept/").content.decode()
+    assert "Blue." in page and "/responses/resp_kept/delete/" not in page
+    assert as_member.post("/responses/resp_kept/delete/").status_code == 403
+    assert StoredResponse.objects.filter(pk="resp_kept").exists()
+    as_owner = Client()
+    as_owner.force_login(owner)
+    assert "/responses/resp_kept/delete/" in as_owner.get("/responses/resp_kept/").content.decode()
