@@ -32,14 +32,20 @@ prices                 object | None   the catalog model's prices when the gatew
                                        cached_input_per_mtok, output_per_mtok, per_request
                                        (USD, decimal strings such as "0.150000"; None:
                                        the catalog's when billing records the event)
+rerun                  bool            a run of a request an earlier run may have
+                                       recorded under this id (a batch line run again
+                                       after its runner stopped): a completed one
+                                       replaces a cancelled or failed record
 =====================  ==============  ===================================================
 
-``api_key_id``, ``deployment_id``, the three timings, ``batch_size`` and ``prices`` may be omitted (read as null).
+``api_key_id``, ``deployment_id``, the three timings, ``batch_size`` and ``prices`` may be omitted (read as null),
+and ``rerun`` (read as false).
 Timings may also be given as non-negative floats (milliseconds); they are rounded to whole milliseconds. Counts
 and timings stop at 2**31 - 1. A price is a string of digits with at most 10 decimal places, below 10**10 (what a
 usage record stores): never a float, a sign, an exponent, NaN or Infinity; all four are required. Unknown keys are
 refused, so a typo in a worker fails loudly instead of being lost (so billing workers are upgraded before the GPU
-workers whose events carry ``prices``; :meth:`ParsedUsageEvent.to_wire` leaves out a null ``prices``).
+workers whose events carry ``prices`` or ``rerun``; :meth:`ParsedUsageEvent.to_wire` leaves out a null ``prices``
+and a false ``rerun``).
 This module imports no Django models: a worker can validate an event before publishing it.
 """
 
@@ -79,10 +85,12 @@ class UsageEvent(TypedDict):
     batch_size: float | None
     finished_at: str
     prices: dict[str, str] | None
+    rerun: bool
 
 
 FIELDS = tuple(UsageEvent.__annotations__)
-OPTIONAL_FIELDS = ("api_key_id", "deployment_id", "queue_ms", "ttft_ms", "latency_ms", "batch_size", "prices")
+OPTIONAL_FIELDS = ("api_key_id", "deployment_id", "queue_ms", "ttft_ms", "latency_ms", "batch_size", "prices",
+                   "rerun")
 BATCH_SIZE_MAX = 1_000_000
 # A price as a usage record stores it: digits, at most PRICE_DECIMAL_PLACES of them after the point.
 PRICE_INTEGER_DIGITS = PRICE_MAX_DIGITS - PRICE_DECIMAL_PLACES
@@ -109,15 +117,19 @@ class ParsedUsageEvent:
     batch_size: float | None
     finished_at: datetime
     prices: Prices | None = None
+    rerun: bool = False
 
     def to_wire(self) -> UsageEvent:
-        """The JSON-safe form, as published on the queue (without ``prices`` when there are none)."""
+        """The JSON-safe form, as published on the queue (without ``prices`` when there are none,
+        nor ``rerun`` when false)."""
         wire = {name: getattr(self, name) for name in FIELDS}
         wire["finished_at"] = self.finished_at.isoformat()
         if self.prices is None:
             del wire["prices"]
         else:
             wire["prices"] = self.prices.as_strings()
+        if not self.rerun:
+            del wire["rerun"]
         return UsageEvent(**wire)
 
 
@@ -250,4 +262,12 @@ def parse_usage_event(event: Any) -> ParsedUsageEvent:
         batch_size=_batch_size(event),
         finished_at=_finished_at(event),
         prices=_prices(event),
+        rerun=_flag(event, "rerun"),
     )
+
+
+def _flag(event: Mapping, name: str) -> bool:
+    value = event.get(name, False)
+    if not isinstance(value, bool):
+        raise InvalidUsageEvent(name, f"must be true or false, not {value!r}")
+    return value

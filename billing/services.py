@@ -207,7 +207,8 @@ def _record_usage(parsed) -> UsageRecord:
         except IntegrityError:  # recorded meanwhile (request_id is unique): charged there, not here
             existing = _recorded(parsed.request_id)
             if existing is not None:
-                if parsed.status == UsageRecord.Status.COMPLETED and existing.status != UsageRecord.Status.COMPLETED:
+                if parsed.rerun and parsed.status == UsageRecord.Status.COMPLETED \
+                        and existing.status != UsageRecord.Status.COMPLETED:
                     return _complete(existing, parsed, prices, cost)
                 return existing
             if attempt:
@@ -262,9 +263,10 @@ def _write_usage(parsed, prices: Prices, cost: Decimal) -> UsageRecord:
 
 def _complete(existing: UsageRecord, parsed, prices: Prices, cost: Decimal) -> UsageRecord:
     """A request recorded as cancelled or failed ran again under its id and completed (a batch's
-    line, run again after its runner stopped mid-answer; a worker's answer whose recovery event
-    came first): the record becomes the completed run's and its charge that run's cost, so the
-    client pays for the one answer it got, once. A completed record is never changed."""
+    line, run again after its runner stopped mid-answer: the event says ``rerun``): the record
+    becomes the completed run's and its charge that run's cost, so the client pays for the one
+    answer it got, once. A completed record is never changed. (An API request's id is its run's
+    alone: a recovery's "failed, free" record of it stands, as the client was told.)"""
     with transaction.atomic():
         totals.add_to_balance(organization_id=existing.organization_id, amount=Decimal(0))  # the lock order
         record = UsageRecord.objects.select_for_update().get(pk=existing.pk)
@@ -282,11 +284,14 @@ def _complete(existing: UsageRecord, parsed, prices: Prices, cost: Decimal) -> U
         record.save()
         entry = LedgerEntry.objects.select_for_update().filter(kind=LedgerEntry.Kind.USAGE,
                                                                reference=record.request_id).first()
-        if entry is None:
+        if entry is None and cost > 0:
             _write_entry(organization_id=record.organization_id, kind=LedgerEntry.Kind.USAGE, amount=-cost,
                          reference=record.request_id, description=entry_description(parsed))
-        else:
-            LedgerEntry.objects.filter(pk=entry.pk).update(amount=-cost)
+        elif entry is not None:  # a usage entry is never zero: one that would be goes
+            if cost > 0:
+                LedgerEntry.objects.filter(pk=entry.pk).update(amount=-cost)
+            else:
+                LedgerEntry.objects.filter(pk=entry.pk).delete()
             totals.add_to_balance(organization_id=record.organization_id, amount=old_cost - cost)
         totals.add_usage(organization_id=record.organization_id, api_key_id=record.api_key_id,
                          created_at=record.created_at, cost=cost - old_cost,

@@ -4,6 +4,8 @@ finish reason (``formatting.choice_ends``)."""
 
 from __future__ import annotations
 
+import asyncio
+
 from . import formatting, tools
 from .errors import ApiError
 
@@ -99,8 +101,9 @@ async def _embeddings(call, ctx: formatting.Context) -> dict:
         elif event["type"] == "inference.finished":
             if None in vectors:
                 break
-            return formatting.embeddings(ctx, vectors, encoding=call.request.extra["encoding_format"],
-                                         usage=event["usage"])
+            # Thousands of vectors as numbers take a while: not on the loop every stream shares.
+            return await asyncio.to_thread(formatting.embeddings, ctx, vectors,
+                                           encoding=call.request.extra["encoding_format"], usage=event["usage"])
     raise ApiError(500, "The worker ended the request without an embedding for each input.")
 
 

@@ -9,7 +9,7 @@ import logging
 
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
-from django.http import JsonResponse, StreamingHttpResponse
+from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from inference_platform import jsonbody
@@ -77,6 +77,9 @@ async def _whole(call: calls.Call, body, headers: dict):
     except asyncio.CancelledError:  # the client went away: stop generating
         await call.cancel()
         raise
+    if call.request.kind == "embedding":  # up to 2048 vectors: written off the loop every stream shares
+        content = await asyncio.to_thread(lambda: json.dumps(body).encode())
+        return _with_headers(HttpResponse(content, content_type="application/json"), headers)
     return _with_headers(JsonResponse(body), headers)
 
 

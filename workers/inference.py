@@ -16,8 +16,8 @@ leaves for billing before this returns, i.e. before Celery acknowledges the task
 before inference.finished, so a worker that dies between the two has still billed what the
 client received (a request is never served for free, nor billed twice: billing keys it by id).
 One narrow window remains: a death between the emit and the progress record's "billed" stage
-looks like a death mid-stream, and recovery's "failed, free" event races the real one (a
-completed one replaces it, in whichever order billing records them).
+looks like a death mid-stream, and recovery's "failed, free" event races the real one (billing
+keeps whichever it records first).
 """
 
 from __future__ import annotations
@@ -305,6 +305,11 @@ def _usage_event(payload: dict, answers: choices.Choices) -> dict:
     else:
         usage = choices.usage(outputs, n=answers.n, prompt_tokens=answers.prompt_tokens)
         timings, status = {"queue_ms": None, "ttft_ms": None, "latency_ms": None}, "failed"
+    if payload.get("kind") == "embedding":  # what it makes is embeddings: one cut off pays for those it made
+        embedded = [out for out in outputs if out is not None and getattr(out, "embedding", None) is not None]
+        usage = {"prompt_tokens": sum(out.prompt_tokens for out in embedded),
+                 "cached_prompt_tokens": sum(out.cached_prompt_tokens for out in embedded), "completion_tokens": 0}
+        status = "completed" if embedded else status
     return {
         # Billing's idempotency key: a batch line's id, the same for each run of the line.
         "request_id": payload.get("billing_id") or payload["request_id"],
@@ -321,4 +326,7 @@ def _usage_event(payload: dict, answers: choices.Choices) -> dict:
         "batch_size": _batch_size(outputs) if whole else None,
         "finished_at": datetime.now(timezone.utc).isoformat(),
         "prices": payload.get("prices"),
+        # Billed under an id other than its own (a batch line's): an earlier run may have been
+        # recorded under it, cut off, and this one's completion replaces that record.
+        **({"rerun": True} if payload.get("billing_id", payload["request_id"]) != payload["request_id"] else {}),
     }

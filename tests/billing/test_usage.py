@@ -59,7 +59,9 @@ def test_a_completed_run_replaces_a_cancelled_record_of_its_id_and_nothing_repla
     api_key, _ = make_key(organization)
     cut = usage_event(organization, api_key=api_key, status="cancelled", completion_tokens=cut_tokens)
     assert (services.record_usage(event=cut).cost > 0) == (cut_tokens > 0)
-    whole = dict(cut, status="completed", completion_tokens=500)
+    api_request = dict(cut, status="completed", completion_tokens=500)  # not a rerun: its record stands
+    assert services.record_usage(event=api_request).status == "cancelled"
+    whole = dict(cut, status="completed", completion_tokens=500, rerun=True)
     record = services.record_usage(event=whole)
     assert (record.status, record.completion_tokens, record.cost) == ("completed", 500, SAMPLE_COST)
     assert UsageRecord.objects.filter(request_id=cut["request_id"]).count() == 1
@@ -71,6 +73,21 @@ def test_a_completed_run_replaces_a_cancelled_record_of_its_id_and_nothing_repla
     for later in (cut, dict(whole, completion_tokens=9)):  # a replay, or another run: the answer stands
         assert services.record_usage(event=later).completion_tokens == 500
     assert selectors.balance(organization=organization) == SIGNUP - SAMPLE_COST
+
+
+@pytest.mark.parametrize("cut_tokens", [0, 7])
+def test_a_rerun_that_costs_nothing_leaves_no_usage_entry(organization, catalog_model, cut_tokens):
+    """A usage entry is never zero: a free completed rerun (a cheap model's few tokens, rounded to
+    nothing) removes the cut run's entry, or writes none."""
+    cut = usage_event(organization, status="cancelled", completion_tokens=cut_tokens)
+    services.record_usage(event=cut)
+    free = {name: "0" for name in ("input_per_mtok", "cached_input_per_mtok", "output_per_mtok", "per_request")}
+    record = services.record_usage(event=dict(cut, status="completed", completion_tokens=500, prices=free, rerun=True))
+    assert (record.status, record.cost) == ("completed", 0)
+    assert not LedgerEntry.objects.filter(kind="usage", reference=cut["request_id"]).exists()
+    assert selectors.balance(organization=organization) == SIGNUP
+    stored, from_rows = totals.reconcile(organization_id=organization.pk, fix=False)
+    assert stored == from_rows
 
 
 def test_the_same_event_twice_bills_once(organization, catalog_model):

@@ -65,17 +65,19 @@ def test_bad_input_is_a_400_naming_it_and_not_billed(tenant, body, param, db_rea
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
 
-    def count():
+    def records():
         from billing.models import UsageRecord
 
-        return UsageRecord.objects.filter(organization_id=tenant.organization_id).count()
+        return list(UsageRecord.objects.filter(organization_id=tenant.organization_id)
+                    .values_list("request_id", flat=True))
 
-    # A good request after it: once its record is in, the refused one has none (they queue in order).
+    # A good request after it: once its own record is in, the refused one has none (they queue in order).
     good = httpx.post(f"{tenant.base_url}/v1/embeddings", json={"model": DEPLOYMENT, "input": "ok"}, timeout=120,
                       headers={"Authorization": f"Bearer {tenant.api_key}"})
     assert good.status_code == 200
-    wait_until(lambda: db_read(count) >= 1, timeout=60, message="the good request's usage record")
-    assert db_read(count) == 1
+    wait_until(lambda: good.headers["x-request-id"] in db_read(records), timeout=60,
+               message="the good request's usage record")
+    assert db_read(records) == [good.headers["x-request-id"]]
 
 
 def test_an_unknown_model_is_a_404(openai_client):

@@ -189,13 +189,22 @@ def test_the_output_holds_the_answers_and_the_errors_the_rest_in_input_order(org
     assert services.finish_batch(batch_id=batch.pk).output_file_id == ended.output_file_id  # ends once
 
 
-@pytest.mark.django_db
+@pytest.mark.django_db(transaction=True)
 def test_a_file_is_seen_once_whole_and_one_its_writer_left_unfinished_is_purged(org_key, monkeypatch):
+    from django.db import connection
+
     monkeypatch.setattr(FileChunk, "CHUNK_BYTES", 4)
+    stores, outside = services.FileWriter._store, []
+
+    def store(writer, data):  # each chunk commits on its own: no transaction holds the write lock
+        outside.append(not connection.in_atomic_block)
+        stores(writer, data)
+
+    monkeypatch.setattr(services.FileWriter, "_store", store)
     org, _, _ = org_key()
     writer = services.FileWriter(organization_id=org.pk, purpose="batch_output", filename="o.jsonl")
     writer.write(b'{"a": 1}\n')
-    assert FileChunk.objects.filter(file_id=writer.file.pk).count() == 2  # committed as it goes
+    assert FileChunk.objects.filter(file_id=writer.file.pk).count() == 2 and outside == [True, True]
     assert selectors.file_of(organization_id=org.pk, file_id=writer.file.pk) is None
     assert writer.file.pk not in [f["id"] for f in selectors.files_of(organization_id=org.pk)]
     later = timezone.now() + services.UNFINISHED_FILE_AGE + timedelta(minutes=1)

@@ -277,6 +277,26 @@ def test_a_batch_line_run_twice_is_charged_once():
     assert [e.amount for e in LedgerEntry.objects.filter(kind="usage")] == [-runs[1].cost]
 
 
+def test_an_embedding_request_cut_off_pays_for_the_embeddings_it_made():
+    import numpy as np
+
+    from billing.events import parse_usage_event
+    from workers.engine.sequence import RequestOutput, RequestTimings
+
+    def output(embedded: bool, reason: str) -> RequestOutput:
+        return RequestOutput(request_id="r", token_ids=[], text="", logprobs=None, finished=True,
+                             finish_reason=reason, prompt_tokens=5, cached_prompt_tokens=2, completion_tokens=0,
+                             timings=RequestTimings(arrival_time=0.0),
+                             embedding=np.ones(4, dtype=np.float32) if embedded else None)
+
+    payload = {"request_id": f"embd-{uuid.uuid4().hex}", "deployment": SPEC, "organization_id": 1, "kind": "embedding"}
+    cut = parse_usage_event(inference._usage_event(payload, finished_answers(output(True, "length"),
+                                                                             output(False, "abort"))))
+    assert (cut.status, cut.prompt_tokens, cut.cached_prompt_tokens, cut.completion_tokens) == ("completed", 5, 2, 0)
+    nothing = parse_usage_event(inference._usage_event(payload, finished_answers(output(False, "abort"))))
+    assert (nothing.status, nothing.prompt_tokens) == ("cancelled", 0)  # free, as a request cut before output
+
+
 def finished_answers(*outputs):
     """A request's answers, each ended with its output."""
     from workers.choices import Choices
