@@ -25,7 +25,6 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "bench"))
-RESULTS = REPO_ROOT / "bench" / "results"
 WORDS = ("the sea river model token engine batch cache paged graph kernel weight light stone city song "
          "garden winter market signal number letter window bridge forest story").split()
 
@@ -89,7 +88,7 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
-    from engine import machine_info  # bench/engine.py
+    from engine import machine_info, write_result  # bench/engine.py
     from workers.engine import Engine, SamplingParams, bundled_model_path
 
     path = bundled_model_path()
@@ -122,11 +121,7 @@ def main(argv=None) -> int:
         "cosine_min": round(min(cosines), 6), "cosine_mean": round(sum(cosines) / len(cosines), 6),
     }
     print(json.dumps({k: report[k] for k in ("engine", "transformers", "engine_over_transformers", "cosine_min")}))
-    slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
-    out = Path(args.out) if args.out else RESULTS / f"embeddings-{slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_result(report, prefix="embeddings", device=device_name, out=args.out)
     return 0
 
 

@@ -604,6 +604,15 @@ def device_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "cuda"
 
 
+def write_result(report: dict, *, prefix: str, device: str, out: str | None = None) -> Path:
+    """A benchmark's JSON, at ``out`` or bench/results/<prefix>-<device>.json."""
+    path = Path(out) if out else RESULTS_DIR / f"{prefix}-{device_slug(device)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
 def free_cuda(torch) -> None:
     gc.collect()
     torch.cuda.empty_cache()

@@ -26,7 +26,6 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "bench"))
-RESULTS = REPO_ROOT / "bench" / "results"
 
 SUBJECTS = ("cat", "city", "book", "car", "river", "planet", "recipe", "song", "tree", "bird", "shop", "film")
 SCHEMA = {
@@ -143,7 +142,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--formats: unknown {', '.join(sorted(unknown))} (known: {', '.join(FORMATS)})")
     import torch
 
-    from engine import machine_info  # bench/engine.py
+    from engine import machine_info, write_result  # bench/engine.py
     from workers.engine import Engine, SamplingParams, bundled_model_path
 
     sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -161,11 +160,7 @@ def main(argv=None) -> int:
                 print(f"{name}, {batch} at once ...", flush=True)
                 rows.append(measure(engine, batch, guide, args, SamplingParams))
                 print(f"  {rows[-1]}", flush=True)
-    slug = "".join(c if c.isalnum() else "-" for c in report["device"].lower()).strip("-")
-    out = Path(args.out) if args.out else RESULTS / f"guided-{slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_result(report, prefix="guided", device=report["device"], out=args.out)
     return 0
 
 
