@@ -61,3 +61,17 @@ def test_embedding_params_are_checked(engine):
         assert caught.value.param == param
     with pytest.raises(InvalidRequestError, match="more than this model's context"):
         engine.submit([1] * engine.max_model_len, SamplingParams(embed=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU with CUDA")
+def test_on_a_gpu_embeddings_match_the_float32_ones_and_come_through_the_async_copy(engine, bundled_path):
+    """bfloat16 weights, CUDA decode graphs captured: embedding steps go eager, and their vectors
+    reach the host through the step's one wait (pinned memory, no synchronization of their own)."""
+    expected = [out.embedding for out in embed(engine, TEXTS)]
+    with Engine(bundled_path, device="cuda", max_batch_size=8, cuda_graphs=True) as gpu:
+        generating = gpu.submit("Tell me about the sea.", SamplingParams(max_tokens=16, temperature=0))
+        got = embed(gpu, TEXTS)
+        assert generating.result(timeout=120).completion_tokens == 16
+    for vector, out in zip(expected, got):
+        assert out.embedding.dtype == np.float32 and float(out.embedding @ vector) > 0.995

@@ -218,7 +218,7 @@ class StepResult:
     top_logprobs: list[list[float]] | None
     # Prompt tokens scored this step: (sequence, first prompt position, their logprobs).
     prompt_logprobs: list[tuple[Sequence, int, list[TokenLogprob]]] = field(default_factory=list)
-    # Embedding requests whose prompt this step finished: (sequence, its embedding).
+    # Embedding requests whose prompt this step finished: (sequence, its embedding, float32).
     embeddings: list[tuple[Sequence, np.ndarray]] = field(default_factory=list)
 
 
@@ -227,19 +227,25 @@ class PendingStep:
 
     def __init__(self, sampled: list[Sequence], copy: HostCopy | None,
                  prompt_logprobs: list[tuple[Sequence, int, list[TokenLogprob]]] | None = None,
-                 embeddings: list[tuple[Sequence, np.ndarray]] | None = None) -> None:
+                 embedded: tuple[list[Sequence], torch.Tensor] | None = None) -> None:
         self._sampled = sampled
         self._copy = copy
         self._prompt_logprobs = prompt_logprobs or []
-        self._embeddings = embeddings or []
+        # The sequences embedded, and their embeddings on their way to the host: they are copied
+        # before the sampler's results, so once those are in, so are they.
+        self._embedded = embedded
 
     def result(self) -> StepResult:
         if self._copy is None:
-            return StepResult([], [], None, None, None, self._prompt_logprobs, self._embeddings)
+            return StepResult([], [], None, None, None, self._prompt_logprobs)
         token_ids, logprobs, top_ids, top_logprobs = self._copy.lists()
+        embeddings = []
+        if self._embedded is not None:
+            seqs, vectors = self._embedded
+            embeddings = list(zip(seqs, vectors.numpy().copy()))
         return StepResult(sampled=self._sampled, token_ids=token_ids, logprobs=logprobs,
                           top_ids=top_ids, top_logprobs=top_logprobs, prompt_logprobs=self._prompt_logprobs,
-                          embeddings=self._embeddings)
+                          embeddings=embeddings)
 
 
 class ModelRunner:
@@ -324,7 +330,7 @@ class ModelRunner:
         pooling = [row for row, seq in enumerate(sampled) if seq.params.embed] if embeds else []
         if scoring or pooling:  # rare: prompts scored (echo) or embedded, eagerly, along the way
             logits, scored, pooled = self._forward(plan, scoring, pooling)
-            embedded = [(sampled[row], vector) for row, vector in zip(pooling, pooled)]
+            embedded = ([sampled[row] for row in pooling], pooled) if pooling else None
             return self._sample(sampled, logits, scored, embedded) if sampled else PendingStep([], None, scored)
         if graphs is not None and plan.max_query_len == 1 \
                 and graphs.fits(len(seqs), plan.block_tables.shape[1]):
@@ -355,7 +361,7 @@ class ModelRunner:
         """The eager step: the logits of the sampled rows (None when no row samples), the
         prompt logprobs ``scoring`` asks for (``prompt_scoring.plan``; None without), and the
         embeddings of the sampled rows ``pooling`` lists (their last token's final hidden state,
-        L2-normalized, float32 on the host)."""
+        L2-normalized, float32, on the host or, from a GPU, on their way there)."""
         device = self.device
         meta = AttentionMetadata(
             slot_mapping=_on(plan.slots, device),
@@ -373,8 +379,7 @@ class ModelRunner:
         default_threads = torch.get_num_threads()
         if threads and threads != default_threads:
             torch.set_num_threads(threads)
-        logits = scored = None
-        pooled = []
+        logits = scored = pooled = None
         try:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
             if scoring:
@@ -383,7 +388,7 @@ class ModelRunner:
                 last = hidden[_on(plan.last_rows, device)]
                 logits = self.model.compute_logits(last)
                 if pooling:
-                    pooled = list(F.normalize(last[_on(np.asarray(pooling), device)].float(), dim=-1).cpu().numpy())
+                    pooled = _to_host_async(F.normalize(last[_on(np.asarray(pooling), device)].float(), dim=-1))
         finally:
             if threads and threads != default_threads:
                 torch.set_num_threads(default_threads)  # MKL's setting is process-wide
@@ -457,6 +462,16 @@ def _each_takes_its_next_token(seqs: list[Sequence], num_new_tokens: list[int]) 
     """Whether a step is a pure decode step: one new token per sequence, its last."""
     return all(n == 1 and s.num_computed_tokens + 1 == s.num_tokens
                for s, n in zip(seqs, num_new_tokens))
+
+
+def _to_host_async(values: torch.Tensor) -> torch.Tensor:
+    """A device tensor copied into pinned host memory without waiting (the step's one wait, in
+    ``PendingStep.result``, covers it); a host tensor as it is."""
+    if values.device.type == "cpu":
+        return values
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    return host
 
 
 def _on(values: np.ndarray, device: torch.device) -> torch.Tensor:
