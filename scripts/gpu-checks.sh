@@ -7,17 +7,18 @@
 #                                               the test files the arguments name
 #   scripts/gpu-checks.sh kernels [args]        bench/kernels.py  → bench/results/kernels-<gpu>.json
 #   scripts/gpu-checks.sh engine [args]         bench/engine.py   → bench/results/engine-<gpu>.json
+#   scripts/gpu-checks.sh embeddings [args]     bench/embeddings.py → bench/results/embeddings-<gpu>.json
 #
 # Logs go to $LOG_DIR (default bench/results/logs), one file per step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; }
 step=${1:-}
 [ -n "$step" ] && shift
 case "$step" in
   -h|--help) usage; exit 0 ;;
-  tests|kernels|engine) ;;
+  tests|kernels|engine|embeddings) ;;
   *) usage >&2; exit 2 ;;
 esac
 
@@ -41,4 +42,6 @@ case "$step" in
     "$python" bench/kernels.py "$@" 2>&1 | tee "$log_dir/kernels.log" ;;
   engine)
     "$python" bench/engine.py --device cuda "$@" 2>&1 | tee "$log_dir/engine.log" ;;
+  embeddings)
+    "$python" bench/embeddings.py --device cuda --texts 512 "$@" 2>&1 | tee "$log_dir/embeddings.log" ;;
 esac
