@@ -2,7 +2,8 @@
 
 The same texts (lengths spread over ``--min-tokens``..``--max-tokens``) are embedded twice: by the
 engine (every text submitted at once with ``SamplingParams(embed=True)``: its scheduler batches
-them, a paged KV cache, no padding) and by transformers (the same weights and dtype, padded
+them, a paged KV cache, no padding; its prefix cache off, so that each repeat computes every
+text again) and by transformers (the same weights and dtype, padded
 batches of ``--hf-batch``, the last real token's final hidden state, normalized), each run timed
 ``--repeats`` times, the best kept. Reported: texts/s and tokens/s of each, their ratio, and how
 close the two embeddings of each text are (cosine).
@@ -92,7 +93,8 @@ def main(argv=None) -> int:
     from workers.engine import Engine, SamplingParams, bundled_model_path
 
     path = bundled_model_path()
-    engine_args = {"device": args.device} if args.device else {}
+    # No prefix cache: a repeat would find every text cached, and transformers recomputes them.
+    engine_args = {"enable_prefix_caching": False, **({"device": args.device} if args.device else {})}
     with Engine(path, **engine_args) as engine:
         dtype = engine.dtype
         token_ids = [engine.tokenizer.encode(t, add_special_tokens=True) for t in texts(
@@ -113,6 +115,7 @@ def main(argv=None) -> int:
     report = {
         "benchmark": "embeddings", "machine": machine_info(torch), "device": device_name, "dtype": str(dtype),
         "texts": len(token_ids), "tokens": tokens, "hf_batch": args.hf_batch, "repeats": args.repeats,
+        "prefix_cache": False,
         "engine": {"seconds": round(engine_s, 3), "texts_per_s": round(len(token_ids) / engine_s, 1),
                    "tokens_per_s": round(tokens / engine_s, 1)},
         "transformers": {"seconds": round(hf_s, 3), "texts_per_s": round(len(token_ids) / hf_s, 1),
