@@ -84,7 +84,7 @@ class BillingAPIView(APIView):
 
 
 class UsageReportView(BillingAPIView):
-    """``GET /v1/usage?start=YYYY-MM-DD&end=YYYY-MM-DD&group_by=day|hour|model|deployment|api_key``"""
+    """``GET /v1/usage?start=YYYY-MM-DD&end=YYYY-MM-DD&group_by=day|hour|model|deployment|api_key|endpoint``"""
 
     @extend_schema(
         parameters=[*_PERIOD, OpenApiParameter("group_by", str, enum=list(selectors.GROUP_BYS), default="day")],

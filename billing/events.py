@@ -32,6 +32,9 @@ prices                 object | None   the catalog model's prices when the gatew
                                        cached_input_per_mtok, output_per_mtok, per_request
                                        (USD, decimal strings such as "0.150000"; None:
                                        the catalog's when billing records the event)
+endpoint               str             the API it came through, e.g.
+                                       "/v1/chat/completions", "/v1/batches" (1-40
+                                       printable chars; "" or absent: not known)
 rerun                  bool            a run of a request an earlier run may have
                                        recorded under this id (a batch line run again
                                        after its runner stopped): a completed one
@@ -39,13 +42,13 @@ rerun                  bool            a run of a request an earlier run may hav
 =====================  ==============  ===================================================
 
 ``api_key_id``, ``deployment_id``, the three timings, ``batch_size`` and ``prices`` may be omitted (read as null),
-and ``rerun`` (read as false).
+``endpoint`` (read as "") and ``rerun`` (read as false).
 Timings may also be given as non-negative floats (milliseconds); they are rounded to whole milliseconds. Counts
 and timings stop at 2**31 - 1. A price is a string of digits with at most 10 decimal places, below 10**10 (what a
 usage record stores): never a float, a sign, an exponent, NaN or Infinity; all four are required. Unknown keys are
 refused, so a typo in a worker fails loudly instead of being lost (so billing workers are upgraded before the GPU
-workers whose events carry ``prices`` or ``rerun``; :meth:`ParsedUsageEvent.to_wire` leaves out a null ``prices``
-and a false ``rerun``).
+workers whose events carry ``prices``, ``endpoint`` or ``rerun``; :meth:`ParsedUsageEvent.to_wire` leaves out a
+null ``prices``, an empty ``endpoint`` and a false ``rerun``).
 This module imports no Django models: a worker can validate an event before publishing it.
 """
 
@@ -85,12 +88,14 @@ class UsageEvent(TypedDict):
     batch_size: float | None
     finished_at: str
     prices: dict[str, str] | None
+    endpoint: str
     rerun: bool
 
 
 FIELDS = tuple(UsageEvent.__annotations__)
 OPTIONAL_FIELDS = ("api_key_id", "deployment_id", "queue_ms", "ttft_ms", "latency_ms", "batch_size", "prices",
-                   "rerun")
+                   "endpoint", "rerun")
+ENDPOINT_MAX_LENGTH = 40
 BATCH_SIZE_MAX = 1_000_000
 # A price as a usage record stores it: digits, at most PRICE_DECIMAL_PLACES of them after the point.
 PRICE_INTEGER_DIGITS = PRICE_MAX_DIGITS - PRICE_DECIMAL_PLACES
@@ -117,11 +122,12 @@ class ParsedUsageEvent:
     batch_size: float | None
     finished_at: datetime
     prices: Prices | None = None
+    endpoint: str = ""
     rerun: bool = False
 
     def to_wire(self) -> UsageEvent:
         """The JSON-safe form, as published on the queue (without ``prices`` when there are none,
-        nor ``rerun`` when false)."""
+        ``endpoint`` when empty, nor ``rerun`` when false)."""
         wire = {name: getattr(self, name) for name in FIELDS}
         wire["finished_at"] = self.finished_at.isoformat()
         if self.prices is None:
@@ -130,6 +136,8 @@ class ParsedUsageEvent:
             wire["prices"] = self.prices.as_strings()
         if not self.rerun:
             del wire["rerun"]
+        if not self.endpoint:
+            del wire["endpoint"]
         return UsageEvent(**wire)
 
 
@@ -262,6 +270,8 @@ def parse_usage_event(event: Any) -> ParsedUsageEvent:
         batch_size=_batch_size(event),
         finished_at=_finished_at(event),
         prices=_prices(event),
+        endpoint=_text(event, "endpoint", max_length=ENDPOINT_MAX_LENGTH, allow_empty=True) if event.get(
+            "endpoint") is not None else "",
         rerun=_flag(event, "rerun"),
     )
 

@@ -174,7 +174,7 @@ def ledger_page(*, organization: Organization, limit: int, after: int | None = N
 
 # --- usage reports --------------------------------------------------------------------------------
 
-GROUP_BYS = ("day", "hour", "model", "deployment", "api_key")
+GROUP_BYS = ("day", "hour", "model", "deployment", "api_key", "endpoint")
 
 
 # The dates a report's period may span: far enough inside the calendar that its bounds and its
@@ -220,6 +220,7 @@ _BUCKETS = {
     "model": lambda: F("model"),
     "deployment": lambda: F("deployment_name"),
     "api_key": lambda: F("api_key_id"),
+    "endpoint": lambda: F("endpoint"),
 }
 
 
@@ -290,7 +291,8 @@ def usage_report(*, organization: Organization, start: date, end: date, group_by
 
     Returns ``{"buckets": [...], "totals": {...}}``; each bucket has ``key`` (a datetime for
     day/hour — every day/hour of the period is present, empty ones with zeros —, the model slug,
-    the deployment name, or the API key id) and the figures: requests, token sums, cost (Decimal)
+    the deployment name, the API key id, or the endpoint: "" for records from before it was kept)
+    and the figures: requests, token sums, cost (Decimal)
     and latency p50/p99 in ms (percentile_disc, None when no request reported a latency).
     For ``api_key`` buckets, ``api_key`` is ``{"id", "name", "prefix"}`` (None: the dashboard).
     """
@@ -333,6 +335,7 @@ EXPORT_COLUMNS = (
     "request_id", "created_at", "model", "deployment", "api_key_id", "status",
     "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "queue_ms", "ttft_ms", "latency_ms",
     "price_input_per_mtok", "price_cached_input_per_mtok", "price_output_per_mtok", "price_per_request", "cost",
+    "endpoint",  # last: a column added after the others, so that readers by position still work
 )
 _EXPORT_FIELDS = tuple("deployment_name" if column == "deployment" else column for column in EXPORT_COLUMNS)
 

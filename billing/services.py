@@ -232,6 +232,7 @@ def _write_usage(parsed, prices: Prices, cost: Decimal) -> UsageRecord:
             deployment_id=deployment_id,
             model=parsed.model,
             deployment_name=parsed.deployment,
+            endpoint=parsed.endpoint,
             prompt_tokens=parsed.prompt_tokens,
             cached_prompt_tokens=parsed.cached_prompt_tokens,
             completion_tokens=parsed.completion_tokens,

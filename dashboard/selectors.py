@@ -268,16 +268,19 @@ def api_key_of(*, organization: Organization, key_id: int) -> ApiKey | None:
 
 
 def usage_page(*, organization: Organization, start: date, end: date) -> dict:
-    """The usage page: totals, by day, by model, by API key, and the latest requests."""
+    """The usage page: totals, by day, by model, by API key, by endpoint, and the latest requests."""
     by_day = billing_selectors.usage_report(organization=organization, start=start, end=end, group_by="day")
     by_model = billing_selectors.usage_report(organization=organization, start=start, end=end, group_by="model")
     by_key = billing_selectors.usage_report(organization=organization, start=start, end=end, group_by="api_key")
+    by_endpoint = billing_selectors.usage_report(organization=organization, start=start, end=end,
+                                                 group_by="endpoint")
     records = billing_selectors.usage_records(organization=organization, start=start, end=end)
     return {
         "totals": by_day["totals"],
         "by_day": by_day["buckets"],
         "by_model": sorted(by_model["buckets"], key=lambda b: b["cost"], reverse=True),
         "by_key": sorted(by_key["buckets"], key=lambda b: b["cost"], reverse=True),
+        "by_endpoint": sorted(by_endpoint["buckets"], key=lambda b: b["cost"], reverse=True),
         "recent": list(records.select_related("api_key").order_by("-created_at", "-id")[:50]),
         "chart": {
             "labels": [b["key"].date().isoformat() for b in by_day["buckets"]],

@@ -242,6 +242,7 @@ class Call:
     cold_start: bool = False  # no replica was ready: the wait for a worker is the model's load
     prices: dict | None = None  # the route's at admission, for billing (None: the catalog's when billed)
     billing_id: str | None = None  # what billing records it under (None: ``request_id``)
+    endpoint: str = ""  # the API it came through, for usage reports
 
     def payload(self) -> dict:
         """The task's argument: what the worker runs, and where to send the events."""
@@ -257,6 +258,7 @@ class Call:
             # Billing is idempotent by this id: a batch line run again (its runner died) is its own
             # request, yet one charge.
             "billing_id": self.billing_id or self.request_id,
+            "endpoint": self.endpoint,
             # A client that does not stream sees nothing until the end: a copy redelivered after
             # its worker died may then run again from the start (``inference.restarted``).
             "stream": self.request.stream,
@@ -384,14 +386,17 @@ async def _send_cancel(request_id: str) -> bool:
 
 
 ID_PREFIXES = {"chat": "chatcmpl-", "completion": "cmpl-", "response": "resp_", "embedding": "embd-"}
+ENDPOINTS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "response": "/v1/responses",
+             "embedding": "/v1/embeddings"}
+BATCH_ENDPOINT = "/v1/batches"
 
 
 def new_request_id(kind: str) -> str:
     return f"{ID_PREFIXES[kind]}{uuid.uuid4().hex}"
 
 
-def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], request_id: str, reply_channel: str,
-          stages: Stages, batch: BatchLine | None) -> Call:
+def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], endpoint: str, request_id: str,
+          reply_channel: str, stages: Stages, batch: BatchLine | None) -> Call:
     """Admit and dispatch, blocking (one trip to a thread). Refusals come in the order clients see
     them: the key and the body (``identify``), the model (404), a max_tokens beyond its context, credit and spend limits (429
     insufficient_quota), a full deployment queue (429 queue_full), then rate limits (429), which
@@ -404,7 +409,8 @@ def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], request_id: s
     decision = _admit(caller, spec, queue_limit, request_id, batch=batch is not None)
     stages.mark("admit")
     call = Call(caller=caller, request=request, spec=spec, request_id=request_id, reply_channel=reply_channel,
-                headers={**decision.headers, "x-request-id": request_id}, stages=stages, prices=prices)
+                headers={**decision.headers, "x-request-id": request_id}, stages=stages, prices=prices,
+                endpoint=endpoint)
     if batch is not None:
         call.prices, call.billing_id = _scaled(prices, batch.price_factor), batch.billing_id
         call.tokens_counted = True  # outside the caller's limits
@@ -433,12 +439,14 @@ class BatchLine(NamedTuple):
 
 
 async def _begin(kind: str, identify: Callable[[], tuple[Caller, InferenceRequest]],
-                 stages: Stages, batch: BatchLine | None = None) -> tuple[Call, InferenceRequest, dict]:
+                 stages: Stages, batch: BatchLine | None = None,
+                 endpoint: str | None = None) -> tuple[Call, InferenceRequest, dict]:
     request_id = new_request_id(kind)
     reply_channel = await get_channel_layer().new_channel()  # a name only: no I/O
     try:
         try:
-            call = await admission.run(_open, identify, request_id, reply_channel, stages, batch)
+            endpoint = BATCH_ENDPOINT if batch is not None else endpoint or ENDPOINTS[kind]
+            call = await admission.run(_open, identify, endpoint, request_id, reply_channel, stages, batch)
         except REDIS_FAILURES as exc:
             raise unavailable(exc) from None
         except (DatabaseOperationalError, DatabaseInterfaceError) as exc:
@@ -461,12 +469,13 @@ async def _begin(kind: str, identify: Callable[[], tuple[Caller, InferenceReques
 
 
 async def begin(request: InferenceRequest, *, caller: Callable[[], Caller],
-                batch: BatchLine | None = None) -> tuple[Call, dict]:
+                batch: BatchLine | None = None, endpoint: str | None = None) -> tuple[Call, dict]:
     """Admit, dispatch and start a parsed request (the WebSocket API, batches); ``caller()`` says who
     calls, on the admission thread (raising ApiError to refuse); ``batch``: a Batch API request's
-    line. Returns the call and the response headers (rate limits and the ``Server-Timing`` of the
-    stages so far)."""
-    call, _, headers = await _begin(request.kind, lambda: (caller(), request), Stages(), batch)
+    line; ``endpoint``: the API it came through (for usage reports; the request's own by
+    default). Returns the call and the response headers (rate limits and the ``Server-Timing`` of
+    the stages so far)."""
+    call, _, headers = await _begin(request.kind, lambda: (caller(), request), Stages(), batch, endpoint)
     return call, headers
 
 

@@ -31,6 +31,7 @@ from .views import INTERNAL_ERROR
 log = logging.getLogger(__name__)
 PARSERS = {"chat.completions": parse_chat, "completions": parse_completion}
 MAX_REQUEST_ID = 200
+WEBSOCKET_ENDPOINT = "/v1/ws"  # what usage reports name the requests of a socket (the playground's too)
 
 
 def _request_id(message: dict) -> str | int | ApiError:
@@ -113,7 +114,7 @@ class InferenceConsumer(AsyncWebsocketConsumer):
     async def _run(self, request_id: str | int, inference, holder: list):
         call = None
         try:
-            call, _ = await calls.begin(inference, caller=self._current_caller)
+            call, _ = await calls.begin(inference, caller=self._current_caller, endpoint=WEBSOCKET_ENDPOINT)
             holder.append(call)
             ctx = formatting.Context(kind=inference.kind, id=call.request_id, created=call.created, model=inference.model)
             async for chunk in stream_chunks(call, ctx, inference.include_usage):

@@ -221,7 +221,7 @@ def claim(payload: dict, *, instance: str, hostname: str) -> dict:
         "organization_id": payload.get("organization_id") or "", "api_key_id": payload.get("api_key_id") or "",
         "deployment_id": deployment.get("id") or "", "deployment": deployment.get("name", ""),
         "model": deployment.get("model", ""),
-        "billing_id": payload.get("billing_id") or payload["request_id"],
+        "billing_id": payload.get("billing_id") or payload["request_id"], "endpoint": payload.get("endpoint") or "",
     }
     if not previous:
         record["stage"] = STAGE_ACCEPTED
@@ -283,6 +283,7 @@ def fail_interrupted(request_id: str, record: dict, *, reason: str) -> bool:
                 "prompt_tokens": _int_or_none(record.get("prompt_tokens")) or 0, "cached_prompt_tokens": 0,
                 "completion_tokens": 0, "status": "failed", "queue_ms": None, "ttft_ms": None, "latency_ms": None,
                 "finished_at": datetime.now(timezone.utc).isoformat(),
+                **({"endpoint": record["endpoint"]} if record.get("endpoint") else {}),
             })
         except Exception:
             log.exception("could not record the interrupted request %s for billing", request_id)

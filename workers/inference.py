@@ -326,6 +326,7 @@ def _usage_event(payload: dict, answers: choices.Choices) -> dict:
         "batch_size": _batch_size(outputs) if whole else None,
         "finished_at": datetime.now(timezone.utc).isoformat(),
         "prices": payload.get("prices"),
+        **({"endpoint": payload["endpoint"]} if payload.get("endpoint") else {}),
         # Billed under an id other than its own (a batch line's): an earlier run may have been
         # recorded under it, cut off, and this one's completion replaces that record.
         **({"rerun": True} if payload.get("billing_id", payload["request_id"]) != payload["request_id"] else {}),

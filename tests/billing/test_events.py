@@ -67,6 +67,10 @@ def test_other_time_zones_are_converted_to_utc():
     ({"finished_at": "2025-03-01T12:00:00"}, "finished_at"),
     ({"finished_at": 1700000000}, "finished_at"),
     ({"colour": "blue"}, "colour"),
+    ({"endpoint": 5}, "endpoint"),
+    ({"endpoint": "/v1/" + "x" * 40}, "endpoint"),
+    ({"endpoint": "/v1/\nchat"}, "endpoint"),
+    ({"rerun": "yes"}, "rerun"),
 ])
 def test_bad_events_name_the_field(changes, field):
     with pytest.raises(InvalidUsageEvent) as caught:
@@ -103,6 +107,14 @@ def test_prices_parse_to_decimals_and_travel_as_decimal_strings():
     # The widest a usage record holds.
     widest = {**PRICES, "output_per_mtok": "9999999999.9999999999", "per_request": "0.0000000001"}
     assert parse_usage_event(event(prices=widest)).to_wire()["prices"] == widest
+
+
+def test_the_endpoint_and_rerun_travel_when_set_and_stay_off_the_wire_when_not():
+    """So that a billing worker of before, which refuses unknown fields, reads an event that has neither."""
+    plain = parse_usage_event(event())
+    assert (plain.endpoint, plain.rerun) == ("", False) and not {"endpoint", "rerun"} & set(plain.to_wire())
+    marked = parse_usage_event(event(endpoint="/v1/batches", rerun=True))
+    assert (marked.endpoint, marked.rerun) == ("/v1/batches", True) and parse_usage_event(marked.to_wire()) == marked
 
 
 def test_an_event_without_prices_is_published_without_them():

@@ -48,12 +48,15 @@ def world(db):
         (0, 9, key_a, dep_tiny, 100, 10), (0, 9, key_a, dep_tiny, 300, 30), (0, 15, key_b, dep_big, 500, 50),
         (1, 0, key_a, dep_big, 700, 70), (1, 23, None, dep_tiny, 900, 90), (3, 6, key_b, dep_tiny, 1100, 110),
     ]
+    endpoints = ["/v1/chat/completions", "/v1/embeddings", "/v1/batches", "/v1/chat/completions",
+                 "/v1/embeddings", None]  # the last: a record from before endpoints were kept
     for i, (offset, hour, key, deployment, latency, completion) in enumerate(specs):
-        services.record_usage(event=usage_event(
+        event = usage_event(
             acme, api_key=key, deployment=deployment, model=deployment.model.slug, latency_ms=latency,
             prompt_tokens=1000 + i, cached_prompt_tokens=i * 10, completion_tokens=completion,
             finished_at=at(offset, hour, i),
-        ))
+        )
+        services.record_usage(event={**event, **({"endpoint": endpoints[i]} if endpoints[i] else {})})
     # Outside the period, and another organization's usage on the same days.
     services.record_usage(event=usage_event(acme, finished_at=at(-1, 23, 59), model="tiny-llama"))
     services.record_usage(event=usage_event(acme, finished_at=at(4, 0, 0), model="tiny-llama"))
@@ -106,11 +109,12 @@ def test_report_by_hour_has_every_hour(client, world):
 @pytest.mark.parametrize(("group_by", "expected"), [
     ("model", {"big-llama": 2, "tiny-llama": 4}),
     ("deployment", {"acme-big": 2, "acme-tiny": 4}),
+    ("endpoint", {"/v1/chat/completions": 2, "/v1/embeddings": 2, "/v1/batches": 1, "": 1}),
 ])
-def test_report_by_model_and_deployment(client, world, group_by, expected):
+def test_report_by_model_deployment_and_endpoint(client, world, group_by, expected):
     body = client.get("/v1/usage", {**PERIOD, "group_by": group_by}, headers=bearer(world["raw_a"])).json()
     assert {b["bucket"]: b["requests"] for b in body["data"]} == expected
-    field = "model" if group_by == "model" else "deployment_name"
+    field = {"model": "model", "deployment": "deployment_name", "endpoint": "endpoint"}[group_by]
     for bucket in body["data"]:
         cost = in_period(world["acme"]).filter(**{field: bucket["bucket"]}).aggregate(c=Sum("cost"))["c"]
         assert Decimal(bucket["cost"]) == cost

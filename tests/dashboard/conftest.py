@@ -62,11 +62,12 @@ def ada(client, acme):
 
 def record(organization, deployment, *, api_key=None, prompt_tokens=100, completion_tokens=50, latency_ms=800,
            ttft_ms=40, status="completed", finished_at: datetime | None = None, request_id: str | None = None,
-           batch_size: float | None = None):
+           batch_size: float | None = None, endpoint: str | None = None):
     """A usage record written by billing's own service, as the worker's usage event does."""
     from billing.services import record_usage
 
     return record_usage(event={
+        **({"endpoint": endpoint} if endpoint else {}),
         "request_id": request_id or f"chatcmpl-{uuid.uuid4().hex}",
         "organization_id": organization.pk,
         "api_key_id": api_key.pk if api_key is not None else None,

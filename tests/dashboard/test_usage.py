@@ -16,7 +16,7 @@ def test_the_usage_page_shows_the_organizations_requests_only(ada, acme, globex,
     _, org = acme
     _, public = catalog
     key, _ = create_api_key(organization=org, name="svc", scopes=["inference"])
-    mine = record(org, public, api_key=key, prompt_tokens=1200, completion_tokens=345)
+    mine = record(org, public, api_key=key, prompt_tokens=1200, completion_tokens=345, endpoint="/v1/embeddings")
     playground = record(org, public, prompt_tokens=10, completion_tokens=5)
     theirs = record(globex[1], public, prompt_tokens=777, completion_tokens=888)
     page = ada.get("/usage/").content.decode()
@@ -24,6 +24,8 @@ def test_the_usage_page_shows_the_organizations_requests_only(ada, acme, globex,
     assert 'data-completion-tokens="345"' in page and f'data-cost="{mine.cost}"' in page
     by_key = page.split('id="usage-by-key"')[1].split("</table>")[0]
     assert "svc" in by_key and "Playground" in by_key
+    by_endpoint = page.split('id="usage-by-endpoint"')[1].split("</table>")[0]
+    assert "/v1/embeddings" in by_endpoint and "not recorded" in by_endpoint  # the playground's record has none
     total = mine.cost + playground.cost
     assert ada.get("/usage/").context["totals"]["cost"] == total
     assert 'href="/v1/usage/export.csv?start=' in page

@@ -70,7 +70,8 @@ def test_a_batch_answers_each_request_as_the_api_would_at_the_batch_price(openai
 
     records, catalog = wait_until(lambda: (r := db_read(prices)) and len(r[0]) == 3 and r, timeout=30,
                                   message="the batch's usage records")
-    for record in records:  # billed once each, at half the catalog's prices
+    for record in records:  # billed once each, at half the catalog's prices, as the batch's
+        assert record.endpoint == "/v1/batches"
         assert record.price_input_per_mtok == catalog.price_input_per_mtok * Decimal("0.5")
         assert record.price_output_per_mtok == catalog.price_output_per_mtok * Decimal("0.5")
         assert record.cost > 0

@@ -46,6 +46,7 @@ def test_each_input_gets_the_engines_embedding_billed_for_its_tokens(openai_clie
     billed = wait_until(lambda: len(r := db_read(records)) == 4 and r, timeout=60, message="4 usage records")
     first = next(r for r in billed if r.prompt_tokens == reply.usage.prompt_tokens)
     assert first.completion_tokens == 0 and first.status == "completed" and first.cost > 0
+    assert {r.endpoint for r in billed} == {"/v1/embeddings"}
 
 
 @pytest.mark.parametrize("body, param", [

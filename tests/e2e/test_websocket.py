@@ -34,7 +34,7 @@ def frames_until_done(ws, request_id: str, *, timeout: float = 120) -> list[dict
             return frames
 
 
-def test_streams_the_same_text_as_the_http_api(tenant, openai_client):
+def test_streams_the_same_text_as_the_http_api(tenant, openai_client, db_read):
     body = {"model": DEPLOYMENT, "messages": QUESTION, "temperature": 0, "max_tokens": 16}
     http = openai_client.chat.completions.create(**body)
     with open_ws(tenant) as ws:
@@ -45,6 +45,17 @@ def test_streams_the_same_text_as_the_http_api(tenant, openai_client):
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == \
         http.choices[0].message.content
     assert chunks[-1]["usage"]["completion_tokens"] == http.usage.completion_tokens
+
+    def endpoints():  # usage reports tell the two apart
+        from billing.models import UsageRecord
+
+        rows = UsageRecord.objects.filter(request_id__in=[http.id, chunks[0]["id"]]).values_list("request_id", "endpoint")
+        return dict(rows)
+
+    from tests.support import wait_until
+
+    seen = wait_until(lambda: len(e := db_read(endpoints)) == 2 and e, timeout=60, message="both usage records")
+    assert seen == {http.id: "/v1/chat/completions", chunks[0]["id"]: "/v1/ws"}
 
 
 def test_several_requests_share_one_connection(tenant):

@@ -34,7 +34,7 @@ def converse(client, query: str, frames: list[dict], outputs: int) -> tuple[list
     ``outputs`` ASGI messages after the accept, and the organization each admitted request billed."""
     billed: list[int] = []
 
-    async def begin(request, *, caller):
+    async def begin(request, *, caller, endpoint):
         billed.append((await database_sync_to_async(caller)()).org_id)
         raise ApiError(429, "stopped by the test before dispatch", code="test_stop")
 

@@ -44,7 +44,7 @@ def converse(frames: list[dict], begin, replies: int) -> list[dict]:
         calls.begin = original
 
 
-async def never_admitted(request, *, caller):
+async def never_admitted(request, *, caller, endpoint):
     await asyncio.Event().wait()
 
 
