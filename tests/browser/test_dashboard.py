@@ -236,6 +236,8 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
         row = page.locator(f"#usage-requests tr[data-request='{request_id}']")
         assert int(row.locator("[data-completion-tokens]").get_attribute("data-completion-tokens")) > 0
         assert Decimal(row.locator("[data-cost]").get_attribute("data-cost")) > 0
+    assert "/v1/ws" in page.inner_text(f"#usage-requests tr[data-request='{stopped_id}']")  # the playground's socket
+    assert "/v1/ws" in page.inner_text("#usage-by-endpoint")
     by_key = page.inner_text("#usage-by-key")
     assert "journey key" in by_key and "Playground" in by_key
     assert page.get_attribute("#csv-export", "href").startswith("/v1/usage/export.csv?start=")
