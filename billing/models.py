@@ -62,8 +62,9 @@ class UsageRecord(models.Model):
     model = models.CharField(max_length=200, help_text="Catalog model slug.")
     deployment_name = models.CharField(max_length=200, blank=True)
     # The API the request came through ("/v1/chat/completions", "/v1/embeddings", "/v1/batches",
-    # ...); "" for a record from before it was kept.
-    endpoint = models.CharField(max_length=40, blank=True, default="")
+    # ...); "" for a record from before it was kept. db_default too: a billing worker older than
+    # this field, still running during an upgrade, writes records without it.
+    endpoint = models.CharField(max_length=40, blank=True, default="", db_default="")
     prompt_tokens = models.PositiveIntegerField()
     cached_prompt_tokens = models.PositiveIntegerField(default=0)
     completion_tokens = models.PositiveIntegerField()

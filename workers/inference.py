@@ -305,11 +305,6 @@ def _usage_event(payload: dict, answers: choices.Choices) -> dict:
     else:
         usage = choices.usage(outputs, n=answers.n, prompt_tokens=answers.prompt_tokens)
         timings, status = {"queue_ms": None, "ttft_ms": None, "latency_ms": None}, "failed"
-    if payload.get("kind") == "embedding":  # what it makes is embeddings: one cut off pays for those it made
-        embedded = [out for out in outputs if out is not None and getattr(out, "embedding", None) is not None]
-        usage = {"prompt_tokens": sum(out.prompt_tokens for out in embedded),
-                 "cached_prompt_tokens": sum(out.cached_prompt_tokens for out in embedded), "completion_tokens": 0}
-        status = "completed" if embedded else status
     return {
         # Billing's idempotency key: a batch line's id, the same for each run of the line.
         "request_id": payload.get("billing_id") or payload["request_id"],
@@ -329,5 +324,5 @@ def _usage_event(payload: dict, answers: choices.Choices) -> dict:
         **({"endpoint": payload["endpoint"]} if payload.get("endpoint") else {}),
         # Billed under an id other than its own (a batch line's): an earlier run may have been
         # recorded under it, cut off, and this one's completion replaces that record.
-        **({"rerun": True} if payload.get("billing_id", payload["request_id"]) != payload["request_id"] else {}),
+        **({"rerun": True} if (payload.get("billing_id") or payload["request_id"]) != payload["request_id"] else {}),
     }

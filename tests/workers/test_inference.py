@@ -277,7 +277,9 @@ def test_a_batch_line_run_twice_is_charged_once():
     assert [e.amount for e in LedgerEntry.objects.filter(kind="usage")] == [-runs[1].cost]
 
 
-def test_an_embedding_request_cut_off_pays_for_the_embeddings_it_made():
+def test_an_embedding_request_cut_off_is_free_as_any_request_cut_before_its_output():
+    """It answers nothing before all its inputs are embedded: cut off, it is recorded cancelled,
+    unbilled, and a batch line's run that completes it replaces that record."""
     import numpy as np
 
     from billing.events import parse_usage_event
@@ -292,9 +294,10 @@ def test_an_embedding_request_cut_off_pays_for_the_embeddings_it_made():
     payload = {"request_id": f"embd-{uuid.uuid4().hex}", "deployment": SPEC, "organization_id": 1, "kind": "embedding"}
     cut = parse_usage_event(inference._usage_event(payload, finished_answers(output(True, "length"),
                                                                              output(False, "abort"))))
-    assert (cut.status, cut.prompt_tokens, cut.cached_prompt_tokens, cut.completion_tokens) == ("completed", 5, 2, 0)
-    nothing = parse_usage_event(inference._usage_event(payload, finished_answers(output(False, "abort"))))
-    assert (nothing.status, nothing.prompt_tokens) == ("cancelled", 0)  # free, as a request cut before output
+    assert (cut.status, cut.completion_tokens) == ("cancelled", 0)
+    whole = parse_usage_event(inference._usage_event(payload, finished_answers(output(True, "length"),
+                                                                               output(True, "length"))))
+    assert (whole.status, whole.prompt_tokens, whole.cached_prompt_tokens) == ("completed", 10, 4)
 
 
 def finished_answers(*outputs):
