@@ -55,6 +55,12 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
         send_quietly(send, reply, _error(503, f"the model failed to load: {exc}", code="model_load_failed"))
         return None
     n, prompts = payload.get("n", 1), _prompts(payload)
+    if payload.get("kind") == "embedding":
+        try:
+            prompts = _embedding_inputs(engine, prompts)
+        except InvalidRequestError as exc:
+            send_quietly(send, reply, _refusal(exc, "embedding"))
+            return None
     count = choices.sequences(payload)
     ids = choices.engine_ids(request_id, count)
     answers = choices.Choices([
@@ -194,6 +200,22 @@ def emit_usage(event: dict) -> None:
     from billing.dispatch import emit_usage_event
 
     emit_usage_event(event)
+
+
+EMBEDDING_MAX_TOKENS = 300_000  # OpenAI's limit on the inputs of one embeddings request, together
+
+
+def _embedding_inputs(engine, inputs: list) -> list[list[int]]:
+    """An embeddings request's inputs as token ids (tokenized once, here), within
+    EMBEDDING_MAX_TOKENS together: a request that size keeps a worker busy for long enough."""
+    from workers.engine import InvalidRequestError
+
+    ids = [engine.tokenizer.encode(one, add_special_tokens=True) if isinstance(one, str) else one for one in inputs]
+    total = sum(len(one) for one in ids)
+    if total > EMBEDDING_MAX_TOKENS:
+        raise InvalidRequestError(f"input: the inputs hold {total} tokens together; at most {EMBEDDING_MAX_TOKENS} "
+                                  "are allowed per request: split them over several", param="input")
+    return ids
 
 
 def _check_dimensions(sampling: dict, engine) -> None:

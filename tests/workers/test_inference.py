@@ -300,6 +300,29 @@ def test_an_embedding_request_cut_off_is_free_as_any_request_cut_before_its_outp
     assert (whole.status, whole.prompt_tokens, whole.cached_prompt_tokens) == ("completed", 10, 4)
 
 
+def test_an_embeddings_request_over_the_token_limit_is_a_400_before_anything_runs(monkeypatch):
+    submitted, sent = [], []
+
+    class Tokenizer:
+        def encode(self, text, add_special_tokens=True):
+            return [1] * len(text.split())
+
+    class Engine(StoppedEngine):
+        tokenizer = Tokenizer()
+
+        def submit(self, *args, **kwargs):
+            submitted.append(args)
+            raise AssertionError("nothing may run")
+
+    monkeypatch.setattr(inference, "EMBEDDING_MAX_TOKENS", 5)
+    payload = {"request_id": f"embd-{uuid.uuid4().hex}", "reply_channel": "reply", "deployment": SPEC,
+               "kind": "embedding", "prompts": ["one two three", [7, 8, 9]], "sampling": {"embed": True}}
+    assert inference.run(payload, host=Host(Engine()), send=lambda reply, message: sent.append(message),
+                         relay=Relay(), cancels=NoCancels()) is None
+    [error] = sent
+    assert (error["status"], error["param"]) == (400, "input") and "6 tokens" in error["message"] and not submitted
+
+
 def finished_answers(*outputs):
     """A request's answers, each ended with its output."""
     from workers.choices import Choices
