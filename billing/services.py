@@ -217,7 +217,7 @@ def _record_usage(parsed) -> UsageRecord:
             # foreign keys at commit): look them up again rather than lose the event.
 
 
-def entry_description(parsed) -> str:
+def _entry_description(parsed) -> str:
     return parsed.model + (f" on {parsed.deployment}" if parsed.deployment else "")
 
 
@@ -252,7 +252,7 @@ def _write_usage(parsed, prices: Prices, cost: Decimal) -> UsageRecord:
         # Either way the balance's row is taken first: the lock order reconcile relies on.
         if cost > 0:
             _write_entry(organization_id=parsed.organization_id, kind=LedgerEntry.Kind.USAGE, amount=-cost,
-                         reference=parsed.request_id, description=entry_description(parsed))
+                         reference=parsed.request_id, description=_entry_description(parsed))
         else:
             totals.add_to_balance(organization_id=parsed.organization_id, amount=Decimal(0))
         billed = is_billed(status=parsed.status, completion_tokens=parsed.completion_tokens)
@@ -287,7 +287,7 @@ def _complete(existing: UsageRecord, parsed, prices: Prices, cost: Decimal) -> U
                                                                reference=record.request_id).first()
         if entry is None and cost > 0:
             _write_entry(organization_id=record.organization_id, kind=LedgerEntry.Kind.USAGE, amount=-cost,
-                         reference=record.request_id, description=entry_description(parsed))
+                         reference=record.request_id, description=_entry_description(parsed))
         elif entry is not None:  # a usage entry is never zero: one that would be goes
             if cost > 0:
                 LedgerEntry.objects.filter(pk=entry.pk).update(amount=-cost)

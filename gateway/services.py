@@ -234,20 +234,21 @@ def _entries(batch_id: str, custom_ids: list[str], ended: str, *, answers: bool)
     it is an outcome's: read from the outcomes a few hundred at a time, never all at once. A line
     with no outcome (never run) is an error."""
     outcomes = BatchOutcome.objects.filter(batch_id=batch_id).order_by("line")
-    outcomes = outcomes.filter(status_code=200) if answers else outcomes.exclude(status_code=200)
+    if answers:
+        outcomes = outcomes.filter(status_code=200)
     rows = outcomes.values_list("line", "request_id", "status_code", "body").iterator(chunk_size=200)
     if answers:
         for line, request_id, status_code, body in rows:
             yield _entry(batch_id, line, custom_ids[line], request_id, status_code, body), True
         return
     code = "batch_cancelled" if ended == Batch.Status.CANCELLED else "batch_expired"
-    done = set(BatchOutcome.objects.filter(batch_id=batch_id).values_list("line", flat=True))
-    failed = next(rows, None)
+    ran = next(rows, None)  # every outcome, in line order beside the lines: the answers are skipped
     for line, custom_id in enumerate(custom_ids):
-        if failed is not None and failed[0] == line:
-            yield _entry(batch_id, line, custom_id, *failed[1:]), True
-            failed = next(rows, None)
-        elif line not in done:
+        if ran is not None and ran[0] == line:
+            if ran[2] != 200:
+                yield _entry(batch_id, line, custom_id, *ran[1:]), True
+            ran = next(rows, None)
+        else:
             yield {"id": line_id(batch_id, line), "custom_id": custom_id, "response": None, "error": {
                 "code": code, "message": f"The batch was {ended} before this request ran."}}, False
 

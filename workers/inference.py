@@ -57,7 +57,7 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
     n, prompts = payload.get("n", 1), _prompts(payload)
     if payload.get("kind") == "embedding":
         try:
-            prompts = _embedding_inputs(engine, prompts)
+            prompts = _embedding_inputs(engine, prompts, payload["sampling"])
         except InvalidRequestError as exc:
             send_quietly(send, reply, _refusal(exc, "embedding"))
             return None
@@ -83,7 +83,6 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
                                       param=exc.param) from None
 
     try:
-        _check_dimensions(payload["sampling"], engine)
         params = SamplingParams(**_engine_sampling(payload["sampling"]))
         answers.submit(submit)
     except InvalidRequestError as exc:
@@ -205,27 +204,22 @@ def emit_usage(event: dict) -> None:
 EMBEDDING_MAX_TOKENS = 300_000  # OpenAI's limit on the inputs of one embeddings request, together
 
 
-def _embedding_inputs(engine, inputs: list) -> list[list[int]]:
-    """An embeddings request's inputs as token ids (tokenized once, here), within
-    EMBEDDING_MAX_TOKENS together: a request that size keeps a worker busy for long enough."""
-    from workers.engine import InvalidRequestError
-
-    ids = [engine.tokenizer.encode(one, add_special_tokens=True) if isinstance(one, str) else one for one in inputs]
-    total = sum(len(one) for one in ids)
-    if total > EMBEDDING_MAX_TOKENS:
-        raise InvalidRequestError(f"input: the inputs hold {total} tokens together; at most {EMBEDDING_MAX_TOKENS} "
-                                  "are allowed per request: split them over several", param="input")
-    return ids
-
-
-def _check_dimensions(sampling: dict, engine) -> None:
-    """An embedding's ``dimensions`` cannot be more than the model's hidden size."""
+def _embedding_inputs(engine, inputs: list, sampling: dict) -> list[list[int]]:
+    """An embeddings request's inputs as token ids (tokenized once, here), checked before anything
+    runs: within EMBEDDING_MAX_TOKENS together (a request that size keeps a worker busy for long
+    enough), and ``dimensions`` no more than the model's hidden size."""
     from workers.engine import InvalidRequestError
 
     dimensions = sampling.get("dimensions")
     if dimensions is not None and dimensions > (hidden_size := engine.config.hidden_size):
         raise InvalidRequestError(f"dimensions: this model's embeddings have {hidden_size} dimensions; "
                                   f"ask for {hidden_size} or fewer", param="dimensions")
+    ids = [engine.tokenizer.encode(one, add_special_tokens=True) if isinstance(one, str) else one for one in inputs]
+    total = sum(len(one) for one in ids)
+    if total > EMBEDDING_MAX_TOKENS:
+        raise InvalidRequestError(f"input: the inputs hold {total} tokens together; at most {EMBEDDING_MAX_TOKENS} "
+                                  "are allowed per request: split them over several", param="input")
+    return ids
 
 
 def _engine_sampling(sampling: dict) -> dict:
