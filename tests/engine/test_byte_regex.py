@@ -9,6 +9,7 @@ import json
 import random
 import re
 import uuid
+from decimal import Decimal
 
 import pytest
 from hypothesis import given, settings
@@ -18,6 +19,9 @@ from workers.engine.byte_regex import (
     FORMATS, RegexError, compile_format, compile_pattern, decimal_pattern, integer_pattern,
 )
 from workers.engine.json_grammar import JsonGrammar
+
+# Bounds with a fraction, of up to four digits on either side of the point.
+BOUNDS = st.decimals(-300, 300, places=2, allow_nan=False) | st.decimals(-2, 2, places=4, allow_nan=False)
 
 
 def matches(regex, text: str) -> bool:
@@ -226,7 +230,11 @@ def test_in_json_output_bounds_hold():
     positive = grammar({"type": "number", "exclusiveMinimum": 0})
     assert accepts(positive, 0.5) and accepts(positive, 12) and not accepts(positive, 0) and not accepts(positive, 0.0)
     assert not accepts(positive, 1e30)  # bounded numbers are written without an exponent
-    for schema, words in [({"type": "number", "minimum": 0.5}, "whole number"),
+    half_up = grammar({"type": "number", "minimum": 0.5, "exclusiveMaximum": 2.75})  # pydantic's ge=0.5, lt=2.75
+    assert all(accepts(half_up, v) for v in (0.5, 0.75, 1, 2, 2.7499)) and not any(accepts(half_up, v) for v in (0.4999, 2.75, 3))
+    tenth = grammar({"type": "number", "exclusiveMinimum": -0.1, "maximum": 0.1})  # 0.1 as written, not as a float
+    assert all(accepts(tenth, v) for v in (-0.09, 0, 0.1)) and not any(accepts(tenth, v) for v in (-0.1, 0.1001, -1))
+    for schema, words in [({"type": "number", "minimum": 1e-21}, "more digits"),
                           ({"type": "number", "maximum": 1, "exclusiveMinimum": 1}, "no number"),
                           ({"type": "integer", "minimum": 5, "maximum": 4}, "no integer"),
                           ({"type": "integer", "minimum": True}, "must be a number"),
@@ -235,18 +243,27 @@ def test_in_json_output_bounds_hold():
             grammar(schema)
 
 
-@settings(max_examples=200, deadline=None)
-@given(low=st.none() | st.integers(-300, 300), high=st.none() | st.integers(-300, 300), low_open=st.booleans(),
-       high_open=st.booleans(), values=st.lists(st.decimals(-400, 400, places=3, allow_nan=False), max_size=20))
-def test_a_decimal_range_matches_exactly_its_numbers(low, high, low_open, high_open, values):
-    from decimal import Decimal
+def test_the_widest_bounds_compile():
+    widest = Decimal("98765432109876543210.01234567890123456789")  # 20 digits either side: the most
+    regex = compile_pattern(decimal_pattern(-widest, widest, low_open=True))
+    assert matches(regex, "98765432109876543210.0123456789012345678899")
+    assert not matches(regex, "98765432109876543210.012345678901234567891")
+    with pytest.raises(RegexError, match="more digits"):
+        decimal_pattern(Decimal("0.123456789012345678901"), None)
 
+
+@settings(max_examples=200, deadline=None)
+@given(low=st.none() | st.integers(-300, 300) | BOUNDS, high=st.none() | st.integers(-300, 300) | BOUNDS,
+       low_open=st.booleans(), high_open=st.booleans(),
+       values=st.lists(st.decimals(-400, 400, places=3, allow_nan=False), max_size=20))
+def test_a_decimal_range_matches_exactly_its_numbers(low, high, low_open, high_open, values):
     if low is not None and high is not None and (low > high or (low == high and (low_open or high_open))):
         with pytest.raises(RegexError):
             decimal_pattern(low, high, low_open=low_open, high_open=high_open)
         return
     regex = compile_pattern(decimal_pattern(low, high, low_open=low_open, high_open=high_open))
-    around = [Decimal(b) + d for b in (low, high) if b is not None for d in (Decimal("-0.5"), 0, Decimal("0.001"))]
+    steps = (Decimal("-0.5"), Decimal("-0.001"), 0, Decimal("0.001"), Decimal("0.0001"))
+    around = [Decimal(b) + d for b in (low, high) if b is not None for d in steps]
     for value in values + around + [Decimal(0), Decimal("0.0"), Decimal("-0.25")]:
         text = str(value) if value else "0"  # JSON's zero; "-0.0" is no number a writer makes
         inside = (low is None or (value > low if low_open else value >= low)) and \

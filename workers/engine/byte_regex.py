@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+from decimal import Decimal
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -573,33 +574,101 @@ def _between(low: str, high: str) -> list[str]:
     return out + top
 
 
-def decimal_pattern(low: int | None, high: int | None, *, low_open: bool = False, high_open: bool = False) -> str:
+def decimal_pattern(low: Decimal | int | None, high: Decimal | int | None, *, low_open: bool = False,
+                    high_open: bool = False) -> str:
     """An anchored pattern of the JSON numbers without exponent between ``low`` and ``high``
-    (whole numbers; ``*_open``: the bound itself excluded)."""
+    (None: no bound; ``*_open``: the bound itself excluded). A bound may have a fraction; its
+    digits bound the pattern's size, so one of more than ``MAX_BOUND_DIGITS`` is refused."""
+    low, high = (None if b is None else _exact(b) for b in (low, high))
     if low is not None and high is not None and (low > high or (low == high and (low_open or high_open))):
-        raise RegexError(f"no number lies between {low} and {high}")
+        raise RegexError(f"no number lies between {_plain(low)} and {_plain(high)}")
     options = []
     if high is None or high > 0 or (high == 0 and not high_open):  # zero and up
-        zero_open = low is not None and low >= 0 and low_open
-        options += _unsigned(max(low, 0) if low is not None else 0, zero_open if low is not None and low >= 0 else False,
-                             high, high_open)
-    if low is None or low < 0:  # below zero, by magnitude, which is never 0
-        small = -high if high is not None and high < 0 else 0
-        options.append("-(" + "|".join(_unsigned(small, high_open if high is not None and high < 0 else True,
+        at_least_zero = low is not None and low >= 0
+        options += _unsigned(low if at_least_zero else Decimal(0), at_least_zero and low_open, high, high_open)
+    if low is None or low < 0:  # below zero, by magnitude, which is never 0 ("-0" is no number a writer makes)
+        below_zero = high is not None and high < 0
+        options.append("-(" + "|".join(_unsigned(-high if below_zero else Decimal(0), high_open or not below_zero,
                                                  None if low is None else -low, low_open)) + ")")
     return "^(" + "|".join(options) + ")$"
 
 
-def _unsigned(low: int, low_open: bool, high: int | None, high_open: bool) -> list[str]:
-    """Alternatives matching the unsigned decimals from ``low`` to ``high`` (whole numbers, 0 <= low)."""
-    whole, zero, nonzero = r"(\.\d+)?", r"(\.0+)?", r"\.\d*[1-9]\d*"
-    start = low + 1 if low_open else low  # the integer parts whose every fraction is in
-    end = None if high is None else high - 1
+MAX_BOUND_DIGITS = 20  # of a number's bound, either side of its point: 2**64 has 20
+
+
+def _exact(bound: Decimal | int) -> Decimal:
+    value = Decimal(bound)
+    if not value.is_finite():
+        raise RegexError(f"a bound must be a finite number, not {bound}")
+    whole, fraction = _parts(abs(value))
+    if len(str(whole)) > MAX_BOUND_DIGITS or len(fraction) > MAX_BOUND_DIGITS:
+        raise RegexError(f"the bound {_plain(value)} has more digits than this engine bounds ({MAX_BOUND_DIGITS})")
+    return value
+
+
+def _plain(value: Decimal) -> str:
+    return format(value.normalize(), "f")
+
+
+def _parts(value: Decimal) -> tuple[int, str]:
+    """A non-negative number's integer part and its fraction's digits, without trailing zeros."""
+    whole = int(value)
+    return whole, _plain(value - whole).partition(".")[2].rstrip("0")
+
+
+def _unsigned(low: Decimal, low_open: bool, high: Decimal | None, high_open: bool) -> list[str]:
+    """Alternatives matching the unsigned decimals from ``low`` to ``high`` (0 <= low <= high)."""
+    low_whole, low_fraction = _parts(low)
+    if high is not None:
+        high_whole, high_fraction = _parts(high)
+        if high_whole == low_whole:  # one integer part: its fraction has both bounds
+            return _with_fraction(str(low_whole), low_fraction, low_open, high_fraction, high_open)
     out = []
-    if end is None or start <= end:
-        out += [f"({n}){whole}" for n in _naturals(start, end)]
-    if low_open and (high is None or low < high):
-        out.append(f"{low}{nonzero}")  # low itself is out, low.5 is in
-    if high is not None and not high_open and high >= low and not (high == low and low_open):
-        out.append(f"{high}{zero}")
+    end = None if high is None else high_whole - 1  # the integer parts whose every fraction is in
+    if end is None or low_whole + 1 <= end:
+        out += [f"({n})(\\.\\d+)?" for n in _naturals(low_whole + 1, end)]
+    out += _with_fraction(str(low_whole), low_fraction, low_open, None, False)
+    if high is not None:
+        out += _with_fraction(str(high_whole), None, False, high_fraction, high_open)
     return out
+
+
+def _with_fraction(whole: str, low: str | None, low_open: bool, high: str | None, high_open: bool) -> list[str]:
+    """Alternatives of the integer part ``whole`` and the fractions between ``low`` and ``high``
+    (see ``_fraction``); none if no fraction is."""
+    digits, bare = _fraction(low, low_open, high, high_open)
+    out = [whole] if bare else []
+    if digits:
+        out.append(whole + "\\.(" + "|".join(digits) + ")")
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _fraction(low: str | None, low_open: bool, high: str | None, high_open: bool) -> tuple[tuple[str, ...], bool]:
+    """The fraction digit strings ``f`` with ``0.low <= 0.f <= 0.high`` (< where open; None: that
+    side is already met by the integer part; bounds are written without trailing zeros): the
+    alternatives matching the non-empty ones, and whether no fraction at all (a zero) is in."""
+    bare = (low is None or (low == "" and not low_open)) and (high is None or high != "" or not high_open)
+    if low is None and high is None:
+        return (r"\d+",), bare
+    if high is None and low == "":  # at the lower bound's end: any digits, but some nonzero one if open
+        return ((r"\d*[1-9]\d*",) if low_open else (r"\d+",)), bare
+    if high == "":  # at the upper bound's end: zeros only, and nothing if it is open or below the lower
+        return (() if high_open or low or (low == "" and low_open) else ("0+",)), bare
+    out, free = [], []  # free: first digits after which any digits do
+    for digit in "0123456789":
+        next_low = low if low is None else None if digit > (low[:1] or "0") else low[1:] if digit == (low[:1] or "0") else "-"
+        next_high = high if high is None else None if digit < high[0] else high[1:] if digit == high[0] else "-"
+        if "-" in (next_low, next_high):
+            continue
+        if next_low is None and next_high is None:
+            free.append(digit)
+            continue
+        rest, empty = _fraction(next_low, low_open, next_high, high_open)
+        if rest:
+            out.append(digit + "(" + "|".join(rest) + ")" + ("?" if empty else ""))
+        elif empty:
+            out.append(digit)
+    if free:
+        out.append((free[0] if len(free) == 1 else f"[{free[0]}-{free[-1]}]") + r"\d*")
+    return tuple(out), bare

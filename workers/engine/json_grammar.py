@@ -46,6 +46,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from decimal import Decimal
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -340,13 +341,11 @@ def _range_pattern(schema: dict, kind: str, where: str) -> str:
             raise SchemaError(f"{where}: {name} must be a number")
         if abs(value) > 2**64:  # (an int may be too large to be a float)
             raise SchemaError(f"{where}: {name} is beyond what this engine bounds (2**64)")
-        if kind == "number" and value != int(value):
-            raise SchemaError(f"{where}: {name} on a number must be a whole number here (got {value})")
         if kind == "integer":  # the nearest integer inside, the bound included
             bound = (math.ceil(value) if name == "minimum" else math.floor(value) + 1 if name == "exclusiveMinimum"
                      else math.floor(value) if name == "maximum" else math.ceil(value) - 1, False)
-        else:
-            bound = (int(value), name.startswith("exclusive"))
+        else:  # as the schema wrote it: 0.1 is 0.1, not the binary float nearest it
+            bound = (Decimal(repr(value)) if isinstance(value, float) else Decimal(value), name.startswith("exclusive"))
         if name.endswith("inimum"):  # the stricter of two: the larger, an open one on a tie
             low = bound if low is None or (bound[0], bound[1]) > low else low
         else:
