@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from . import formatting, tools
+from . import formatting, legacy_functions, tools
 from .errors import ApiError
 
 
@@ -47,7 +47,8 @@ async def stream_chunks(call, ctx: formatting.Context, include_usage: bool):
     """OpenAI chunk dicts for a started call; shared by SSE and the WebSocket."""
     sampling, count = call.request.sampling, _count(call.request)
     if tools.calls_tools(sampling):
-        answers = [tools.ToolAnswer(ctx, index, sampling, include_usage) for index in range(count)]
+        legacy = call.request.extra.get("legacy_functions", False)
+        answers = [tools.ToolAnswer(ctx, index, sampling, include_usage, legacy=legacy) for index in range(count)]
     else:
         answers = [TextAnswer(ctx, index, include_usage, _prompt_of(call.request, index)) for index in range(count)]
     # A reply that can only call tools has no content: null from the start, as OpenAI's.
@@ -83,7 +84,7 @@ async def collect(call, ctx: formatting.Context) -> dict:
             for parts in (*texts, *logprobs):
                 parts.clear()
         elif event["type"] == "inference.finished":
-            choices = [_whole(ctx, sampling, index, "".join(texts[index]), reason,
+            choices = [_whole(ctx, call.request, index, "".join(texts[index]), reason,
                               logprobs[index] if sampling.get("logprobs") else None)
                        for index, reason in formatting.choice_ends(event)]
             return formatting.response(ctx, choices=choices, usage=event["usage"])
@@ -118,11 +119,14 @@ def _prompt_of(request, index: int):
     return request.prompts[index // request.n] if request.prompts else None
 
 
-def _whole(ctx: formatting.Context, sampling: dict, index: int, text: str, reason: str,
+def _whole(ctx: formatting.Context, request, index: int, text: str, reason: str,
            logprobs: list[dict] | None) -> dict:
-    calls = None
+    sampling, calls = request.sampling, None
     if tools.calls_tools(sampling):
         reader = tools.ToolCallStream(sampling)
         text = reader.feed(text)[0] + reader.finish()[0]
         calls, reason = reader.calls, tools.finish_reason(sampling, reason, reader)
+    if request.extra.get("legacy_functions"):
+        return formatting.choice(ctx, index=index, text=text, finish_reason=legacy_functions.finish_reason(reason),
+                                 logprobs=logprobs, function_call=legacy_functions.function_call(calls))
     return formatting.choice(ctx, index=index, text=text, finish_reason=reason, logprobs=logprobs, tool_calls=calls)

@@ -91,9 +91,9 @@ def _logprobs(ctx: Context, entries: list[dict] | None, text_offset: int) -> dic
 
 def chunk(ctx: Context, *, text: str | None, index: int = 0, logprobs: list[dict] | None = None,
           finish_reason: str | None = None, first: bool = False, text_offset: int = 0, include_usage: bool = False,
-          tool_calls: list[dict] | None = None) -> dict:
-    """One streamed chunk of answer ``index``, carrying new text or tool call deltas (or, with
-    ``finish_reason``, the end of the answer)."""
+          tool_calls: list[dict] | None = None, function_call: dict | None = None) -> dict:
+    """One streamed chunk of answer ``index``, carrying new text or tool call deltas (or the
+    deprecated ``function_call``'s), or, with ``finish_reason``, the end of the answer."""
     if ctx.kind == "chat":
         delta: dict = {}
         if first:
@@ -102,6 +102,8 @@ def chunk(ctx: Context, *, text: str | None, index: int = 0, logprobs: list[dict
             delta["content"] = text
         if tool_calls:
             delta["tool_calls"] = tool_calls
+        if function_call:
+            delta["function_call"] = function_call
         choice = {"index": index, "delta": delta, "logprobs": _logprobs(ctx, logprobs, text_offset),
                   "finish_reason": finish_reason}
     else:
@@ -119,13 +121,16 @@ def usage_chunk(ctx: Context, usage: dict) -> dict:
 
 
 def choice(ctx: Context, *, index: int, text: str, finish_reason: str, logprobs: list[dict] | None,
-           tool_calls: list[dict] | None = None) -> dict:
-    """One whole answer of a response (a message that calls tools has no content unless the
-    model wrote some before its calls)."""
+           tool_calls: list[dict] | None = None, function_call: dict | None = None) -> dict:
+    """One whole answer of a response (a message that calls tools, or the deprecated
+    ``function_call``, has no content unless the model wrote some before its calls)."""
     if ctx.kind == "chat":
-        message = {"role": "assistant", "content": (text or None) if tool_calls else text, "refusal": None}
+        calls = tool_calls or function_call
+        message = {"role": "assistant", "content": (text or None) if calls else text, "refusal": None}
         if tool_calls:
             message["tool_calls"] = tool_calls
+        if function_call:
+            message["function_call"] = function_call
         return {"index": index, "message": message, "logprobs": _logprobs(ctx, logprobs, 0),
                 "finish_reason": finish_reason}
     return {"index": index, "text": text, "logprobs": _logprobs(ctx, logprobs, 0), "finish_reason": finish_reason}

@@ -60,8 +60,12 @@ CHAT_REQUEST = {
         **COMMON,
         "messages": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["role"],
-            "properties": {"role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+            "properties": {"role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool",
+                                                              "function"]},
                            "tool_calls": {"type": "array", "items": TOOL_CALL, "description": "assistant messages only"},
+                           "function_call": {**TOOL_CALL["properties"]["function"], "deprecated": True,
+                                             "description": "assistant messages only: the deprecated form of "
+                                                            "tool_calls, answered by the function message after it"},
                            "tool_call_id": {"type": "string", "description": "tool messages: the call they answer"},
                            "content": {"oneOf": [
                                {"type": "string"},
@@ -95,8 +99,15 @@ CHAT_REQUEST = {
                 "type": {"type": "string", "enum": ["function"]},
                 "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}]},
         "parallel_tool_calls": {"type": "boolean", "default": True},
-        # OpenAI's deprecated functions, accepted at the values that ask for nothing; any other
-        # value is a 400 unsupported_value (send tools).
+        "functions": {"type": "array", "maxItems": 128, "items": TOOL["properties"]["function"], "deprecated": True,
+                      "description": "The deprecated form of tools (not beside them): one call at most, answered "
+                                     "as message.function_call with finish_reason function_call."},
+        "function_call": {"deprecated": True, "oneOf": [
+            {"type": "string", "enum": ["none", "auto"]},
+            {"type": "object", "required": ["name"], "additionalProperties": False,
+             "properties": {"name": {"type": "string"}}}]},
+        # Parameters for features this platform lacks, accepted at the values that ask for
+        # nothing; any other value is a 400 unsupported_value.
         **{name: {"enum": list(accepted), "description": "Accepted, and ignored, at these values only."}
            for name, accepted in CHAT_NO_OPS.items()},
         "metadata": {"type": "object", "maxProperties": 16, "additionalProperties": {"type": "string"},

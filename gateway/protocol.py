@@ -15,7 +15,8 @@ from typing import Any
 
 from workers.dispatch import response_format_problem
 
-from .errors import invalid, text_only
+from . import legacy_functions
+from .errors import ApiError, invalid, text_only
 from .tools import ToolTurns, parse_tools
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -36,14 +37,13 @@ COMMON_FIELDS = {
 # nothing (SDKs and frameworks send them so), any other value refused as unsupported (the client
 # is not wrong, the platform lacks the feature), with what it does accept.
 CHAT_NO_OPS = {
-    "functions": ([],),  # the deprecated form of tools
-    "function_call": ("none", "auto"),
     "store": (False,),
     "service_tier": ("auto", "default"),
     "modalities": (["text"],),
 }
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "metadata",
                                "response_format", "tools", "tool_choice", "parallel_tool_calls"} | set(CHAT_NO_OPS)
+# (``functions`` and ``function_call``, the deprecated form of tools, are read as tools first: see legacy_functions.)
 SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
@@ -77,9 +77,16 @@ class InferenceRequest:
 
 def parse_chat(body: Any) -> InferenceRequest:
     body = _object(body)
+    legacy = legacy_functions.uses_functions(body)
+    if legacy:
+        body = legacy_functions.as_tools(body)
     _no_unknown(body, CHAT_FIELDS)
     _no_ops(body)
-    messages = _messages(body.get("messages"))
+    try:
+        messages = _messages(body.get("messages"))
+        tool_fields = parse_tools(body)
+    except ApiError as exc:
+        raise legacy_functions.renamed(exc) if legacy else exc
     sampling = _sampling(body)
     if body.get("max_completion_tokens") is not None:
         if body.get("max_tokens") is not None:
@@ -99,8 +106,10 @@ def parse_chat(body: Any) -> InferenceRequest:
     response_format = _response_format(body.get("response_format"))
     if response_format is not None:
         sampling["response_format"] = response_format
-    sampling.update(parse_tools(body))
+    sampling.update(tool_fields)
     request = _request("chat", body, sampling, messages=messages)
+    if legacy and tool_fields:
+        request.extra["legacy_functions"] = True  # the reply says function_call, as the client expects
     if body.get("max_completion_tokens") is not None:
         request.max_tokens_param = "max_completion_tokens"
     return request
@@ -374,11 +383,8 @@ def _response_format(value: Any) -> dict | None:
 
 
 def _no_ops(body: dict) -> None:
-    # Functions the client forbids the model to call ask for nothing either (frameworks send them so).
     for name, accepted in CHAT_NO_OPS.items():
         value = body.get(name)
-        if name == "functions" and body.get("function_call") == "none" and isinstance(value, list):
-            continue
         if value is not None and not any(value == ok and type(value) is type(ok) for ok in accepted):
             shown = " or ".join(json.dumps(ok) for ok in accepted)
             raise invalid(name, f"{name}={json.dumps(value)[:200]} is not supported by this platform; "

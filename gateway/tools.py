@@ -15,7 +15,7 @@ from typing import Any
 
 from workers.dispatch import tool_call_parser, tools_problem
 
-from . import formatting
+from . import formatting, legacy_functions
 from .errors import invalid, text_only
 
 MAX_TOOLS = 128
@@ -233,9 +233,11 @@ class ToolAnswer:
     chunk carrying the logprobs of the tokens since the last (a call's tags are tokens too, and
     no chunk goes out for them alone), then the end."""
 
-    def __init__(self, ctx: formatting.Context, index: int, sampling: dict, include_usage: bool) -> None:
+    def __init__(self, ctx: formatting.Context, index: int, sampling: dict, include_usage: bool, *,
+                 legacy: bool = False) -> None:
         self._ctx, self._index, self._sampling, self._include_usage = ctx, index, sampling, include_usage
         self._reader, self._pending = ToolCallStream(sampling), []
+        self._legacy = legacy  # the call as the deprecated ``function_call`` (see legacy_functions)
 
     def feed(self, event: dict) -> list[dict]:
         self._pending += event["logprobs"] or []
@@ -244,10 +246,15 @@ class ToolAnswer:
     def end(self, reason: str) -> list[dict]:
         chunks = self._flush(*self._reader.finish())
         reason = finish_reason(self._sampling, reason, self._reader)
-        return chunks + [self._chunk(text=None, finish_reason=reason)]
+        return chunks + [self._chunk(text=None, finish_reason=legacy_functions.finish_reason(reason)
+                                     if self._legacy else reason)]
 
     def _flush(self, text: str, calls: list[dict]) -> list[dict]:
-        return [self._chunk(text=text or None, tool_calls=calls)] if text or calls else []
+        if not (text or calls):
+            return []
+        if self._legacy:
+            return [self._chunk(text=text or None, function_call=legacy_functions.function_call_delta(calls))]
+        return [self._chunk(text=text or None, tool_calls=calls)]
 
     def _chunk(self, **fields) -> dict:
         logprobs, self._pending = self._pending or None, []

@@ -130,3 +130,31 @@ def test_a_response_format_with_tools_gives_its_json_or_calls(openai_client):
             assert isinstance(choice.message.tool_calls[0].function.parsed_arguments, GetWeather)
         else:
             assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Forecast)
+
+
+def test_the_deprecated_functions_call_once_as_function_call(openai_client):
+    """Older client code's ``functions``/``function_call``: one call, answered in the legacy shape,
+    whole and streamed, and its result sent back as a ``function`` message."""
+    functions = [tool["function"] for tool in TOOLS]
+    ask = {"messages": ASK, "functions": functions, "function_call": {"name": "get_weather"}, "temperature": 0,
+           "max_tokens": 60}
+    whole = openai_client.chat.completions.create(model=DEPLOYMENT, **ask).choices[0]
+    call = whole.message.function_call
+    assert whole.finish_reason == "stop" and whole.message.tool_calls is None  # a named call, as OpenAI's
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+
+    streamed = {"name": "", "arguments": ""}
+    for chunk in openai_client.chat.completions.create(model=DEPLOYMENT, stream=True, **ask):
+        delta = chunk.choices[0].delta
+        assert not delta.tool_calls
+        if delta.function_call:
+            streamed["name"] += delta.function_call.name or ""
+            streamed["arguments"] += delta.function_call.arguments or ""
+    assert streamed == {"name": call.name, "arguments": call.arguments}
+
+    conversation = ASK + [{"role": "assistant", "content": None, "function_call": call.model_dump()},
+                          {"role": "function", "name": "get_weather", "content": "Rain, 11 degrees."}]
+    reply = openai_client.chat.completions.create(model=DEPLOYMENT, messages=conversation, functions=functions,
+                                                  function_call="none", temperature=0, max_tokens=24).choices[0]
+    assert reply.message.function_call is None and reply.message.content and reply.finish_reason in ("stop", "length")

@@ -33,10 +33,12 @@ EVENTS = [{"type": "inference.started", "prompt_tokens": 5},
           delta(1, "Blue"), delta(0, "Red"), delta(1, " sky", 2), delta(0, " rose", 2), finished("stop", "length")]
 
 
-def run(kind: str, events: list[dict], *, stream: bool, n: int = 2, sampling: dict | None = None):
+def run(kind: str, events: list[dict], *, stream: bool, n: int = 2, sampling: dict | None = None,
+        extra: dict | None = None):
     async def scenario():
         caller = SimpleNamespace(key_id=f"test-{uuid.uuid4().hex}", org_id=f"test-{uuid.uuid4().hex}")
-        call = Call(caller=caller, request=SimpleNamespace(sampling=sampling or {}, n=n, prompts=None), spec={"name": "smol"},
+        request = SimpleNamespace(sampling=sampling or {}, n=n, prompts=None, extra=extra or {})
+        call = Call(caller=caller, request=request, spec={"name": "smol"},
                     request_id=f"cmpl-{uuid.uuid4().hex}", reply_channel=await reply_channel_with(*events),
                     headers={}, stages=Stages(), queue_timeout=5)
         await call.start()

@@ -301,9 +301,9 @@ def test_openais_parameters_that_ask_for_nothing_are_accepted():
 
 def test_an_unsupported_value_says_so_and_what_is_accepted(client, seeded, org_key):
     _, _, plaintext = org_key()
-    response = post(client, CHAT, chat(function_call={"name": "f"}), key=plaintext)
+    response = post(client, CHAT, chat(service_tier="flex"), key=plaintext)
     error = response.json()["error"]
-    assert error["code"] == "unsupported_value" and '"none" or "auto"' in error["message"], error
+    assert error["code"] == "unsupported_value" and '"auto" or "default"' in error["message"], error
     response = post(client, COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "x", "suffix": "y"}, key=plaintext)
     assert response.json()["error"]["code"] == "unsupported_value"
 
