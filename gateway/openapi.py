@@ -88,7 +88,8 @@ CHAT_REQUEST = {
                                                 "schema": {"type": ["object", "boolean"]},
                                                 "strict": {"type": ["boolean", "null"]}}}}}],
             "description": "json_object: the reply is a JSON object; json_schema: a JSON value of the schema "
-                           "(type, properties, required, additionalProperties, items, minItems, maxItems, minLength, maxLength, enum, "
+                           "(type, properties, required, additionalProperties, items, minItems, maxItems, minLength, maxLength, "
+                           "pattern, format, minimum, maximum, exclusiveMinimum, exclusiveMaximum, multipleOf, enum, "
                            "const, anyOf, oneOf, $ref, $defs). Decoding is constrained token by token."},
         "tools": {"type": "array", "maxItems": 128, "items": TOOL,
                   "description": "Functions the model may call; their parameters follow the response_format "

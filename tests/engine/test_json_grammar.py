@@ -221,7 +221,7 @@ def _nested(levels: int) -> dict:
     ({"type": "string", "pattern": "^[a-z]{3}$", "maxLength": 2}, ["minLength/maxLength"]),
     ({"type": "string", "pattern": "^a$", "format": "uuid"}, ["pattern beside format"]),
     ({"type": "object", "properties": {"e": {"type": "string", "format": "password"}}}, ["'password'", "#/properties/e"]),
-    ({"type": "integer", "multipleOf": 2}, ["'multipleOf'"]),
+    ({"type": "array", "uniqueItems": True}, ["'uniqueItems'"]),
     ({"type": "object", "required": ["a"]}, ["'a'", "required"]),
     ({"$ref": "#/$defs/missing"}, ["$ref", "missing"]),
     ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, ["itself"]),

@@ -156,9 +156,9 @@ def test_none_means_text_that_never_opens_a_call_and_schemas_are_checked():
     assert not matcher.accepts(b"Let me check.\n<tool_call>")
     assert SamplingParams(tools=TOOLS, tool_choice="none", response_format={"type": "json_object"}).grammar \
         is not tool_grammar_for(TOOLS, "none", True)  # JSON output applies, tools or not
-    with pytest.raises(ValueError, match=r"tools\[0\] \(bad\).*multipleOf"):
+    with pytest.raises(ValueError, match=r"tools\[0\] \(bad\).*uniqueItems"):
         tool_grammar_for([{"name": "bad", "parameters": {"type": "object", "properties": {
-            "n": {"type": "integer", "multipleOf": 2}}}}], "auto", True)
+            "n": {"type": "array", "uniqueItems": True}}}}], "auto", True)
     with pytest.raises(ValueError, match="not in tools"):
         tool_grammar_for(TOOLS, {"name": "missing"}, True)
 
@@ -268,9 +268,9 @@ def test_sampling_params_check_tools():
         ({"tools": TOOLS, "tool_choice": "none", "response_format": "json"}, "response_format"),
         ({"tools": TOOLS, "tool_choice": "required", "ignore_eos": True}, "tools"),
         ({"tools": [{"name": "f", "parameters": {"type": "string"}}]}, "tools"),
-        ({"tools": [{"name": "f", "parameters": {"type": "object", "multipleOf": 1}}]}, "tools"),
+        ({"tools": [{"name": "f", "parameters": {"type": "object", "uniqueItems": True}}]}, "tools"),
         ({"tools": TOOLS, "response_format": {"type": "json_schema", "json_schema": {
-            "name": "n", "schema": {"type": "integer", "multipleOf": 2}}}}, "response_format"),
+            "name": "n", "schema": {"type": "array", "uniqueItems": True}}}}, "response_format"),
         ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ]:
         with pytest.raises(InvalidRequestError) as caught:

@@ -26,8 +26,9 @@ value. A stack is a tuple of frames, each a small tuple:
                                         bytes matched
     ("p", node, states, length)         inside a string with a pattern or format: the states of
                                         its regex (see byte_regex), ``length`` characters written
-    ("r", node, states)                 inside an integer with bounds: the states of the range's
-                                        pattern (see byte_regex.integer_pattern)
+    ("r", node, states)                 inside a number with bounds or multipleOf: the states of
+                                        the range's pattern (see byte_regex.integer_pattern,
+                                        decimal_pattern), with the remainder (see multiple_of)
     ("n", integer, phase)               inside a number
     ("l", texts, at)                    inside a literal (true, false, null, an enum's values)
 
@@ -51,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from .byte_regex import RegexError, compile_format, compile_pattern, decimal_pattern, integer_pattern
+from .multiple_of import MultipleOf
 
 MAX_WS_BYTES = 48
 MAX_WS_LINES = 2
@@ -70,7 +72,7 @@ _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id",
 _KEYWORDS = _ANNOTATIONS | {"type", "properties", "required", "additionalProperties", "items",
                             "minItems", "maxItems", "minLength", "maxLength", "enum", "const", "anyOf",
                             "oneOf", "$ref", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
-                            "exclusiveMaximum"}
+                            "exclusiveMaximum", "multipleOf"}
 _NUMBER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _DEF_TABLES = ("$defs", "definitions")
@@ -214,7 +216,7 @@ class _Compiler:
         if unknown:
             raise SchemaError(f"{where}: the keyword {unknown[0]!r} is not supported (supported: type, "
                               "properties, required, additionalProperties, items, minItems, maxItems, "
-                              "minLength, maxLength, pattern, format, minimum, maximum, enum, "
+                              "minLength, maxLength, pattern, format, minimum, maximum, multipleOf, enum, "
                               "const, anyOf, oneOf, $ref, $defs)")
         meaningful = set(schema) - _ANNOTATIONS
         for key in ("$ref", "anyOf", "oneOf"):
@@ -274,8 +276,10 @@ class _Compiler:
             return Node("literal", where, literals=(b"true", b"false"))
         if kind == "null":
             return Node("literal", where, literals=(b"null",))
-        if any(schema.get(name) is not None for name in _NUMBER_BOUNDS):  # digits that follow the range's pattern
-            regex = compile_pattern(_range_pattern(schema, kind, where))
+        if any(schema.get(name) is not None for name in (*_NUMBER_BOUNDS, "multipleOf")):  # digits that follow
+            regex = compile_pattern(_range_pattern(schema, kind, where))                   # the range's pattern
+            if schema.get("multipleOf") is not None:
+                regex = _multiple_of(regex, schema["multipleOf"], where)
             self.count(len(regex.edges) // 10, where)
             return Node(kind, where, regex=regex)
         return Node(kind, where)  # pattern and format constrain strings alone (JSON Schema's rule)
@@ -344,8 +348,8 @@ def _range_pattern(schema: dict, kind: str, where: str) -> str:
         if kind == "integer":  # the nearest integer inside, the bound included
             bound = (math.ceil(value) if name == "minimum" else math.floor(value) + 1 if name == "exclusiveMinimum"
                      else math.floor(value) if name == "maximum" else math.ceil(value) - 1, False)
-        else:  # as the schema wrote it: 0.1 is 0.1, not the binary float nearest it
-            bound = (Decimal(repr(value)) if isinstance(value, float) else Decimal(value), name.startswith("exclusive"))
+        else:
+            bound = (_exact(value), name.startswith("exclusive"))
         if name.endswith("inimum"):  # the stricter of two: the larger, an open one on a tie
             low = bound if low is None or (bound[0], bound[1]) > low else low
         else:
@@ -357,6 +361,21 @@ def _range_pattern(schema: dict, kind: str, where: str) -> str:
                                high_open=bool(high and high[1]))
     except RegexError as exc:
         raise SchemaError(f"{where}: {exc}") from None
+
+
+def _multiple_of(regex, value: Any, where: str) -> MultipleOf:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) \
+            or (isinstance(value, float) and not math.isfinite(value)) or value <= 0:
+        raise SchemaError(f"{where}: multipleOf must be a number greater than 0")
+    try:
+        return MultipleOf(regex, _exact(value))
+    except RegexError as exc:
+        raise SchemaError(f"{where}: {exc}") from None
+
+
+def _exact(value: int | float) -> Decimal:
+    """A schema's number as the schema wrote it: 0.1 is one tenth, not the binary float nearest it."""
+    return Decimal(repr(value)) if isinstance(value, float) else Decimal(value)
 
 
 def _type_of(value: Any) -> str:
@@ -586,7 +605,7 @@ def _step(state: State, b: int) -> Iterable[State]:
         if top[2] not in _NUMBER_ENDS:
             return ()
         return _step((stack[:-1], 0, 0), b)  # the number ended: the byte is its parent's
-    if kind == "r":  # a bounded integer: its digits follow the range's pattern
+    if kind == "r":  # a bounded number: its digits follow the range's pattern
         regex = top[1].regex
         states = regex.step(top[2], b)
         if states:
@@ -655,7 +674,7 @@ def _start(node: Node, b: int, below: tuple) -> list[tuple]:
             return [below + (("p", node, node.regex.start, 0),)]
         limited = node.min_length or node.max_length is not None
         return [below + (("s", 0, 0, 0, node if limited else None, None),)]
-    if node.regex is not None:  # a bounded integer
+    if node.regex is not None:  # a bounded number
         states = node.regex.step(node.regex.start, b)
         return [below + (("r", node, states),)] if states else []
     if kind in ("number", "integer"):

@@ -1,0 +1,109 @@
+"""JSON output's ``multipleOf``: a number's text is taken only if it is a multiple, within its
+bounds, and no prefix the grammar allows is a dead end (a multiple can always still follow)."""
+
+from __future__ import annotations
+
+import json
+import random
+from decimal import Decimal, localcontext
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from workers.engine.json_grammar import SchemaError
+from tests.engine.test_byte_regex import grammar
+
+MULTIPLES = st.sampled_from([5, 7, 12, 0.25, 0.01, 0.3, 12.5, 1e-3])
+BOUND = st.none() | st.integers(-60, 60) | st.decimals(-60, 60, places=2, allow_nan=False)
+
+
+def takes(g, text: str) -> bool:
+    m = g.matcher()
+    data = text.encode()
+    if not m.accepts(data):
+        return False
+    m.advance(data)
+    return m.done
+
+
+def schema_of(kind, multiple, low, high):
+    schema = {"type": kind, "multipleOf": multiple}
+    if low is not None:
+        schema["minimum"] = float(low) if isinstance(low, Decimal) else low
+    if high is not None:
+        schema["maximum"] = float(high) if isinstance(high, Decimal) else high
+    return schema
+
+
+def exact(value) -> Decimal:
+    return Decimal(repr(value)) if isinstance(value, float) else Decimal(value)
+
+
+@settings(max_examples=150, deadline=None)
+@given(kind=st.sampled_from(["number", "integer"]), multiple=MULTIPLES, low=BOUND, high=BOUND,
+       values=st.lists(st.decimals(-80, 80, places=3, allow_nan=False), max_size=15))
+def test_a_number_is_taken_exactly_when_it_is_a_multiple_in_range(kind, multiple, low, high, values):
+    schema = schema_of(kind, multiple, low, high)
+    low, high = (None if b is None else exact(schema[name]) for b, name in ((low, "minimum"), (high, "maximum")))
+    step = exact(multiple)
+    if kind == "integer":  # the integers in range
+        low = None if low is None else low.to_integral_value(rounding="ROUND_CEILING")
+        high = None if high is None else high.to_integral_value(rounding="ROUND_FLOOR")
+    first = None if low is None else int((low / step).to_integral_value(rounding="ROUND_CEILING"))
+    last = None if high is None else int((high / step).to_integral_value(rounding="ROUND_FLOOR"))
+    first = first if first is not None else (last if last is not None else 0) - 1000  # a window where unbounded
+    last = last if last is not None else first + 2000
+    inside = [v for v in (step * k for k in range(first, min(last, first + 20_000) + 1))
+              if kind == "number" or v == v.to_integral_value()]
+    if not inside:
+        with pytest.raises(SchemaError, match="no (number|integer)"):
+            grammar(schema)
+        return
+    g = grammar(schema)
+    for value in values + inside[:5] + inside[-5:]:
+        if kind == "integer":
+            value = value.to_integral_value()
+        text = format(value.normalize(), "f") if value else "0"
+        expected = (low is None or value >= low) and (high is None or value <= high) and value % step == 0
+        assert takes(g, text) == expected, (schema, text)
+
+
+@settings(max_examples=80, deadline=None)
+@given(kind=st.sampled_from(["number", "integer"]), multiple=MULTIPLES, low=BOUND, high=BOUND,
+       seed=st.integers(0, 2**32))
+def test_no_prefix_of_a_multiple_is_a_dead_end(kind, multiple, low, high, seed):
+    """A random walk through what the grammar allows (an array of such numbers) always ends in
+    multiples, in range."""
+    schema = schema_of(kind, multiple, low, high)
+    try:
+        g = grammar({"type": "array", "items": schema, "maxItems": 3})
+    except SchemaError:
+        return  # no multiple in range (the test above checks when)
+    rng, m, data = random.Random(seed), None, b""
+    m = g.matcher()
+    while not (m.done and rng.random() < 0.5):
+        allowed = [b for b, ok in enumerate(m.allowed_first_bytes()) if ok]
+        assert allowed or m.done, data
+        if not allowed:
+            break
+        # Prefer ending a number: a walk of random digits would otherwise rarely stop.
+        ends = [b for b in allowed if b in b",]"]
+        b = rng.choice(ends if ends and rng.random() < 0.3 else allowed)
+        m.advance(bytes((b,)))
+        data += bytes((b,))
+        assert len(data) < 2000, data
+    with localcontext(prec=4000):  # a walk may write many digits
+        for value in json.loads(data, parse_float=Decimal, parse_int=Decimal):
+            assert value % exact(multiple) == 0, data
+            assert ("minimum" not in schema or value >= exact(schema["minimum"])) and \
+                ("maximum" not in schema or value <= exact(schema["maximum"])), data
+
+
+def test_a_multiple_the_engine_cannot_follow_is_refused_by_name():
+    for schema, words in [({"type": "number", "multipleOf": 0}, "greater than 0"),
+                          ({"type": "number", "multipleOf": "2"}, "greater than 0"),
+                          ({"type": "integer", "multipleOf": 97_531}, "more digits"),
+                          ({"type": "integer", "multipleOf": 10, "minimum": 1, "maximum": 9}, "no number")]:
+        with pytest.raises(SchemaError, match=words):
+            grammar(schema)
