@@ -152,7 +152,8 @@ def test_json_mode_streams_a_json_object(openai_client):
 
 
 def test_structured_output_with_datetimes_uuids_and_bounds(openai_client):
-    """pydantic writes them as JSON Schema formats and bounds, which the engine enforces."""
+    """pydantic writes them as JSON Schema formats, bounds (fractional ones too) and multipleOf,
+    which the engine enforces (pydantic checks the reply as ``parse`` reads it)."""
     import datetime
     import uuid
 
@@ -164,10 +165,12 @@ def test_structured_output_with_datetimes_uuids_and_bounds(openai_client):
         booked_at: datetime.datetime
         reference: uuid.UUID
         nights: int = Field(ge=1, le=30)
-        price: float = Field(gt=0)
+        price: float = Field(gt=0, multiple_of=0.01)
+        rating: float = Field(ge=0.5, le=5, multiple_of=0.5)
+        discount: float = Field(ge=0, lt=0.35)
 
     ask = [{"role": "user", "content": "A hotel booking as JSON: guest, arrival date, when it was booked, reference, "
-                                       "nights and price."}]
+                                       "nights, price, rating and discount."}]
     reply = openai_client.chat.completions.parse(model=DEPLOYMENT, messages=ask, response_format=Booking,
                                                  temperature=0.7, seed=5, max_tokens=300)
     choice = reply.choices[0]
