@@ -126,9 +126,12 @@ def batches(request, caller):
         raise invalid("input_file_id", "input_file_id must be the id of an uploaded file",
                       code="missing_required_parameter" if file_id is None else None)
     source = selectors.file_of(organization_id=caller.org_id, file_id=file_id)
-    if source is None or source.purpose != UploadedFile.Purpose.BATCH:
-        raise ApiError(404 if source is None else 400, f"No batch input file {file_id[:80]}: upload one with "
-                       "purpose \"batch\".", param="input_file_id", code="file_not_found" if source is None else None)
+    if source is None:
+        raise ApiError(404, f"No batch input file {file_id[:80]}: upload one with purpose \"batch\".",
+                       param="input_file_id", code="file_not_found")
+    if source.purpose != UploadedFile.Purpose.BATCH:
+        raise invalid("input_file_id", f"{file_id[:80]} is a file of purpose \"{source.purpose}\", not a batch's input: "
+                                       "upload one with purpose \"batch\".", code="invalid_file_purpose")
     content = selectors.file_content(organization_id=caller.org_id, file_id=file_id)
     if content is None:  # deleted meanwhile
         raise ApiError(404, f"No batch input file {file_id[:80]}.", param="input_file_id", code="file_not_found")

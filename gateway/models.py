@@ -121,6 +121,8 @@ class BatchOutcome(models.Model):
     status_code = models.PositiveSmallIntegerField()
     body = models.TextField(help_text="The response body, or the error, as JSON text.")
     input_tokens = models.PositiveIntegerField(default=0)
+    # Of the input tokens, those the prefix cache served (db_default: an older runner still writes).
+    cached_tokens = models.PositiveIntegerField(default=0, db_default=0)
     output_tokens = models.PositiveIntegerField(default=0)
 
     class Meta:

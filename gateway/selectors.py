@@ -117,6 +117,11 @@ def file_of(*, organization_id, file_id: str) -> UploadedFile | None:
     return _files(organization_id).filter(pk=file_id).first()
 
 
+def present_files(*, organization_id, file_ids) -> set[str]:
+    """Which of ``file_ids`` the organization still has (a file may be deleted or expire)."""
+    return set(_files(organization_id).filter(pk__in=[f for f in file_ids if f]).values_list("pk", flat=True))
+
+
 def file_content(*, organization_id, file_id: str) -> bytes | None:
     """A whole file (a batch's input: at most FILES_MAX_BYTES); downloads read ``file_chunk``."""
     found = file_of(organization_id=organization_id, file_id=file_id)
@@ -185,14 +190,14 @@ def done_lines(*, batch_id: str) -> set[int]:
 
 
 _COUNTS = {"completed": Count("pk", filter=Q(status_code=200)), "failed": Count("pk", filter=~Q(status_code=200)),
-           "input_tokens": Sum("input_tokens"), "output_tokens": Sum("output_tokens")}
+           "input_tokens": Sum("input_tokens"), "cached_tokens": Sum("cached_tokens"), "output_tokens": Sum("output_tokens")}
 
 
 def batches_json(batches: list[Batch]) -> list[dict]:
     """Several batches as the API shows them, their outcomes counted in one query."""
     counted = {row.pop("batch_id"): row for row in BatchOutcome.objects.filter(batch__in=batches)
                .values("batch_id").annotate(**_COUNTS)}
-    empty = {"completed": 0, "failed": 0, "input_tokens": 0, "output_tokens": 0}
+    empty = {"completed": 0, "failed": 0, "input_tokens": 0, "cached_tokens": 0, "output_tokens": 0}
     return [batch_json(batch, counts=counted.get(batch.pk, empty)) for batch in batches]
 
 
@@ -217,7 +222,7 @@ def batch_json(batch: Batch, *, counts: dict | None = None) -> dict:
         "completed_at": stamp(batch.completed_at), "failed_at": None, "expired_at": stamp(batch.expired_at),
         "cancelling_at": stamp(batch.cancelling_at), "cancelled_at": stamp(batch.cancelled_at),
         "request_counts": {"total": batch.total, "completed": counts["completed"], "failed": failed},
-        "usage": {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
+        "usage": {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": counts["cached_tokens"] or 0},
                   "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": input_tokens + output_tokens},
         "metadata": batch.metadata or None,

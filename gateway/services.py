@@ -186,7 +186,8 @@ def record_outcome(*, batch_id: str, line: int, request_id: str, status_code: in
     usage = (body.get("usage") or {}) if status_code == 200 else {}
     BatchOutcome.objects.get_or_create(batch_id=batch_id, line=line, defaults={
         "request_id": request_id, "status_code": status_code, "body": _json_text(body),
-        "input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0)})
+        "input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0),
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)})
 
 
 def finish_batch(*, batch_id: str, token: str | None = None) -> Batch:

@@ -59,6 +59,8 @@ def test_a_batch_answers_each_request_as_the_api_would_at_the_batch_price(openai
     assert failure["custom_id"] == "bad" and failure["response"]["status_code"] == 400
     assert failure["response"]["body"]["error"]["param"] == "temperature"
     assert done.usage.output_tokens == sum(a["response"]["body"]["usage"]["completion_tokens"] for a in answers)
+    assert done.usage.input_tokens_details.cached_tokens == \
+        sum(a["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers)
 
     def prices():
         from billing.models import UsageRecord

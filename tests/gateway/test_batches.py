@@ -88,7 +88,7 @@ def _batch(org, key, *, lines: int = 4, age: timedelta = timedelta(), **fields) 
 
 def _answer(text: str) -> dict:
     return {"id": "chatcmpl-1", "choices": [{"message": {"content": text}}],
-            "usage": {"prompt_tokens": 5, "completion_tokens": 2}}
+            "usage": {"prompt_tokens": 5, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 3}}}
 
 
 @pytest.mark.django_db
@@ -181,6 +181,7 @@ def test_the_output_holds_the_answers_and_the_errors_the_rest_in_input_order(org
     shown = selectors.batch_json(ended)
     assert shown["request_counts"] == {"total": 4, "completed": 2, "failed": 2}
     assert shown["usage"]["input_tokens"] == 10 and shown["usage"]["output_tokens"] == 4
+    assert shown["usage"]["input_tokens_details"]["cached_tokens"] == 6
     output = UploadedFile.objects.get(pk=ended.output_file_id)
     assert output.purpose == "batch_output" and output.organization_id == org.pk
     chunks = list(output.chunks.order_by("index").values_list("index", "data"))
@@ -340,6 +341,18 @@ def test_a_batch_request_that_cannot_run_is_refused_naming_the_parameter(client,
     refused = client.post("/v1/batches", sent, content_type="application/json", **_auth(key))
     assert refused.status_code == status and refused.json()["error"]["param"] == param, refused.json()
     assert not Batch.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_file_that_is_no_batch_input_is_refused_saying_what_it_is(client, org_key, seeded):
+    org, _, key = org_key()
+    output = services.create_file(organization_id=org.pk, purpose="batch_output", filename="out.jsonl",
+                                  content=_line(model="smollm2-135m-instruct").encode())
+    refused = client.post("/v1/batches", {"input_file_id": output.pk, "endpoint": CHAT, "completion_window": "24h"},
+                          content_type="application/json", **_auth(key))
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and (error["param"], error["code"]) == ("input_file_id", "invalid_file_purpose")
+    assert '"batch_output"' in error["message"] and not Batch.objects.exists()
 
 
 @pytest.mark.django_db
