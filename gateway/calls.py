@@ -113,6 +113,7 @@ class Route(NamedTuple):
 
     spec: dict  # the engine spec (shared: read only)
     ready: bool  # a replica is ready
+    stopped: bool  # its owner stopped it: nothing serves it until started again
     queue_limit: int  # not part of the spec: changing it must not reload the engine
     context_length: int | None  # the catalog model's, when known
     prices: dict  # the catalog model's (Decimal strings, ``Prices.as_strings``): what the request is billed at
@@ -129,8 +130,9 @@ def _load_route(organization, model: str) -> Route:
     if row is None:  # raised, so not cached: made-up names cannot crowd out the real ones
         raise ApiError(404, DeploymentNotFound(model).message, param="model", code="model_not_found")
     prices = Prices(**{name: row[column] for name, column in _PRICE_COLUMNS.items()})
-    return Route(dispatch.spec_from_row(row), row["status"] == Deployment.Status.READY, row["queue_limit"],
-                 row["model__context_length"], prices.as_strings())
+    return Route(dispatch.spec_from_row(row), row["status"] == Deployment.Status.READY,
+                 row["status"] == Deployment.Status.STOPPED, row["queue_limit"], row["model__context_length"],
+                 prices.as_strings())
 
 
 def _deployment_spec(caller: Caller, model: str) -> Route:
@@ -398,12 +400,15 @@ def new_request_id(kind: str) -> str:
 def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], endpoint: str, request_id: str,
           reply_channel: str, stages: Stages, batch: BatchLine | None) -> Call:
     """Admit and dispatch, blocking (one trip to a thread). Refusals come in the order clients see
-    them: the key and the body (``identify``), the model (404), a max_tokens beyond its context, credit and spend limits (429
+    them: the key and the body (``identify``), the model (404; 503 when it is stopped), a max_tokens beyond its context, credit and spend limits (429
     insufficient_quota), a full deployment queue (429 queue_full), then rate limits (429), which
     count the request only once it passed the rest."""
     with read_cache.pinned():  # the key and the deployment, read at one generation
         caller, request = identify()
-        spec, ready, queue_limit, context_length, prices = _deployment_spec(caller, request.model)
+        spec, ready, stopped, queue_limit, context_length, prices = _deployment_spec(caller, request.model)
+    if stopped:  # refused at once: waiting, or a full queue's "retry shortly", would mislead
+        raise ApiError(503, f"The deployment '{spec['name']}' is stopped; start it to send it requests.",
+                       code="model_unavailable")
     _check_max_tokens(request, context_length)
     _check_quota(caller)
     decision = _admit(caller, spec, queue_limit, request_id, batch=batch is not None)

@@ -304,9 +304,9 @@ def test_a_known_key_and_deployment_are_read_from_the_database_once(org_key, see
     from models_catalog.models import Deployment
 
     deployment = Deployment.objects.get(name="smollm2-135m-instruct")
-    deployment.queue_limit = first_route[2] + 1
+    deployment.queue_limit = first_route.queue_limit + 1
     deployment.save(update_fields=["queue_limit"])
-    assert identify()[1][2] == first_route[2] + 1
+    assert identify()[1].queue_limit == first_route.queue_limit + 1
 
 
 def test_a_request_carries_its_models_prices_at_admission_and_a_price_change_reaches_the_next(org_key, seeded):

@@ -104,3 +104,23 @@ def test_a_cold_start_that_never_comes_is_a_503_and_not_billed(client, settings,
     assert cancel_marked(request_id)  # a worker that loads the model later must not run it for nobody
     assert not UsageRecord.objects.filter(organization=org).exists()
     assert not UsageRecord.objects.filter(request_id=request_id).exists()
+
+
+def test_a_stopped_deployment_is_refused_at_once_not_queued(client, scaled_to_zero, waits):
+    """As the owner stopped it: 503 model_unavailable before anything is queued or waited on (a
+    full queue's "retry shortly" would have clients retry a deployment nothing will serve)."""
+    from billing.models import UsageRecord
+    from models_catalog.models import Deployment
+    from models_catalog.services import set_deployment_status
+    from workers import fleet
+
+    org, key, name = scaled_to_zero
+    set_deployment_status(deployment=Deployment.objects.get(name=name), status=Deployment.Status.STOPPED)
+    response = client.post("/v1/chat/completions", data=json.dumps(
+        {"model": name, "messages": [{"role": "user", "content": "Hi"}]}),
+        content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}")
+    assert response.status_code == 503, response.content
+    error = response.json()["error"]
+    assert error["code"] == "model_unavailable" and "is stopped" in error["message"]
+    assert waits == ([], [])  # no wait at all
+    assert fleet.client().llen(f"deployment.{name}") == 0 and not UsageRecord.objects.filter(organization=org).exists()
