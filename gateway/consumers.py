@@ -12,6 +12,7 @@ Several requests can run at once on one connection. Closing the socket aborts th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
@@ -41,7 +42,7 @@ def _request_id(message: dict) -> str | int | ApiError:
         return uuid.uuid4().hex
     if isinstance(value, bool) or not isinstance(value, (str, int)) or len(str(value)) > MAX_REQUEST_ID:
         return ApiError(400, f"request_id must be a string of at most {MAX_REQUEST_ID} characters",
-                        param="request_id")
+                        param="request_id", code="invalid_value")
     return value
 
 
@@ -100,9 +101,10 @@ class InferenceConsumer(AsyncWebsocketConsumer):
         endpoint = message.pop("endpoint", "chat.completions")
         if not isinstance(endpoint, str) or endpoint not in PARSERS:
             return await self._error(request_id, ApiError(400, "endpoint must be chat.completions or completions",
-                                                          param="endpoint"))
+                                                          param="endpoint", code="invalid_value"))
         if str(request_id) in self.running:
-            return await self._error(request_id, ApiError(400, "request_id is already running", param="request_id"))
+            return await self._error(request_id, ApiError(400, "request_id is already running", param="request_id",
+                                                          code="duplicate_request_id"))
         try:
             inference = PARSERS[endpoint](message)
         except ApiError as exc:
@@ -120,6 +122,8 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             async for chunk in stream_chunks(call, ctx, inference.include_usage):
                 await self._send({**chunk, "request_id": request_id})
             await self._send({"type": "done", "request_id": request_id})
+        except ClientGone:
+            pass  # nothing more reaches it; its disconnect cancels the rest
         except ApiError as exc:
             await self._error(request_id, exc)
         except Exception:  # a bug: answer this request, keep the connection and the others
@@ -134,7 +138,7 @@ class InferenceConsumer(AsyncWebsocketConsumer):
         entry = self.running.get(str(request_id))
         if entry is None:
             return await self._error(request_id, ApiError(404, "No running request with that request_id.",
-                                                          param="request_id"))
+                                                          param="request_id", code="request_not_found"))
         task, holder = entry
         if holder:
             await holder[0].cancel()  # the stream then ends with finish_reason "stop" and usage
@@ -149,7 +153,15 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             task.cancel()
 
     async def _error(self, request_id, exc: ApiError):
-        await self._send({"type": "error", "request_id": request_id, **exc.body()})
+        with contextlib.suppress(ClientGone):
+            await self._send({"type": "error", "request_id": request_id, **exc.body()})
 
     async def _send(self, frame: dict):
-        await self.send(text_data=json.dumps(frame, ensure_ascii=False))
+        try:
+            await self.send(text_data=json.dumps(frame, ensure_ascii=False))
+        except OSError as exc:  # the client left mid-stream (the server's ClientDisconnected is one)
+            raise ClientGone from exc
+
+
+class ClientGone(Exception):
+    """A frame could not be sent: the connection is closed."""

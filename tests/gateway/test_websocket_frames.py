@@ -88,3 +88,43 @@ def test_a_frame_over_the_body_limit_is_refused_before_it_is_parsed(settings):
     [frame] = converse([{"request_id": "big", **BODY, "messages": [{"role": "user", "content": "é" * 1100}]}],
                        never_admitted, 1)  # 1,100 characters, 2,200 bytes
     assert frame["error"]["code"] == "request_too_large" and frame["request_id"] is None
+
+
+def test_a_client_gone_mid_stream_ends_its_request_quietly(monkeypatch, caplog):
+    """The server's send fails once the client closed (uvicorn's ClientDisconnected is an OSError):
+    the request is cancelled, and nothing is logged as a failure (an alert on errors would fire)."""
+    cancelled = asyncio.Event()
+
+    class Streaming:
+        request_id, created = "chatcmpl-gone", 0
+
+        async def cancel(self):
+            cancelled.set()
+
+    async def admitted(request, *, caller, endpoint):
+        return Streaming(), {}
+
+    async def chunks(call, ctx, include_usage):
+        yield {"choices": []}
+
+    async def closed(self, text_data=None, **kwargs):
+        raise OSError("the client disconnected")
+
+    async def run():
+        scope = {"type": "websocket", "path": "/v1/ws", "query_string": b"", "headers": [], "subprotocols": [],
+                 "api_key": SimpleNamespace(pk=1, has_scope=lambda scope: True),
+                 "organization": SimpleNamespace(pk=1), "auth_error": None}
+        communicator = ApplicationCommunicator(InferenceConsumer.as_asgi(), scope)
+        await communicator.send_input({"type": "websocket.connect"})
+        assert (await communicator.receive_output(5))["type"] == "websocket.accept"
+        monkeypatch.setattr(InferenceConsumer, "send", closed)  # from here on, the client is gone
+        await communicator.send_input({"type": "websocket.receive", "text": json.dumps({"request_id": "a", **BODY})})
+        await asyncio.wait_for(cancelled.wait(), 5)
+        await communicator.send_input({"type": "websocket.disconnect", "code": 1006})
+        await communicator.wait(2)
+
+    monkeypatch.setattr(calls, "begin", admitted)
+    monkeypatch.setattr("gateway.consumers.stream_chunks", chunks)
+    with caplog.at_level("ERROR"):
+        asyncio.run(run())
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
