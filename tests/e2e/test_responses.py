@@ -109,7 +109,7 @@ def test_structured_output_parses_into_the_clients_model(openai_client):
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
     ({"input": "Hi", "text": {"format": {"type": "xml"}}}, "text.format"),
     ({"input": [{"role": "user", "content": "Hi"}, {"type": "function_call_output", "call_id": "call_9",
-                                                    "output": "x"}]}, "input[1].tool_call_id"),
+                                                    "output": "x"}]}, "input[1].call_id"),
     ({"input": "Hi", "temprature": 0}, "temprature"),
 ])
 def test_errors_name_the_responses_parameter(openai_client, body, param):
@@ -126,7 +126,7 @@ def test_errors_name_the_responses_parameter(openai_client, body, param):
     # Instructions come first among chat's messages: the item is still named by its own index.
     ({"instructions": "Be brief.", "input": [{"role": "user", "content": "Hi"},
                                              {"type": "function_call_output", "call_id": "zz", "output": "x"}]},
-     "input[1].tool_call_id", "input[1]"),
+     "input[1].call_id", "input[1]"),
     ({"input": "word " * 9000, "max_output_tokens": 4}, "input", None),
 ])
 def test_errors_found_later_still_name_what_the_client_sent(openai_client, body, param, said):
@@ -136,3 +136,4 @@ def test_errors_found_later_still_name_what_the_client_sent(openai_client, body,
     assert error["param"] == param, error
     assert said is None or said in error["message"], error
     assert "messages" not in error["message"] and "max_completion_tokens" not in error["message"], error
+    assert "tool" not in error["message"] and "tool" not in error["param"], error  # chat's words: items here
