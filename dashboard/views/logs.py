@@ -98,7 +98,13 @@ def _batches(request) -> list[dict]:
     rows = responses.latest_batches(organization_id=request.organization.pk, limit=BATCHES_SHOWN)
     membership = membership_for(user=request.user, organization=request.organization)
     shown = responses.batches_json(rows)
+    present = responses.present_files(organization_id=request.organization.pk, file_ids=[
+        batch[f"{kind}_file_id"] for batch in shown for kind in ("input", "output", "error")])
     for batch, row in zip(shown, rows):
+        # Each file with its link, or none once deleted or expired (the link would be a 404).
+        batch["files"] = [(label, batch[f"{kind}_file_id"], batch[f"{kind}_file_id"] in present)
+                          for kind, label in (("input", "Input"), ("output", "Output"), ("error", "Errors"))
+                          if batch[f"{kind}_file_id"]]
         batch["can_cancel"] = _may_cancel(membership, row)
         counts = batch["request_counts"]
         batch["done"] = counts["completed"] + counts["failed"]

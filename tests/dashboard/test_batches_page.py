@@ -77,6 +77,15 @@ def test_an_expired_output_file_is_gone_at_once(ada, acme, settings):
     assert ada.get(f"/files/{batch.input_file_id}/").status_code == 200  # an upload does not expire
 
 
+def test_a_deleted_file_shows_as_gone_not_as_a_broken_link(ada, acme):
+    _, organization = acme
+    ended = services.finish_batch(batch_id=_batch(organization, lines=1).pk)
+    assert services.delete_file(organization_id=organization.pk, file_id=ended.input_file_id)
+    html = ada.get("/batches/").content.decode()
+    assert f'href="/files/{ended.input_file_id}/"' not in html and "Input (gone)" in html
+    assert f'href="/files/{ended.output_file_id}/"' in html  # the others still download
+
+
 def test_the_pages_need_a_signed_in_member(client):
     for path in ("/batches/", "/batches/_rows/", "/files/file-x/"):
         assert client.get(path).status_code == 302

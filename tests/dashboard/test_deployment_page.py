@@ -26,6 +26,14 @@ def tune_me(acme, catalog):
     return create_deployment(organization=acme[1], model=model, name="tune-me", created_by=acme[0])
 
 
+def test_a_deployment_that_keeps_replicas_up_never_scales_to_zero_and_says_so(ada, tune_me):
+    tune_me.kind, tune_me.scale_to_zero_seconds = "serverless", 300
+    for minimum, shown in ((0, "after 300 s"), (1, "Never: keeps 1 up")):
+        tune_me.min_replicas = minimum
+        tune_me.save()
+        assert shown in ada.get(f"/deployments/{tune_me.name}/").content.decode()
+
+
 # --- a refused settings save -------------------------------------------------------------------------
 
 
