@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -46,9 +47,13 @@ def _unique(pairs: list) -> dict:
     return dict(pairs)
 
 
+WRITERS_RUN = re.compile(rb" |\n{1,%d}( *|\t*)" % MAX_WS_LINES)
+
+
 def blanks_where_a_writer_puts_them(data: bytes) -> bool:
     """Outside strings, each run of whitespace follows "{", "[" or ",", or precedes "}" or "]",
-    or is the one space after ":"; none starts or ends the text."""
+    or is the one space after ":"; none starts or ends the text; each is one space, or newlines
+    then indentation of one kind."""
     in_string = escaped = False
     i = 0
     while i < len(data):
@@ -64,6 +69,8 @@ def blanks_where_a_writer_puts_them(data: bytes) -> bool:
                 end += 1
             before, after, run = data[i - 1:i], data[end:end + 1], data[i:end]
             if not (before and after and (before in b"{[," or after in b"}]" or (before == b":" and run == b" "))):
+                return False
+            if not WRITERS_RUN.fullmatch(run):  # one space, or newlines then spaces or tabs
                 return False
             i = end
             continue
@@ -115,6 +122,8 @@ def test_a_run_of_blank_lines_is_cut_short():
     ('{"a": 1}', True), ('{"a":1}', True), ('{\n  "a": [\n    1,\n    2\n  ]\n}', True), ("{ }", True),
     ('{"a": 1 }', True), ('{"a" : 1}', False), ('{"a":  1}', False), ('{"a":\n1}', False), ('{"a": 1 , "b": 2}', False),
     (' {"a": 1}', False), ('{"a": [1 ]}', True), ('{"a": [1 ,2]}', False),
+    ('{"a": 1, "b": 2}', True), ('{\n\t"a": 1\n}', True), ('{\n  \n}', False), ('{\n\t  "a": 1}', False),
+    ('{\t"a": 1}', False), ('{\r\n"a": 1}', False), ('{  "a": 1}', False), ('{"a": 1,\n  \n            \t\t}', False),
 ])
 def test_whitespace_goes_only_where_a_json_writer_puts_it(text, ok):
     """A model that cannot write the token it wanted must not pad with blanks instead."""

@@ -56,6 +56,7 @@ from .multiple_of import MultipleOf
 
 MAX_WS_BYTES = 48
 MAX_WS_LINES = 2
+_SPACE_RUN, _SPACES, _TABS = 1 << 8, 2 << 8, 3 << 8  # a whitespace run's kind (see _run_after)
 MAX_DEPTH = 32  # objects and arrays nested where any value may go; schemas nested
 MAX_CHOICES = 1000  # an enum's values, an object's properties (OpenAI's limits are of this order)
 MAX_PARTS = 5000  # subschemas and enum values in one schema: compiling stays in milliseconds
@@ -498,7 +499,7 @@ def _check_finite(root: Node) -> None:
 
 # -- the automaton --------------------------------------------------------------------------------
 
-State = tuple  # (stack, whitespace bytes in the current run, newlines in it)
+State = tuple  # (stack, whitespace bytes in the current run, its newlines and kind: see _run_after)
 
 
 class Matcher:
@@ -635,10 +636,24 @@ def _blank(stack: tuple, top: tuple, ws: int, lines: int, b: int) -> Iterable[St
         if top[2] < top[1].min_items:
             return ()
         stack = stack[:-1] + (("a", top[1], top[2], "]"),)
-    newline = b == 0x0A or b == 0x0D
-    if ws + 1 > MAX_WS_BYTES or lines + newline > MAX_WS_LINES:
+    run = _run_after(lines, ws, b)
+    if run is None or ws + 1 > MAX_WS_BYTES:
         return ()
-    return [(stack, ws + 1, lines + newline)]
+    return [(stack, ws + 1, run)]
+
+
+def _run_after(run: int, ws: int, b: int) -> int | None:
+    """A run of whitespace as writers make one: one space (Python's ", "), or up to
+    ``MAX_WS_LINES`` newlines then indentation of spaces or of tabs, not both, and no newline once
+    it started (no line of blanks, no tab after spaces). ``run``: the newlines so far, with the
+    run's kind in the bits above (``_SPACE_RUN``, ``_SPACES``, ``_TABS``); None: ``b`` cannot come."""
+    newlines, kind = run & 0xFF, run & ~0xFF
+    if b == 0x0A:
+        return run + 1 if not kind and newlines < MAX_WS_LINES else None
+    if b == 0x20 and not ws:
+        return _SPACE_RUN
+    indent = _SPACES if b == 0x20 else _TABS if b == 0x09 else None
+    return newlines | indent if indent and newlines and kind in (0, indent) else None
 
 
 def _value(stack: tuple, top: tuple, b: int) -> list[tuple]:
