@@ -229,28 +229,32 @@ class SpendLimitView(BillingAPIView):
         scope = "read_usage" if method in ("GET", "HEAD", "OPTIONS") else "manage"
         return [require_scope(scope)()]
 
-    def _answer(self, organization, limit) -> Response:
+    def _answer(self, organization) -> Response:
+        limit = selectors.organization_monthly_limit(organization=organization)
+        alert = selectors.organization_balance_alert(organization=organization)
         return Response({
             "object": "billing.spend_limit",
             "monthly_limit": serializers.money(limit) if limit is not None else None,
             "monthly_spend": serializers.money(selectors.monthly_spend(organization=organization)),
+            "balance_alert": serializers.money(alert) if alert is not None else None,
             "currency": "usd",
         })
 
     @extend_schema(responses={200: serializers.SpendLimitSerializer, **_ERRORS})
     def get(self, request):
-        organization = self.organization(request)
-        return self._answer(organization, selectors.organization_monthly_limit(organization=organization))
+        return self._answer(self.organization(request))
 
     @extend_schema(request=serializers.SpendLimitRequestSerializer,
                    responses={200: serializers.SpendLimitSerializer, **_ERRORS},
                    description="Set the organization's monthly spend limit (requests are refused with 429 "
-                               "insufficient_quota once this calendar month's spend reaches it), or remove it with "
-                               "null. An API key needs the manage scope; a dashboard user must be an owner or admin.")
+                               "insufficient_quota once this calendar month's spend reaches it) and/or its balance "
+                               "alert (owners and admins are emailed when the balance falls below it); null removes "
+                               "one, one left out stays. An API key needs the manage scope; a dashboard user must be "
+                               "an owner or admin.")
     def put(self, request):
         body = serializers.SpendLimitRequestSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         organization = self.organization(request)
-        limit = services.set_spend_limit(organization=organization, monthly_limit=body.validated_data["monthly_limit"],
-                                         actor=_session_user(request) or _key_creator(request))
-        return self._answer(organization, limit.monthly_limit)
+        services.update_limits(organization=organization, actor=_session_user(request) or _key_creator(request),
+                               **body.validated_data)
+        return self._answer(organization)

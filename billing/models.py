@@ -161,16 +161,23 @@ class LedgerEntry(models.Model):
 
 
 class SpendLimit(models.Model):
-    """An organization's monthly spend limit (USD, calendar month in UTC); null: no limit."""
+    """An organization's monthly spend limit (USD, calendar month in UTC; null: no limit), and its
+    low-balance alert (see ``billing.balance_alerts``)."""
 
     organization = models.OneToOneField("accounts.Organization", on_delete=models.CASCADE, related_name="spend_limit")
     monthly_limit = models.DecimalField(**MONEY, null=True, blank=True)
+    # Owners and admins are emailed when the balance falls below this (USD); null: never.
+    balance_alert = models.DecimalField(**MONEY, null=True, blank=True)
+    # When they were (null: not since the balance was last at or above the alert).
+    balance_alert_sent_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
         constraints = [
             models.CheckConstraint(condition=Q(monthly_limit__isnull=True) | Q(monthly_limit__gte=0),
                                    name="billing_spendlimit_not_negative"),
+            models.CheckConstraint(condition=Q(balance_alert__isnull=True) | Q(balance_alert__gte=0),
+                                   name="billing_spendlimit_alert_not_negative"),
         ]
 
     def __str__(self) -> str:

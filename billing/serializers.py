@@ -185,11 +185,21 @@ class TopUpRequestSerializer(serializers.Serializer):
 
 
 class SpendLimitRequestSerializer(serializers.Serializer):
-    """``{"monthly_limit": "100.00"}``, or ``{"monthly_limit": null}`` to remove the limit."""
+    """``{"monthly_limit": "100.00"}`` and/or ``{"balance_alert": "10.00"}``; null removes one, and
+    one left out stays as it is."""
 
-    monthly_limit = UsdAmountField(integers=False, allow_null=True,
+    monthly_limit = UsdAmountField(integers=False, allow_null=True, required=False,
                                    help_text='USD per calendar month (UTC) as a decimal string, e.g. "100.00", at most '
                                              "6 decimal places; null removes the limit. A JSON number is refused.")
+    balance_alert = UsdAmountField(integers=False, allow_null=True, required=False,
+                                   help_text="Email the organization's owners and admins when the balance falls "
+                                             'below this many USD, e.g. "10.00" (once, until it is back up); null: '
+                                             "never.")
+
+    def validate(self, attrs):
+        if not attrs:
+            raise serializers.ValidationError({"monthly_limit": ["Send monthly_limit, balance_alert or both."]})
+        return attrs
 
 
 # --- response shapes (documentation for the OpenAPI document) -------------------------------------
@@ -229,6 +239,8 @@ class BalanceSerializer(serializers.Serializer):
     balance = serializers.CharField(help_text="USD")
     currency = serializers.CharField(default="usd")
     monthly_spend = serializers.CharField(help_text="USD spent this calendar month (UTC)")
+    balance_alert = serializers.CharField(allow_null=True, help_text="USD; owners and admins are emailed when the "
+                                                                     "balance falls below it; null: never")
     monthly_limit = serializers.CharField(allow_null=True)
 
 
@@ -253,4 +265,6 @@ class SpendLimitSerializer(serializers.Serializer):
     object = serializers.CharField(default="billing.spend_limit")
     monthly_limit = serializers.CharField(allow_null=True, help_text="USD per calendar month (UTC); null: no limit")
     monthly_spend = serializers.CharField(help_text="USD spent this calendar month (UTC)")
+    balance_alert = serializers.CharField(allow_null=True, help_text="USD; owners and admins are emailed when the "
+                                                                     "balance falls below it; null: never")
     currency = serializers.CharField(default="usd")

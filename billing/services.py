@@ -27,7 +27,7 @@ from accounts.models import ApiKey, Membership, Organization
 from inference_platform.read_cache import ReadCache
 from models_catalog.models import CatalogModel, Deployment
 
-from . import selectors, totals
+from . import balance_alerts, selectors, totals
 from .errors import (
     CardDeclined,
     InvalidParameter,
@@ -56,8 +56,16 @@ def _write_entry(*, organization_id: int, kind: str, amount: Decimal, reference:
     """Write a ledger entry and add it to the organization's balance, in the caller's transaction."""
     entry = LedgerEntry.objects.create(organization_id=organization_id, kind=kind, amount=amount,
                                        reference=reference, description=description)
-    totals.add_to_balance(organization_id=organization_id, amount=amount)
+    _add_to_balance(organization_id=organization_id, amount=amount)
     return entry
+
+
+def _add_to_balance(*, organization_id: int, amount: Decimal) -> None:
+    """Add to the running balance in the caller's transaction; once it commits, the
+    organization's low-balance alert looks at the new balance."""
+    totals.add_to_balance(organization_id=organization_id, amount=amount)
+    if amount:
+        balance_alerts.after_commit(organization_id=organization_id)
 
 
 def _post(*, organization_id: int, kind: str, amount: Decimal, reference: str = "",
@@ -74,7 +82,7 @@ def _post(*, organization_id: int, kind: str, amount: Decimal, reference: str = 
             defaults={"organization_id": organization_id, "amount": amount, "description": description},
         )
         if created:
-            totals.add_to_balance(organization_id=entry.organization_id, amount=entry.amount)
+            _add_to_balance(organization_id=entry.organization_id, amount=entry.amount)
     return entry, created
 
 
@@ -293,7 +301,7 @@ def _complete(existing: UsageRecord, parsed, prices: Prices, cost: Decimal) -> U
                 LedgerEntry.objects.filter(pk=entry.pk).update(amount=-cost)
             else:
                 LedgerEntry.objects.filter(pk=entry.pk).delete()
-            totals.add_to_balance(organization_id=record.organization_id, amount=old_cost - cost)
+            _add_to_balance(organization_id=record.organization_id, amount=old_cost - cost)
         totals.add_usage(organization_id=record.organization_id, api_key_id=record.api_key_id,
                          created_at=record.created_at, cost=cost - old_cost,
                          tokens=parsed.prompt_tokens + parsed.completion_tokens - old_tokens, requests=0)
@@ -361,6 +369,33 @@ def set_spend_limit(*, organization: Organization, monthly_limit: Decimal | None
         organization=organization, defaults={"monthly_limit": _limit("monthly_limit", monthly_limit)}
     )
     return limit
+
+
+def set_balance_alert(*, organization: Organization, amount: Decimal | None, actor=None) -> SpendLimit:
+    """Email the organization's owners and admins when its balance falls below ``amount`` USD
+    (None: never). A new alert starts armed: set while the balance is already below it, it is
+    sent at once. ``actor``: as for ``set_spend_limit``."""
+    if actor is not None and not selectors.may_change_spend_limit(user=actor, organization=organization):
+        raise NotAllowed("Only owners and admins can change the organization's balance alert.")
+    with transaction.atomic():
+        limit, _ = SpendLimit.objects.update_or_create(
+            organization=organization,
+            defaults={"balance_alert": _limit("balance_alert", amount), "balance_alert_sent_at": None})
+        if amount is not None:
+            balance_alerts.after_commit(organization_id=organization.pk)
+    return limit
+
+
+def update_limits(*, organization: Organization, actor=None, **changes: Decimal | None) -> None:
+    """Set the ``monthly_limit`` and/or the ``balance_alert`` given, both or neither."""
+    unknown = set(changes) - {"monthly_limit", "balance_alert"}
+    if unknown:
+        raise TypeError(f"unknown limits: {', '.join(sorted(unknown))}")
+    with transaction.atomic():
+        if "monthly_limit" in changes:
+            set_spend_limit(organization=organization, monthly_limit=changes["monthly_limit"], actor=actor)
+        if "balance_alert" in changes:
+            set_balance_alert(organization=organization, amount=changes["balance_alert"], actor=actor)
 
 
 def set_api_key_spend_limit(*, api_key: ApiKey, amount_limit: Decimal | None = None,

@@ -8,7 +8,7 @@ from celery import shared_task
 from celery.signals import worker_init
 from django.db import InterfaceError, OperationalError
 
-from . import recovery, services
+from . import balance_alerts, recovery, services
 from .dispatch import BILLING_QUEUE
 from .errors import InvalidUsageEvent, UnknownModel
 
@@ -37,6 +37,21 @@ def record_usage_event(event: dict) -> int | None:
         logger.error("usage event refused, kept for `manage.py replay_usage_events`: %s; event=%r", exc.message, event)
         services.keep_refused_event(event=event, error=exc.message)
         return None
+
+
+@shared_task(
+    name="billing.tasks.send_balance_alert",
+    # The mail server refusing or unreachable (SMTPException is an OSError): tried again for about
+    # a day, then given up (logged); a later fall below the alert sends a new one.
+    autoretry_for=(OSError, OperationalError, InterfaceError),
+    retry_backoff=30,
+    retry_backoff_max=3600,
+    retry_jitter=True,
+    max_retries=30,
+)
+def send_balance_alert(organization_id: int) -> int:
+    """Email an organization's owners and admins that its balance fell below its alert."""
+    return balance_alerts.send_email(organization_id=organization_id)
 
 
 @worker_init.connect

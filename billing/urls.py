@@ -12,4 +12,5 @@ urlpatterns = [
     path("billing/stripe/webhook", views.stripe_webhook, name="billing-stripe-webhook"),
     path("billing/", views.billing_page, name="billing"),
     path("billing/limit/", views.spend_limit_update, name="billing-spend-limit"),
+    path("billing/alert/", views.balance_alert_update, name="billing-balance-alert"),
 ]

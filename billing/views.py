@@ -1,5 +1,5 @@
 """Billing's plain Django views: Stripe's webhook endpoint, the dashboard's billing page and its
-spend-limit form."""
+forms for the spend limit and the low-balance alert."""
 
 from __future__ import annotations
 
@@ -68,6 +68,7 @@ def _render_page(request: HttpRequest, organization, *, status: int = 200, **ext
         entries, more = selectors.ledger_page(organization=organization, limit=LEDGER_PAGE_SIZE, after=before,
                                               kinds=LEDGER_VIEWS[show])
         monthly_limit = selectors.organization_monthly_limit(organization=organization)
+        balance_alert = selectors.organization_balance_alert(organization=organization)
         context.update(
             ledger_show=show,
             ledger_views=list(LEDGER_VIEWS),
@@ -79,6 +80,10 @@ def _render_page(request: HttpRequest, organization, *, status: int = 200, **ext
             can_change_limit=selectors.may_change_spend_limit(user=request.user, organization=organization),
             limit_value=_plain(monthly_limit),
             limit_error=None,
+            limit_set=monthly_limit is not None,
+            alert_value=_plain(balance_alert),
+            alert_error=None,
+            alert_set=balance_alert is not None,
             entries=entries,
             stripe_enabled=bool(settings.STRIPE_SECRET_KEY and settings.STRIPE_PUBLISHABLE_KEY),
             stripe_publishable_key=settings.STRIPE_PUBLISHABLE_KEY,
@@ -90,11 +95,11 @@ def _render_page(request: HttpRequest, organization, *, status: int = 200, **ext
     return render(request, "billing/overview.html", context, status=status)
 
 
-def _form_message(exc: BillingError) -> str:
+def _form_message(exc: BillingError, field: str, label: str) -> str:
     """The service's message as the form shows it: the service words it for the API, naming the
     parameter ("monthly_limit must ..."), where the page has a label."""
-    if isinstance(exc, InvalidParameter) and exc.param == "monthly_limit" and exc.message.startswith("monthly_limit "):
-        return "Monthly limit " + exc.message.removeprefix("monthly_limit ")
+    if isinstance(exc, InvalidParameter) and exc.param == field and exc.message.startswith(f"{field} "):
+        return f"{label} " + exc.message.removeprefix(f"{field} ")
     return exc.message
 
 
@@ -115,28 +120,45 @@ def billing_page(request: HttpRequest):
     return _render_page(request, _organization(request))
 
 
+# The amounts the billing page's forms set: field -> (its context name, label, what it is called).
+AMOUNT_FORMS = {
+    "monthly_limit": ("limit", "Monthly limit", "The monthly spend limit"),
+    "balance_alert": ("alert", "Alert", "The low-balance alert"),
+}
+
+
 @login_required
 @require_POST
 def spend_limit_update(request: HttpRequest):
     """``POST /billing/limit/`` (the billing page's form, CSRF-checked): ``monthly_limit`` in USD,
     or empty (or ``action=remove``) to remove the limit. Owners and admins only (403 otherwise)."""
+    return _update_amount(request, "monthly_limit")
+
+
+@login_required
+@require_POST
+def balance_alert_update(request: HttpRequest):
+    """``POST /billing/alert/``: ``balance_alert`` in USD (owners and admins are emailed when the
+    balance falls below it), or empty (or ``action=remove``) for none. Owners and admins only."""
+    return _update_amount(request, "balance_alert")
+
+
+def _update_amount(request: HttpRequest, field: str):
     organization = _organization(request)
     if organization is None:
         return redirect("billing")
-    raw = (request.POST.get("monthly_limit") or "").strip()
+    name, label, called = AMOUNT_FORMS[field]
+    raw = (request.POST.get(field) or "").strip()
     removing = request.POST.get("action") == "remove" or not raw
     try:
-        value = None if removing else serializers.usd_amount(raw, param="monthly_limit")
+        value = None if removing else serializers.usd_amount(raw, param=field)
     except InvalidParameter:
-        return _render_page(request, organization, status=400, limit_value=raw[:40],
-                            limit_error="Enter the limit in US dollars, such as 100 or 100.50.")
+        return _render_page(request, organization, status=400, **{
+            f"{name}_value": raw[:40], f"{name}_error": f"Enter the {label.lower()} in US dollars, such as 100 or 100.50."})
     try:
-        services.set_spend_limit(organization=organization, monthly_limit=value, actor=request.user)
+        services.update_limits(organization=organization, actor=request.user, **{field: value})
     except BillingError as exc:
-        return _render_page(request, organization, status=exc.status, limit_value=raw[:40],
-                            limit_error=_form_message(exc))
-    if value is None:
-        messages.success(request, "The monthly spend limit is removed.")
-    else:
-        messages.success(request, f"The monthly spend limit is now ${_plain(value)}.")
+        return _render_page(request, organization, status=exc.status, **{
+            f"{name}_value": raw[:40], f"{name}_error": _form_message(exc, field, label)})
+    messages.success(request, f"{called} is removed." if value is None else f"{called} is now ${_plain(value)}.")
     return redirect("billing")

@@ -450,7 +450,8 @@ def cmd_up(args) -> int:
         served = served_deployments()
         worker_name = f"worker@{socket.gethostname()}"
         env = child_env(DATA_DIR=str(settings.DATA_DIR), INFERENCE_PRELOAD=",".join(served),
-                        WORKER_SLOTS=str(max(args.slots, len(served))))
+                        WORKER_SLOTS=str(max(args.slots, len(served))),
+                        SITE_URL=settings.SITE_URL or local_url(args.host, args.port))  # for emails' links
         logs = settings.DATA_DIR / "logs"
         logs.mkdir(exist_ok=True)
         from django.utils import timezone

@@ -73,6 +73,16 @@ def env_seconds(name: str, default: str, *, minimum: float) -> float:
     return value
 
 
+def env_url(name: str) -> str:
+    """An http(s) address without its trailing slash ("" when unset)."""
+    raw = os.environ.get(name, "").strip()
+    parts = urlsplit(raw)
+    if raw and (parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment):
+        raise ImproperlyConfigured(f"{name} must be an http:// or https:// address such as https://llm.example.com, "
+                                   f"not {raw!r}")
+    return raw.rstrip("/")
+
+
 def env_list(name: str, default: str = "") -> list[str]:
     return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 
-from .env import (celery_broker_url, database_from_url, env_bool, env_int, env_list, env_seconds, env_str,
+from .env import (celery_broker_url, database_from_url, env_bool, env_int, env_list, env_seconds, env_str, env_url,
                   secret_key_problem)
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -157,8 +157,12 @@ STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = DATA_DIR / "staticfiles"
 
+# Where users reach the dashboard, for links in emails sent without a request (low-balance alerts).
+SITE_URL = env_url("SITE_URL")
 EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
 DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "noreply@localhost")
+# For EMAIL_BACKEND=django.core.mail.backends.filebased.EmailBackend: the folder emails are written to.
+EMAIL_FILE_PATH = env_str("EMAIL_FILE_PATH", str(DATA_DIR / "mail"))
 # For EMAIL_BACKEND=django.core.mail.backends.smtp.EmailBackend: where invitations and password
 # resets go out.
 EMAIL_HOST = env_str("EMAIL_HOST", "localhost")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from django.conf import settings
@@ -21,9 +22,15 @@ def test_database_url() -> str:
     return f"postgresql://{auth}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
 
 
+# Where the emails of the processes tests start go (one file per connection), for tests to read:
+# whichever billing worker takes an email's task, its email lands here.
+WORKER_MAIL = Path(settings.DATA_DIR) / f"worker-mail-{os.getpid()}"
+
+
 def child_env(**extra) -> dict:
     env = dict(os.environ)
-    env.update(DATABASE_URL=test_database_url(), REDIS_URL=settings.REDIS_URL, DJANGO_SETTINGS_MODULE="inference_platform.settings")
+    env.update(DATABASE_URL=test_database_url(), REDIS_URL=settings.REDIS_URL, DJANGO_SETTINGS_MODULE="inference_platform.settings",
+               EMAIL_BACKEND="django.core.mail.backends.filebased.EmailBackend", EMAIL_FILE_PATH=str(WORKER_MAIL))
     env.update(extra)
     return env
 

@@ -57,7 +57,7 @@ def test_a_manage_key_sets_reads_and_removes_the_limit(client, acme):
     organization, manager, reader = acme
     body = client.get(LIMITS, headers=bearer(reader)).json()
     assert body == {"object": "billing.spend_limit", "monthly_limit": None, "monthly_spend": "0.000000",
-                    "currency": "usd"}
+                    "balance_alert": None, "currency": "usd"}
 
     response = put(client, {"monthly_limit": "100.00"}, key=manager)
     assert response.status_code == 200, response.content
@@ -285,11 +285,12 @@ def test_the_openapi_document_describes_the_limits_endpoint(client):
     assert {"get", "put"} <= set(operations)
     request = operations["put"]["requestBody"]["content"]["application/json"]["schema"]
     name = request["$ref"].rsplit("/", 1)[1]
-    field = document["components"]["schemas"][name]["properties"]["monthly_limit"]
-    assert field["type"] == "string" and field.get("nullable") is True
-    assert "monthly_limit" in document["components"]["schemas"][name].get("required", [])
+    for name_ in ("monthly_limit", "balance_alert"):  # either, or both: one left out stays
+        field = document["components"]["schemas"][name]["properties"][name_]
+        assert field["type"] == "string" and field.get("nullable") is True
+        assert name_ not in document["components"]["schemas"][name].get("required", [])
     answer = operations["put"]["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
-    assert {"monthly_limit", "monthly_spend"} <= set(document["components"]["schemas"][answer]["properties"])
+    assert {"monthly_limit", "monthly_spend", "balance_alert"} <= set(document["components"]["schemas"][answer]["properties"])
     for code in ("400", "401", "403"):
         assert code in operations["put"]["responses"]
 

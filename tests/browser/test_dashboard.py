@@ -226,6 +226,10 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
             organization__name=account.organization).values_list("status", flat=True))
 
     assert db_call(topups) == (["10.000000"], ["succeeded"])
+    page.fill("#balance-alert-amount", "2.50")  # an email to the owner when the credit runs low
+    page.click("#balance-alert-form button[value=save]")
+    page.wait_for_selector("text=The low-balance alert is now $2.50.")
+    assert page.input_value("#balance-alert-amount") == "2.50" and page.locator("#balance-alert-remove").count() == 1
     shot(page, "11-billing")
 
     # --- usage: the requests with their tokens and cost --------------------------------------------------
