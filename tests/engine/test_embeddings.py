@@ -60,7 +60,22 @@ def test_embedding_params_are_checked(engine):
             SamplingParams(embed=True, **kwargs)
         assert caught.value.param == param
     with pytest.raises(InvalidRequestError, match="more than this model's context"):
-        engine.submit([1] * engine.max_model_len, SamplingParams(embed=True))
+        engine.submit([1] * (engine.max_model_len + 1), SamplingParams(embed=True))
+
+
+def test_an_embedding_may_fill_the_whole_context(bundled_model_fp32):
+    """It generates nothing, so its input may be as long as the context (a generation needs one
+    place left): the same vector as from an engine with room to spare."""
+    ids = list(range(100, 132))
+    with Engine(bundled_model_fp32, max_batch_size=2, max_batched_tokens=32, num_kv_blocks=16, max_model_len=32) as small:
+        full = small.submit(ids, SamplingParams(embed=True)).result(timeout=120)
+        with pytest.raises(InvalidRequestError, match=r"more than this model's context takes \(32\)"):
+            small.submit(ids + [7], SamplingParams(embed=True))
+        with pytest.raises(InvalidRequestError, match="leave no room to generate"):
+            small.submit(ids, SamplingParams(max_tokens=1))
+    with Engine(bundled_model_fp32, max_batch_size=2, max_batched_tokens=64, num_kv_blocks=16) as roomy:
+        assert np.abs(roomy.submit(ids, SamplingParams(embed=True)).result(timeout=120).embedding
+                      - full.embedding).max() < 1e-4
 
 
 @pytest.mark.gpu

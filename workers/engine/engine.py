@@ -491,11 +491,10 @@ class Engine:
         leaves no room for one token or for the max_tokens asked for, or that needs more KV blocks
         than the engine has, is refused."""
         n = len(prompt_ids)
-        if n >= self.max_model_len:
-            if params.embed:
-                raise InvalidRequestError(
-                    f"prompt: {n} tokens are more than this model's context takes ({self.max_model_len - 1})",
-                    param="prompt")
+        if params.embed and n > self.max_model_len:  # (it generates nothing: the whole context is its)
+            raise InvalidRequestError(
+                f"prompt: {n} tokens are more than this model's context takes ({self.max_model_len})", param="prompt")
+        if n >= self.max_model_len and not params.embed:
             raise InvalidRequestError(
                 f"prompt: {n} tokens leave no room to generate in this model's context of "
                 f"{self.max_model_len} tokens", param="prompt")
