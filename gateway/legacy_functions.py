@@ -24,15 +24,21 @@ _RENAMES = ((re.compile(r"\btools\[(\d+)\]\.function\b"), r"functions[\1]"), (re
             (re.compile(r"\.tool_calls\[0\]"), ".function_call"))
 
 
+def asks_functions(body: dict) -> bool:
+    """Whether a chat body offers functions in the legacy form: then its reply takes that form too."""
+    return any(body.get(name) is not None for name in FIELDS)
+
+
 def uses_functions(body: dict) -> bool:
-    """Whether a chat body speaks the legacy form anywhere: its fields or its messages."""
+    """Whether a chat body speaks the legacy form anywhere: its fields or its messages (a
+    conversation may carry legacy calls to a request that offers tools)."""
     messages = body.get("messages")
-    return any(body.get(name) is not None for name in FIELDS) or (isinstance(messages, list) and any(
+    return asks_functions(body) or (isinstance(messages, list) and any(
         isinstance(m, dict) and (m.get("role") == "function" or m.get("function_call") is not None) for m in messages))
 
 
 def as_tools(body: dict) -> dict:
-    """``body`` (which ``uses_functions``) in the tools form."""
+    """``body`` (which ``uses_functions``) in the tools form; fields sent as null are left out."""
     for name in TOOL_FIELDS:
         if body.get(name) is not None and any(body.get(legacy) is not None for legacy in FIELDS):
             legacy = next(legacy for legacy in FIELDS if body.get(legacy) is not None)
@@ -41,8 +47,12 @@ def as_tools(body: dict) -> dict:
     out = {name: value for name, value in body.items() if name not in FIELDS}
     functions, choice = body.get("functions"), body.get("function_call")
     if functions is not None:
+        shape = '{"name": ..., "description": ..., "parameters": {...}}'
         if not isinstance(functions, list):
-            raise invalid("functions", "functions must be an array of {\"name\": ..., \"parameters\": ...}")
+            raise invalid("functions", f"functions must be an array of {shape}")
+        for i, function in enumerate(functions):
+            if not isinstance(function, dict):
+                raise invalid(f"functions[{i}]", f"functions[{i}] must be {shape}")
         out["tools"] = [{"type": "function", "function": function} for function in functions]
         out["parallel_tool_calls"] = False  # a legacy reply calls one function at most
     if choice is not None:
@@ -130,9 +140,10 @@ def function_call(tool_calls: list[dict] | None) -> dict | None:
 def function_call_delta(deltas: list[dict]) -> dict | None:
     """A chunk's ``tool_calls`` deltas of the one call as the legacy ``delta.function_call``: the
     name in the first, then the arguments."""
-    if not deltas:
+    first = [delta for delta in deltas if delta["index"] == 0]  # (a legacy reply makes one call)
+    if not first:
         return None
-    function = deltas[0]["function"]
+    function = first[0]["function"]
     return {"name": function["name"], "arguments": function["arguments"]} if "name" in function \
         else {"arguments": function["arguments"]}
 

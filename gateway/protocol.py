@@ -43,7 +43,9 @@ CHAT_NO_OPS = {
 }
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "metadata",
                                "response_format", "tools", "tool_choice", "parallel_tool_calls"} | set(CHAT_NO_OPS)
-# (``functions`` and ``function_call``, the deprecated form of tools, are read as tools first: see legacy_functions.)
+# ``functions`` and ``function_call``, the deprecated form of tools, are read as tools first (see
+# legacy_functions); sent as null, they are nothing.
+CHAT_FIELDS |= set(legacy_functions.FIELDS)
 SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
@@ -77,7 +79,7 @@ class InferenceRequest:
 
 def parse_chat(body: Any) -> InferenceRequest:
     body = _object(body)
-    legacy = legacy_functions.uses_functions(body)
+    legacy, answers_legacy = legacy_functions.uses_functions(body), legacy_functions.asks_functions(body)
     if legacy:
         body = legacy_functions.as_tools(body)
     _no_unknown(body, CHAT_FIELDS)
@@ -108,7 +110,7 @@ def parse_chat(body: Any) -> InferenceRequest:
         sampling["response_format"] = response_format
     sampling.update(tool_fields)
     request = _request("chat", body, sampling, messages=messages)
-    if legacy and tool_fields:
+    if answers_legacy and tool_fields:
         request.extra["legacy_functions"] = True  # the reply says function_call, as the client expects
     if body.get("max_completion_tokens") is not None:
         request.max_tokens_param = "max_completion_tokens"

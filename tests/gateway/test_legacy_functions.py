@@ -51,6 +51,14 @@ def test_a_conversation_carries_a_call_and_its_result_as_a_tool_turn():
     assert clean[2] == {"role": "tool", "content": "12 C, rain", "tool_call_id": call["id"]}
     # Without functions in this request too (the turn that calls none may still show past calls).
     assert parse_chat({"model": "m", "messages": messages}).messages[2]["role"] == "tool"
+    # A request that offers tools is answered in the tools form, whatever its history holds.
+    tools = chat(messages=messages, tools=[{"type": "function", "function": WEATHER}])
+    assert "legacy_functions" not in tools.extra and tools.sampling["parallel_tool_calls"] is True
+
+
+def test_legacy_fields_sent_as_null_are_nothing():
+    request = chat(functions=None, function_call=None)
+    assert "tools" not in request.sampling and "legacy_functions" not in request.extra
 
 
 @pytest.mark.parametrize("body, param, words", [
@@ -59,6 +67,7 @@ def test_a_conversation_carries_a_call_and_its_result_as_a_tool_turn():
     ({"functions": [WEATHER], "function_call": {"name": "nope"}}, "function_call", "'nope', which is not among"),
     ({"functions": [WEATHER], "function_call": "required"}, "function_call", '"none", "auto"'),
     ({"functions": {"name": "f"}}, "functions", "array"),
+    ({"functions": ["get_weather"]}, "functions[0]", 'functions[0] must be {"name": ...'),
     ({"functions": [{"name": "bad name!"}]}, "functions[0]", "functions[0].name must be"),
     ({"functions": [{**WEATHER, "bogus": 1}]}, "functions[0]", "functions[0] takes no 'bogus'"),
     ({"functions": [WEATHER, WEATHER]}, "functions", "two functions named 'get_weather'"),
@@ -106,3 +115,12 @@ def test_a_legacy_reply_names_its_call_as_function_call():
     assert not any(c["delta"].get("tool_calls") for chunk in chunks for c in chunk["choices"])
     ends = {c["index"]: c["finish_reason"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]}
     assert ends == {0: "function_call", 1: "stop"}
+
+
+def test_a_legacy_delta_is_the_first_calls_alone():
+    from gateway.legacy_functions import function_call_delta
+
+    second = {"index": 1, "function": {"arguments": "{}"}}
+    assert function_call_delta([second]) is None
+    assert function_call_delta([{"index": 0, "id": "c", "function": {"name": "f", "arguments": ""}}, second]) == \
+        {"name": "f", "arguments": ""}
