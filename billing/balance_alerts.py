@@ -49,8 +49,9 @@ def balance_changed(*, organization_id: int) -> None:
             .update(balance_alert_sent_at=timezone.now())
         if claimed:
             _queue_email(organization_id)
-    elif not below and sent_at is not None:
-        SpendLimit.objects.filter(organization_id=organization_id).update(balance_alert_sent_at=None)
+    elif not below and sent_at is not None:  # only the sending read here: a newer one may have claimed it since
+        SpendLimit.objects.filter(organization_id=organization_id, balance_alert_sent_at=sent_at) \
+            .update(balance_alert_sent_at=None)
 
 
 def _queue_email(organization_id: int) -> None:

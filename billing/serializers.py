@@ -239,8 +239,6 @@ class BalanceSerializer(serializers.Serializer):
     balance = serializers.CharField(help_text="USD")
     currency = serializers.CharField(default="usd")
     monthly_spend = serializers.CharField(help_text="USD spent this calendar month (UTC)")
-    balance_alert = serializers.CharField(allow_null=True, help_text="USD; owners and admins are emailed when the "
-                                                                     "balance falls below it; null: never")
     monthly_limit = serializers.CharField(allow_null=True)
 
 

@@ -373,16 +373,18 @@ def set_spend_limit(*, organization: Organization, monthly_limit: Decimal | None
 
 def set_balance_alert(*, organization: Organization, amount: Decimal | None, actor=None) -> SpendLimit:
     """Email the organization's owners and admins when its balance falls below ``amount`` USD
-    (None: never). A new alert starts armed: set while the balance is already below it, it is
-    sent at once. ``actor``: as for ``set_spend_limit``."""
+    (None: never). A new amount starts armed: set while the balance is already below it, it is
+    sent at once; the same amount saved again changes nothing. ``actor``: as for ``set_spend_limit``."""
     if actor is not None and not selectors.may_change_spend_limit(user=actor, organization=organization):
         raise NotAllowed("Only owners and admins can change the organization's balance alert.")
+    amount = _limit("balance_alert", amount)
     with transaction.atomic():
-        limit, _ = SpendLimit.objects.update_or_create(
-            organization=organization,
-            defaults={"balance_alert": _limit("balance_alert", amount), "balance_alert_sent_at": None})
-        if amount is not None:
-            balance_alerts.after_commit(organization_id=organization.pk)
+        limit, created = SpendLimit.objects.select_for_update().get_or_create(organization=organization)
+        if created or limit.balance_alert != amount:
+            limit.balance_alert, limit.balance_alert_sent_at = amount, None
+            limit.save(update_fields=["balance_alert", "balance_alert_sent_at", "updated_at"])
+            if amount is not None:
+                balance_alerts.after_commit(organization_id=organization.pk)
     return limit
 
 

@@ -312,6 +312,12 @@ def local_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def own_site_url(host: str, port: int) -> str:
+    """Emails' links when SITE_URL is unset: this machine's address when it listens on one alone
+    (one that listens on every address has none that others surely reach: no link then)."""
+    return "" if host in ("0.0.0.0", "", "::") else local_url(host, port)
+
+
 def port_number(value: str) -> int:
     """argparse type: a TCP port."""
     if not value.isdecimal() or not 1 <= int(value) <= 65535:
@@ -451,7 +457,7 @@ def cmd_up(args) -> int:
         worker_name = f"worker@{socket.gethostname()}"
         env = child_env(DATA_DIR=str(settings.DATA_DIR), INFERENCE_PRELOAD=",".join(served),
                         WORKER_SLOTS=str(max(args.slots, len(served))),
-                        SITE_URL=settings.SITE_URL or local_url(args.host, args.port))  # for emails' links
+                        SITE_URL=settings.SITE_URL or own_site_url(args.host, args.port))
         logs = settings.DATA_DIR / "logs"
         logs.mkdir(exist_ok=True)
         from django.utils import timezone

@@ -74,10 +74,35 @@ def test_falling_below_the_alert_queues_one_email_until_the_balance_is_back_up(f
 def test_an_alert_set_below_the_balance_is_sent_at_once_and_removing_it_sends_nothing(funded, queued):
     services.set_balance_alert(organization=funded, amount=Decimal("5"))
     assert queued == [funded.pk]
+    services.set_balance_alert(organization=funded, amount=Decimal("5.000"))  # saved again: the same alert
+    assert queued == [funded.pk]
     services.set_balance_alert(organization=funded, amount=None)
     charge(funded, times=2)
     assert queued == [funded.pk]
     assert selectors.organization_balance_alert(organization=funded) is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stale_read_never_rearms_an_alert_claimed_since(funded, queued, monkeypatch):
+    """A top-up's look at the alert reads the balance above it, while a charge takes it below and
+    claims the alert again: the top-up's re-arm must not undo that claim (the next charge would
+    send a second email for one fall)."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    services.set_balance_alert(organization=funded, amount=Decimal("0.001"))
+    earlier = timezone.now() - timedelta(hours=1)
+    SpendLimit.objects.filter(organization=funded).update(balance_alert_sent_at=earlier)  # sent for a past fall
+    claimed_now = timezone.now()
+
+    def balance_read_while_a_charge_claims(organization_id):
+        SpendLimit.objects.filter(organization=funded).update(balance_alert_sent_at=claimed_now)
+        return Decimal("25")  # what the top-up's hook read, before that charge
+
+    monkeypatch.setattr(balance_alerts, "_balance", balance_read_while_a_charge_claims)
+    balance_alerts.balance_changed(organization_id=funded.pk)
+    assert SpendLimit.objects.get(organization=funded).balance_alert_sent_at == claimed_now
 
 
 @pytest.mark.django_db(transaction=True)
@@ -148,9 +173,10 @@ def test_the_api_sets_reads_and_removes_the_alert_beside_the_limit(client, queue
         error = put(bad).json()["error"]
         assert error["param"] == "balance_alert", error
     assert put({"balance_alert": "1"}, key=reader).status_code == 403
-    # Both or neither: a bad limit leaves the alert unset too.
-    assert put({"balance_alert": "3", "monthly_limit": "-1"}).status_code == 400
-    assert selectors.organization_balance_alert(organization=organization) is None
+    # Both or neither: a refused alert leaves the limit as it was (the limit is set first).
+    response = put({"monthly_limit": "5", "balance_alert": "1.0000001"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "balance_alert"
+    assert selectors.organization_monthly_limit(organization=organization) == Decimal("100")
 
 
 @pytest.mark.django_db
