@@ -12,7 +12,6 @@ Several requests can run at once on one connection. Closing the socket aborts th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import uuid
@@ -47,6 +46,8 @@ def _request_id(message: dict) -> str | int | ApiError:
 
 
 class InferenceConsumer(AsyncWebsocketConsumer):
+    gone = False  # the client closed the connection: frames for it are dropped
+
     async def connect(self):
         self.running: dict[str, tuple[asyncio.Task, list]] = {}  # by str(request_id): 7 and "7" are one
         await self.accept()
@@ -120,10 +121,9 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             holder.append(call)
             ctx = formatting.Context(kind=inference.kind, id=call.request_id, created=call.created, model=inference.model)
             async for chunk in stream_chunks(call, ctx, inference.include_usage):
-                await self._send({**chunk, "request_id": request_id})
+                if not await self._send({**chunk, "request_id": request_id}):
+                    return  # the client is gone: the request is cancelled below
             await self._send({"type": "done", "request_id": request_id})
-        except ClientGone:
-            pass  # nothing more reaches it; its disconnect cancels the rest
         except ApiError as exc:
             await self._error(request_id, exc)
         except Exception:  # a bug: answer this request, keep the connection and the others
@@ -147,21 +147,23 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             await self._send({"type": "done", "request_id": request_id, "cancelled": True})
 
     async def disconnect(self, code):
+        self.gone = True
         for task, holder in list(getattr(self, "running", {}).values()):
             if holder:
                 await holder[0].cancel()
             task.cancel()
 
     async def _error(self, request_id, exc: ApiError):
-        with contextlib.suppress(ClientGone):
-            await self._send({"type": "error", "request_id": request_id, **exc.body()})
+        await self._send({"type": "error", "request_id": request_id, **exc.body()})
 
-    async def _send(self, frame: dict):
+    async def _send(self, frame: dict) -> bool:
+        """Send a frame; False once the client is gone (then nothing more reaches it)."""
+        text = json.dumps(frame, ensure_ascii=False)
+        if self.gone:
+            return False
         try:
-            await self.send(text_data=json.dumps(frame, ensure_ascii=False))
-        except OSError as exc:  # the client left mid-stream (the server's ClientDisconnected is one)
-            raise ClientGone from exc
-
-
-class ClientGone(Exception):
-    """A frame could not be sent: the connection is closed."""
+            await self.send(text_data=text)
+        except (OSError, RuntimeError):  # closed: the server's ClientDisconnected, or a send after the close
+            self.gone = True
+            return False
+        return True

@@ -42,7 +42,7 @@ RENAMED = {"max_completion_tokens": "max_output_tokens", "response_format": "tex
 MESSAGE = re.compile(r"messages\[(\d+)\]")
 # Chat's words for a call and its result, as this API calls them (items, not messages).
 TOOL_WORDS = (
-    (".tool_calls", ""), (".tool_call_id", ".call_id"),
+    (re.compile(r"\.tool_calls(\[\d+\])?"), ""), (".tool_call_id", ".call_id"), (".function.", "."),
     ("which no tool message right after it answers", "which no function_call_output item right after it answers"),
     ("which is no call of the assistant message before it still waiting for its result",
      "which is no function_call item before it still waiting for its output"),
@@ -282,8 +282,9 @@ def renamed(exc: ApiError, origins: list[str]) -> ApiError:
             exc.param = "input"
     exc.message = MESSAGE.sub(origin, exc.message).replace("messages:", "input:")
     for chat_words, words in TOOL_WORDS:
-        exc.message = exc.message.replace(chat_words, words)
-        exc.param = exc.param and exc.param.replace(chat_words, words)
+        pattern = chat_words if isinstance(chat_words, re.Pattern) else re.compile(re.escape(chat_words))
+        exc.message = pattern.sub(words, exc.message)
+        exc.param = exc.param and pattern.sub(words, exc.param)
     for chat_name, name in RENAMED.items():
         if exc.param and exc.param.startswith(chat_name):
             exc.param = name + exc.param[len(chat_name):]

@@ -103,7 +103,7 @@ def test_no_prefix_of_a_multiple_is_a_dead_end(kind, multiple, low, high, seed):
 def test_a_multiple_the_engine_cannot_follow_is_refused_by_name():
     for schema, words in [({"type": "number", "multipleOf": 0}, "greater than 0"),
                           ({"type": "number", "multipleOf": "2"}, "greater than 0"),
-                          ({"type": "integer", "multipleOf": 97_531}, "more digits"),
+                          ({"type": "integer", "multipleOf": 997}, "more digits"),
                           ({"type": "integer", "multipleOf": 10, "minimum": 1, "maximum": 9}, "no number")]:
         with pytest.raises(SchemaError, match=words):
             grammar(schema)

@@ -16,7 +16,7 @@ from decimal import Decimal
 
 from .byte_regex import ByteRegex, RegexError
 
-MAX_STATES_PER_PATTERN_STATE = 10_000  # p × (q + 2): what one reading of the pattern may meet
+MAX_STATES_PER_PATTERN_STATE = 1_000  # p × (q + 2): what one reading of the pattern may meet (a search each)
 MAX_KNOWN = 100_000  # states whose fate is kept
 _DIGIT_BYTES = b"0123456789"
 _NUMBER_BYTES = b"-0123456789."
