@@ -455,9 +455,9 @@ def cmd_up(args) -> int:
         say(f"[4/5] starting the web server on http://{args.host}:{args.port}, a worker, a billing worker and a batch worker")
         served = served_deployments()
         worker_name = f"worker@{socket.gethostname()}"
-        env = child_env(DATA_DIR=str(settings.DATA_DIR), INFERENCE_PRELOAD=",".join(served),
-                        WORKER_SLOTS=str(max(args.slots, len(served))),
-                        SITE_URL=settings.SITE_URL or own_site_url(args.host, args.port))
+        # Every part's: the billing worker's emails link to this server too.
+        common = {"DATA_DIR": str(settings.DATA_DIR), "SITE_URL": settings.SITE_URL or own_site_url(args.host, args.port)}
+        env = child_env(**common, INFERENCE_PRELOAD=",".join(served), WORKER_SLOTS=str(max(args.slots, len(served))))
         logs = settings.DATA_DIR / "logs"
         logs.mkdir(exist_ok=True)
         from django.utils import timezone
@@ -482,7 +482,7 @@ def cmd_up(args) -> int:
         billing = spawn(
             worker_command(queues=DEFAULT_QUEUES, concurrency=BILLING_CONCURRENCY,
                            name=f"billing@{socket.gethostname()}"),
-            env=child_env(DATA_DIR=str(settings.DATA_DIR), WORKER_SLOTS="0"),
+            env=child_env(**common, WORKER_SLOTS="0"),
             log=logs / "billing.log",
             role="the billing worker",
             # Out of the terminal's process group, as the embedded Redis: a Ctrl-C would stop it at
@@ -493,7 +493,7 @@ def cmd_up(args) -> int:
         procs.append(billing)
         procs.append(spawn(  # the Batch API's runners: a process of their own, as their batches last
             worker_command(queues=["batches"], concurrency=BATCH_RUNNERS, name=f"batches@{socket.gethostname()}"),
-            env=child_env(DATA_DIR=str(settings.DATA_DIR), WORKER_SLOTS="0"),
+            env=child_env(**common, WORKER_SLOTS="0"),
             log=logs / "batches.log",
             role="the batch worker",
         ))

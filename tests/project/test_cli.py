@@ -289,6 +289,9 @@ def test_up_starts_everything_on_embedded_defaults_and_ctrl_c_leaves_no_process(
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(child.cmdline()) for child in children)
         assert "redis-server" in names and "celery" in names and "uvicorn" in names
+        celery = [child for child in children if "celery" in " ".join(child.cmdline())]
+        assert len(celery) >= 4  # inference, billing and batch workers, beat: the billing one's emails link here
+        assert {child.environ().get("SITE_URL") for child in celery} == {f"http://127.0.0.1:{port}"}
         [web] = [child for child in children if "uvicorn" in " ".join(child.cmdline())]
         assert sum("spawn_main" in " ".join(c.cmdline()) for c in web.children()) == 2  # and a resource tracker
         assert (tmp_path / "db.sqlite3").exists() and (tmp_path / "redis.sock").exists()
