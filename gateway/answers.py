@@ -126,6 +126,8 @@ def _whole(ctx: formatting.Context, request, index: int, text: str, reason: str,
         reader = tools.ToolCallStream(sampling)
         text = reader.feed(text)[0] + reader.finish()[0]
         calls, reason = reader.calls, tools.finish_reason(sampling, reason, reader)
+        if tools.calls_only(sampling):
+            text = None  # no text can come: null, as streamed, even when max_tokens cut the call short
         if request.extra.get("legacy_functions"):
             return formatting.choice(ctx, index=index, text=text, finish_reason=legacy_functions.finish_reason(reason),
                                      logprobs=logprobs, function_call=legacy_functions.function_call(calls))

@@ -120,7 +120,7 @@ def usage_chunk(ctx: Context, usage: dict) -> dict:
     return {**ctx.envelope(chunk=True), "choices": [], "usage": usage_json(usage)}
 
 
-def choice(ctx: Context, *, index: int, text: str, finish_reason: str, logprobs: list[dict] | None,
+def choice(ctx: Context, *, index: int, text: str | None, finish_reason: str, logprobs: list[dict] | None,
            tool_calls: list[dict] | None = None, function_call: dict | None = None) -> dict:
     """One whole answer of a response (a message that calls tools, or the deprecated
     ``function_call``, has no content unless the model wrote some before its calls)."""

@@ -115,3 +115,12 @@ def test_a_response_keeps_the_order_the_model_wrote_calls_and_text_in():
     call, message = builder.response["output"]
     assert (call["name"], call["arguments"], call["status"]) == ("f", '{"a": 1}', "completed")
     assert message["content"][0]["text"].strip() == "Done."
+
+
+def test_a_reply_that_can_only_call_has_null_content_even_cut_short():
+    """max_tokens cut the call before its name was whole: no call, and content null as streamed."""
+    sampling = {"tools": [{"name": "f", "parameters": {"type": "object"}}], "tool_choice": "required"}
+    events = [EVENTS[0], delta(0, CALL[:12]), finished("length")]
+    [choice] = run("chat", events, stream=False, n=1, sampling=sampling)["choices"]
+    assert choice["message"]["content"] is None and "tool_calls" not in choice["message"]
+    assert choice["finish_reason"] == "length"
