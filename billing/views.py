@@ -17,6 +17,7 @@ from accounts.middleware import SESSION_ORGANIZATION_KEY
 from accounts.selectors import current_organization_for_user
 
 from . import selectors, serializers, services
+from .balance_alerts import dollars
 from .errors import BillingError, InvalidParameter
 from .models import LedgerEntry
 from .stripe_api import InvalidWebhook, construct_webhook_event
@@ -160,5 +161,5 @@ def _update_amount(request: HttpRequest, field: str):
     except BillingError as exc:
         return _render_page(request, organization, status=exc.status, **{
             f"{name}_value": raw[:40], f"{name}_error": _form_message(exc, field, label)})
-    messages.success(request, f"{called} is removed." if value is None else f"{called} is now ${_plain(value)}.")
+    messages.success(request, f"{called} is removed." if value is None else f"{called} is now {dollars(value)}.")
     return redirect("billing")
