@@ -408,7 +408,7 @@ def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], endpoint: str
         spec, ready, stopped, queue_limit, context_length, prices = _deployment_spec(caller, request.model)
     if stopped:  # refused at once: waiting, or a full queue's "retry shortly", would mislead
         raise ApiError(503, f"The deployment '{spec['name']}' is stopped; start it to send it requests.",
-                       code="model_unavailable")
+                       code="model_unavailable", expected=True)
     _check_max_tokens(request, context_length)
     _check_quota(caller)
     decision = _admit(caller, spec, queue_limit, request_id, batch=batch is not None)

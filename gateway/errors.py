@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import logging
 import re
 
 from django.http import JsonResponse
 
 from accounts.api_errors import error_type
 
+log = logging.getLogger(__name__)
+
+
 class ApiError(Exception):
     """Raised anywhere in the gateway; rendered once, in OpenAI's shape, with its status."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None, headers: dict | None = None):
+                 type: str | None = None, headers: dict | None = None, expected: bool = False):
         super().__init__(message)
+        # A 5xx that is no failure of the platform's (a deployment its owner stopped): logged as a
+        # warning, not as Django's ERROR for every 5xx, which alerting on errors would page for.
+        self.expected = expected
         self.status = status
         self.message = message
         self.param = param
@@ -28,6 +35,9 @@ class ApiError(Exception):
         response = JsonResponse(self.body(), status=self.status)
         for name, value in self.headers.items():
             response[name] = value
+        if self.expected:
+            log.warning("%s %s: %s", self.status, self.code, self.message)
+            response._has_been_logged = True  # (what Django's request logging reads)
         return response
 
 

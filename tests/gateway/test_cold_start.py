@@ -106,9 +106,10 @@ def test_a_cold_start_that_never_comes_is_a_503_and_not_billed(client, settings,
     assert not UsageRecord.objects.filter(request_id=request_id).exists()
 
 
-def test_a_stopped_deployment_is_refused_at_once_not_queued(client, scaled_to_zero, waits):
+def test_a_stopped_deployment_is_refused_at_once_not_queued(client, scaled_to_zero, waits, caplog):
     """As the owner stopped it: 503 model_unavailable before anything is queued or waited on (a
-    full queue's "retry shortly" would have clients retry a deployment nothing will serve)."""
+    full queue's "retry shortly" would have clients retry a deployment nothing will serve), and
+    logged as the warning it is, not as Django's ERROR for a 5xx."""
     from billing.models import UsageRecord
     from models_catalog.models import Deployment
     from models_catalog.services import set_deployment_status
@@ -116,10 +117,13 @@ def test_a_stopped_deployment_is_refused_at_once_not_queued(client, scaled_to_ze
 
     org, key, name = scaled_to_zero
     set_deployment_status(deployment=Deployment.objects.get(name=name), status=Deployment.Status.STOPPED)
-    response = client.post("/v1/chat/completions", data=json.dumps(
-        {"model": name, "messages": [{"role": "user", "content": "Hi"}]}),
-        content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}")
+    with caplog.at_level("INFO"):
+        response = client.post("/v1/chat/completions", data=json.dumps(
+            {"model": name, "messages": [{"role": "user", "content": "Hi"}]}),
+            content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}")
     assert response.status_code == 503, response.content
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    assert any(r.levelname == "WARNING" and "model_unavailable" in r.getMessage() for r in caplog.records)
     error = response.json()["error"]
     assert error["code"] == "model_unavailable" and "is stopped" in error["message"]
     assert waits == ([], [])  # no wait at all
