@@ -232,11 +232,13 @@ class SpendLimitView(BillingAPIView):
     def _answer(self, organization) -> Response:
         limit = selectors.organization_monthly_limit(organization=organization)
         alert = selectors.organization_balance_alert(organization=organization)
+        spend_alert = selectors.organization_spend_alert(organization=organization)
         return Response({
             "object": "billing.spend_limit",
             "monthly_limit": serializers.money(limit) if limit is not None else None,
             "monthly_spend": serializers.money(selectors.monthly_spend(organization=organization)),
             "balance_alert": serializers.money(alert) if alert is not None else None,
+            "spend_alert": serializers.money(spend_alert) if spend_alert is not None else None,
             "currency": "usd",
         })
 
@@ -247,8 +249,9 @@ class SpendLimitView(BillingAPIView):
     @extend_schema(request=serializers.SpendLimitRequestSerializer,
                    responses={200: serializers.SpendLimitSerializer, **_ERRORS},
                    description="Set the organization's monthly spend limit (requests are refused with 429 "
-                               "insufficient_quota once this calendar month's spend reaches it) and/or its balance "
-                               "alert (owners and admins are emailed when the balance falls below it); null removes "
+                               "insufficient_quota once this calendar month's spend reaches it), its balance alert "
+                               "(owners and admins are emailed when the balance falls below it) and its spend alert "
+                               "(emailed once a month when the month's spend reaches it); null removes "
                                "one, one left out stays. An API key needs the manage scope; a dashboard user must be "
                                "an owner or admin.")
     def put(self, request):

@@ -10,22 +10,18 @@ while the mail server refuses it. Coming back up re-arms it.
 
 from __future__ import annotations
 
-import logging
 from decimal import Decimal
 
-from django.conf import settings
-from django.core.mail import send_mail
 from django.db import transaction
-from django.urls import reverse
 from django.utils import timezone
 
-from accounts.models import MANAGER_ROLES, Membership, Organization
+from accounts.models import Organization
 
-from .dispatch import BILLING_QUEUE
+from . import alert_mail
+from .alert_mail import dollars
 from .models import OrganizationBalance, SpendLimit
 from .totals import usd
 
-log = logging.getLogger(__name__)
 SEND_TASK = "billing.tasks.send_balance_alert"
 
 
@@ -55,13 +51,7 @@ def balance_changed(*, organization_id: int) -> None:
 
 
 def _queue_email(organization_id: int) -> None:
-    from inference_platform.celery import app  # the project's app, whichever one is current
-
-    try:
-        app.send_task(SEND_TASK, args=[organization_id], queue=BILLING_QUEUE, retry=True,
-                      retry_policy={"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 2})
-    except Exception:  # the broker unreachable: re-armed, so the next charge tries again
-        log.exception("could not queue the low-balance email of organization %s", organization_id)
+    if not alert_mail.queue(SEND_TASK, organization_id):  # re-armed: the next charge tries again
         SpendLimit.objects.filter(organization_id=organization_id).update(balance_alert_sent_at=None)
 
 
@@ -73,30 +63,12 @@ def send_email(*, organization_id: int) -> int:
     balance = _balance(organization_id)
     if organization is None or alert is None or balance >= alert:  # removed, or topped up, meanwhile
         return 0
-    recipients = sorted(set(Membership.objects.filter(
-        organization_id=organization_id, role__in=MANAGER_ROLES, user__is_active=True)
-        .exclude(user__email="").values_list("user__email", flat=True)))
-    if not recipients:
-        return 0
-    page = f"{settings.SITE_URL}{reverse('billing')}" if settings.SITE_URL else "the dashboard's Billing page"
-    name = " ".join(organization.name.split())  # (a header takes no line break)
-    send_mail(
-        subject=f"{name}: credit balance below {dollars(alert)}",
-        message=(f"The credit balance of {name} is {dollars(balance)}, below the {dollars(alert)} alert set for it.\n\n"
-                 f"Requests are refused once it reaches zero. Add credit on {page}.\n\n"
-                 "This email comes once each time the balance falls below the alert; change or remove the "
-                 "alert on that page."),
-        from_email=None,
-        recipient_list=recipients,
-    )
-    return len(recipients)
-
-
-def dollars(amount: Decimal) -> str:
-    """$1,234.50; -$0.31; $0.000125 (a cent's fraction shown, never rounded away)."""
-    text = format(abs(amount).normalize(), ",f")
-    whole, _, fraction = text.partition(".")
-    return f"{'-' if amount < 0 else ''}${whole}.{fraction.ljust(2, '0')}"
+    name = alert_mail.one_line(organization.name)
+    return alert_mail.send(organization, subject=f"credit balance below {dollars(alert)}", lines=[
+        f"The credit balance of {name} is {dollars(balance)}, below the {dollars(alert)} alert set for it.",
+        "Requests are refused once it reaches zero. Add credit on {page}.",
+        "This email comes once each time the balance falls below the alert; change or remove the alert on that page.",
+    ])
 
 
 def _balance(organization_id: int) -> Decimal:

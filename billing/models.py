@@ -162,7 +162,7 @@ class LedgerEntry(models.Model):
 
 class SpendLimit(models.Model):
     """An organization's monthly spend limit (USD, calendar month in UTC; null: no limit), and its
-    low-balance alert (see ``billing.balance_alerts``)."""
+    alerts: low balance (``billing.balance_alerts``) and monthly spend (``billing.spend_alerts``)."""
 
     organization = models.OneToOneField("accounts.Organization", on_delete=models.CASCADE, related_name="spend_limit")
     monthly_limit = models.DecimalField(**MONEY, null=True, blank=True)
@@ -170,6 +170,10 @@ class SpendLimit(models.Model):
     balance_alert = models.DecimalField(**MONEY, null=True, blank=True)
     # When they were (null: not since the balance was last at or above the alert).
     balance_alert_sent_at = models.DateTimeField(null=True, blank=True)
+    # They are emailed when a calendar month's spend (UTC) reaches this (USD); null: never.
+    spend_alert = models.DecimalField(**MONEY, null=True, blank=True)
+    # The month (its first day) whose spend they were told of: once a month.
+    spend_alert_sent_for = models.DateField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -178,6 +182,8 @@ class SpendLimit(models.Model):
                                    name="billing_spendlimit_not_negative"),
             models.CheckConstraint(condition=Q(balance_alert__isnull=True) | Q(balance_alert__gte=0),
                                    name="billing_spendlimit_alert_not_negative"),
+            models.CheckConstraint(condition=Q(spend_alert__isnull=True) | Q(spend_alert__gte=0),
+                                   name="billing_spendlimit_spend_alert_not_negative"),
         ]
 
     def __str__(self) -> str:

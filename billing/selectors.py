@@ -94,6 +94,10 @@ def organization_balance_alert(*, organization: Organization) -> Decimal | None:
     return SpendLimit.objects.filter(organization=organization).values_list("balance_alert", flat=True).first()
 
 
+def organization_spend_alert(*, organization: Organization) -> Decimal | None:
+    return SpendLimit.objects.filter(organization=organization).values_list("spend_alert", flat=True).first()
+
+
 def may_change_spend_limit(*, user, organization: Organization) -> bool:
     """Whether ``user`` (a dashboard session's, or an API key's creator) is an owner or an admin
     of ``organization``. A key's principal without a user (``ApiKeyUser``) is neither."""

@@ -185,8 +185,8 @@ class TopUpRequestSerializer(serializers.Serializer):
 
 
 class SpendLimitRequestSerializer(serializers.Serializer):
-    """``{"monthly_limit": "100.00"}`` and/or ``{"balance_alert": "10.00"}``; null removes one, and
-    one left out stays as it is."""
+    """``{"monthly_limit": "100.00"}``, ``{"balance_alert": "10.00"}``, ``{"spend_alert": "80.00"}``,
+    or several; null removes one, and one left out stays as it is."""
 
     monthly_limit = UsdAmountField(integers=False, allow_null=True, required=False,
                                    help_text='USD per calendar month (UTC) as a decimal string, e.g. "100.00", at most '
@@ -195,10 +195,14 @@ class SpendLimitRequestSerializer(serializers.Serializer):
                                    help_text="Email the organization's owners and admins when the balance falls "
                                              'below this many USD, e.g. "10.00" (once, until it is back up); null: '
                                              "never.")
+    spend_alert = UsdAmountField(integers=False, allow_null=True, required=False,
+                                 help_text="Email the organization's owners and admins when a calendar month's spend "
+                                           '(UTC) reaches this many USD, e.g. "80.00" (once a month); null: never.')
 
     def validate(self, attrs):
         if not attrs:
-            raise serializers.ValidationError({"monthly_limit": ["Send monthly_limit, balance_alert or both."]})
+            raise serializers.ValidationError({"monthly_limit": ["Send monthly_limit, balance_alert, spend_alert or "
+                                                                 "any of them together."]})
         return attrs
 
 
@@ -265,4 +269,6 @@ class SpendLimitSerializer(serializers.Serializer):
     monthly_spend = serializers.CharField(help_text="USD spent this calendar month (UTC)")
     balance_alert = serializers.CharField(allow_null=True, help_text="USD; owners and admins are emailed when the "
                                                                      "balance falls below it; null: never")
+    spend_alert = serializers.CharField(allow_null=True, help_text="USD; owners and admins are emailed when a month's "
+                                                                   "spend reaches it; null: never")
     currency = serializers.CharField(default="usd")

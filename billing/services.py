@@ -27,7 +27,7 @@ from accounts.models import ApiKey, Membership, Organization
 from inference_platform.read_cache import ReadCache
 from models_catalog.models import CatalogModel, Deployment
 
-from . import balance_alerts, selectors, totals
+from . import balance_alerts, selectors, spend_alerts, totals
 from .errors import (
     CardDeclined,
     InvalidParameter,
@@ -267,6 +267,8 @@ def _write_usage(parsed, prices: Prices, cost: Decimal) -> UsageRecord:
         totals.add_usage(organization_id=parsed.organization_id, api_key_id=api_key_id,
                          created_at=record.created_at, cost=cost,
                          tokens=parsed.prompt_tokens + parsed.completion_tokens if billed else 0)
+        if cost > 0:
+            spend_alerts.after_commit(organization_id=parsed.organization_id)
     return record
 
 
@@ -305,6 +307,8 @@ def _complete(existing: UsageRecord, parsed, prices: Prices, cost: Decimal) -> U
         totals.add_usage(organization_id=record.organization_id, api_key_id=record.api_key_id,
                          created_at=record.created_at, cost=cost - old_cost,
                          tokens=parsed.prompt_tokens + parsed.completion_tokens - old_tokens, requests=0)
+        if cost > old_cost:
+            spend_alerts.after_commit(organization_id=record.organization_id)
     return record
 
 
@@ -375,22 +379,36 @@ def set_balance_alert(*, organization: Organization, amount: Decimal | None, act
     """Email the organization's owners and admins when its balance falls below ``amount`` USD
     (None: never). A new amount starts armed: set while the balance is already below it, it is
     sent at once; the same amount saved again changes nothing. ``actor``: as for ``set_spend_limit``."""
+    return _set_alert(organization, "balance_alert", amount, actor, balance_alerts.after_commit)
+
+
+def set_spend_alert(*, organization: Organization, amount: Decimal | None, actor=None) -> SpendLimit:
+    """Email the organization's owners and admins when a calendar month's spend (UTC) reaches
+    ``amount`` USD, once a month (None: never). A new amount starts armed, as a balance alert."""
+    return _set_alert(organization, "spend_alert", amount, actor, spend_alerts.after_commit)
+
+
+_ALERT_SENT = {"balance_alert": "balance_alert_sent_at", "spend_alert": "spend_alert_sent_for"}
+
+
+def _set_alert(organization: Organization, field: str, amount: Decimal | None, actor, look) -> SpendLimit:
     if actor is not None and not selectors.may_change_spend_limit(user=actor, organization=organization):
-        raise NotAllowed("Only owners and admins can change the organization's balance alert.")
-    amount = _limit("balance_alert", amount)
+        raise NotAllowed("Only owners and admins can change the organization's alerts.")
+    amount, sent = _limit(field, amount), _ALERT_SENT[field]
     with transaction.atomic():
         limit, created = SpendLimit.objects.select_for_update().get_or_create(organization=organization)
-        if created or limit.balance_alert != amount:
-            limit.balance_alert, limit.balance_alert_sent_at = amount, None
-            limit.save(update_fields=["balance_alert", "balance_alert_sent_at", "updated_at"])
+        if created or getattr(limit, field) != amount:
+            setattr(limit, field, amount)
+            setattr(limit, sent, None)
+            limit.save(update_fields=[field, sent, "updated_at"])
             if amount is not None:
-                balance_alerts.after_commit(organization_id=organization.pk)
+                look(organization_id=organization.pk)
     return limit
 
 
 def update_limits(*, organization: Organization, actor=None, **changes: Decimal | None) -> None:
-    """Set the ``monthly_limit`` and/or the ``balance_alert`` given, both or neither."""
-    unknown = set(changes) - {"monthly_limit", "balance_alert"}
+    """Set the ``monthly_limit``, ``balance_alert`` and ``spend_alert`` given: all or none."""
+    unknown = set(changes) - {"monthly_limit", "balance_alert", "spend_alert"}
     if unknown:
         raise TypeError(f"unknown limits: {', '.join(sorted(unknown))}")
     with transaction.atomic():
@@ -398,6 +416,8 @@ def update_limits(*, organization: Organization, actor=None, **changes: Decimal 
             set_spend_limit(organization=organization, monthly_limit=changes["monthly_limit"], actor=actor)
         if "balance_alert" in changes:
             set_balance_alert(organization=organization, amount=changes["balance_alert"], actor=actor)
+        if "spend_alert" in changes:
+            set_spend_alert(organization=organization, amount=changes["spend_alert"], actor=actor)
 
 
 def set_api_key_spend_limit(*, api_key: ApiKey, amount_limit: Decimal | None = None,

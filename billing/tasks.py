@@ -8,7 +8,7 @@ from celery import shared_task
 from celery.signals import worker_init
 from django.db import InterfaceError, OperationalError
 
-from . import balance_alerts, recovery, services
+from . import balance_alerts, recovery, services, spend_alerts
 from .dispatch import BILLING_QUEUE
 from .errors import InvalidUsageEvent, UnknownModel
 
@@ -39,19 +39,22 @@ def record_usage_event(event: dict) -> int | None:
         return None
 
 
-@shared_task(
-    name="billing.tasks.send_balance_alert",
-    # The mail server refusing or unreachable (SMTPException is an OSError): tried again for about
-    # a day, then given up (logged); a later fall below the alert sends a new one.
-    autoretry_for=(OSError, OperationalError, InterfaceError),
-    retry_backoff=30,
-    retry_backoff_max=3600,
-    retry_jitter=True,
-    max_retries=30,
-)
+# An alert's email: the mail server refusing or unreachable (SMTPException is an OSError), or the
+# database, tried again for up to about a day, then given up (logged); the next alert is its own.
+EMAIL_RETRIES = {"autoretry_for": (OSError, OperationalError, InterfaceError), "retry_backoff": 30,
+                 "retry_backoff_max": 3600, "retry_jitter": True, "max_retries": 30}
+
+
+@shared_task(name="billing.tasks.send_balance_alert", **EMAIL_RETRIES)
 def send_balance_alert(organization_id: int) -> int:
     """Email an organization's owners and admins that its balance fell below its alert."""
     return balance_alerts.send_email(organization_id=organization_id)
+
+
+@shared_task(name="billing.tasks.send_spend_alert", **EMAIL_RETRIES)
+def send_spend_alert(organization_id: int, month: str) -> int:
+    """Email an organization's owners and admins that this month's spend reached its alert."""
+    return spend_alerts.send_email(organization_id=organization_id, month=month)
 
 
 @worker_init.connect

@@ -13,4 +13,5 @@ urlpatterns = [
     path("billing/", views.billing_page, name="billing"),
     path("billing/limit/", views.spend_limit_update, name="billing-spend-limit"),
     path("billing/alert/", views.balance_alert_update, name="billing-balance-alert"),
+    path("billing/spend-alert/", views.spend_alert_update, name="billing-spend-alert"),
 ]

@@ -17,7 +17,7 @@ from accounts.middleware import SESSION_ORGANIZATION_KEY
 from accounts.selectors import current_organization_for_user
 
 from . import selectors, serializers, services
-from .balance_alerts import dollars
+from .alert_mail import dollars
 from .errors import BillingError, InvalidParameter
 from .models import LedgerEntry
 from .stripe_api import InvalidWebhook, construct_webhook_event
@@ -70,6 +70,7 @@ def _render_page(request: HttpRequest, organization, *, status: int = 200, **ext
                                               kinds=LEDGER_VIEWS[show])
         monthly_limit = selectors.organization_monthly_limit(organization=organization)
         balance_alert = selectors.organization_balance_alert(organization=organization)
+        spend_alert = selectors.organization_spend_alert(organization=organization)
         context.update(
             ledger_show=show,
             ledger_views=list(LEDGER_VIEWS),
@@ -85,6 +86,9 @@ def _render_page(request: HttpRequest, organization, *, status: int = 200, **ext
             alert_value=_plain(balance_alert),
             alert_error=None,
             alert_set=balance_alert is not None,
+            spend_alert_value=_plain(spend_alert),
+            spend_alert_error=None,
+            spend_alert_set=spend_alert is not None,
             entries=entries,
             stripe_enabled=bool(settings.STRIPE_SECRET_KEY and settings.STRIPE_PUBLISHABLE_KEY),
             stripe_publishable_key=settings.STRIPE_PUBLISHABLE_KEY,
@@ -125,6 +129,7 @@ def billing_page(request: HttpRequest):
 AMOUNT_FORMS = {
     "monthly_limit": ("limit", "Monthly limit", "The monthly spend limit"),
     "balance_alert": ("alert", "Alert", "The low-balance alert"),
+    "spend_alert": ("spend_alert", "Alert", "The monthly spend alert"),
 }
 
 
@@ -134,6 +139,14 @@ def spend_limit_update(request: HttpRequest):
     """``POST /billing/limit/`` (the billing page's form, CSRF-checked): ``monthly_limit`` in USD,
     or empty (or ``action=remove``) to remove the limit. Owners and admins only (403 otherwise)."""
     return _update_amount(request, "monthly_limit")
+
+
+@login_required
+@require_POST
+def spend_alert_update(request: HttpRequest):
+    """``POST /billing/spend-alert/``: ``spend_alert`` in USD (owners and admins are emailed when a
+    month's spend reaches it), or empty (or ``action=remove``) for none. Owners and admins only."""
+    return _update_amount(request, "spend_alert")
 
 
 @login_required

@@ -57,7 +57,7 @@ def test_a_manage_key_sets_reads_and_removes_the_limit(client, acme):
     organization, manager, reader = acme
     body = client.get(LIMITS, headers=bearer(reader)).json()
     assert body == {"object": "billing.spend_limit", "monthly_limit": None, "monthly_spend": "0.000000",
-                    "balance_alert": None, "currency": "usd"}
+                    "balance_alert": None, "spend_alert": None, "currency": "usd"}
 
     response = put(client, {"monthly_limit": "100.00"}, key=manager)
     assert response.status_code == 200, response.content
