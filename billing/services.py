@@ -22,6 +22,7 @@ import stripe
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Exists, OuterRef, Subquery
+from django.utils import timezone
 
 from accounts.models import ApiKey, Membership, Organization
 from inference_platform.read_cache import ReadCache
@@ -268,7 +269,7 @@ def _write_usage(parsed, prices: Prices, cost: Decimal) -> UsageRecord:
                          created_at=record.created_at, cost=cost,
                          tokens=parsed.prompt_tokens + parsed.completion_tokens if billed else 0)
         if cost > 0:
-            spend_alerts.after_commit(organization_id=parsed.organization_id)
+            spend_alerts.after_commit(organization_id=parsed.organization_id, month=totals.month_of(record.created_at))
     return record
 
 
@@ -308,7 +309,7 @@ def _complete(existing: UsageRecord, parsed, prices: Prices, cost: Decimal) -> U
                          created_at=record.created_at, cost=cost - old_cost,
                          tokens=parsed.prompt_tokens + parsed.completion_tokens - old_tokens, requests=0)
         if cost > old_cost:
-            spend_alerts.after_commit(organization_id=record.organization_id)
+            spend_alerts.after_commit(organization_id=record.organization_id, month=totals.month_of(record.created_at))
     return record
 
 
@@ -328,8 +329,6 @@ class Replayed:
 
 def replay_refused_events() -> Replayed:
     """Try each kept refused event again, oldest first (recording is idempotent by request id)."""
-    from django.utils import timezone
-
     outcome = Replayed()
     for kept in RefusedUsageEvent.objects.filter(replayed_at__isnull=True).iterator():
         try:
@@ -385,7 +384,8 @@ def set_balance_alert(*, organization: Organization, amount: Decimal | None, act
 def set_spend_alert(*, organization: Organization, amount: Decimal | None, actor=None) -> SpendLimit:
     """Email the organization's owners and admins when a calendar month's spend (UTC) reaches
     ``amount`` USD, once a month (None: never). A new amount starts armed, as a balance alert."""
-    return _set_alert(organization, "spend_alert", amount, actor, spend_alerts.after_commit)
+    return _set_alert(organization, "spend_alert", amount, actor, lambda organization_id: spend_alerts.after_commit(
+        organization_id=organization_id, month=totals.month_of(timezone.now())))
 
 
 _ALERT_SENT = {"balance_alert": "balance_alert_sent_at", "spend_alert": "spend_alert_sent_for"}

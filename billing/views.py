@@ -1,5 +1,5 @@
 """Billing's plain Django views: Stripe's webhook endpoint, the dashboard's billing page and its
-forms for the spend limit and the low-balance alert."""
+forms for the spend limit and the alerts (monthly spend, low balance)."""
 
 from __future__ import annotations
 

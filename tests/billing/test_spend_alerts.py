@@ -5,7 +5,8 @@ or the billing page), beside the monthly limit that refuses requests."""
 from __future__ import annotations
 
 import json
-from datetime import date
+from datetime import date, datetime, timedelta
+from datetime import timezone as dt_timezone
 from decimal import Decimal
 
 import pytest
@@ -68,11 +69,43 @@ def test_reaching_the_alert_queues_one_email_a_month(acme, queued):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_an_alert_above_the_spend_sends_nothing_and_free_requests_look_at_nothing(acme, queued):
-    services.set_spend_alert(organization=acme, amount=Decimal("1"))
+def test_free_requests_look_at_nothing_and_an_alert_of_zero_waits_for_a_charge(acme, queued):
+    services.set_spend_alert(organization=acme, amount=Decimal("0"))
+    assert queued == []  # nothing spent: nothing reached
     charge(acme, times=2)
-    services.record_usage(event=usage_event(acme, status="cancelled", completion_tokens=0))  # free
-    assert queued == []
+    assert queued == [(acme.pk, this_month())]
+    SpendLimit.objects.filter(organization=acme).update(spend_alert=CHARGE, spend_alert_sent_for=None)  # no hook
+    services.record_usage(event=usage_event(acme, status="cancelled", completion_tokens=0))  # free: no charge
+    assert queued == [(acme.pk, this_month())]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_late_event_counts_for_the_month_it_ran_in(acme, queued):
+    """Recorded after midnight on the first (a backlog, a replay), it is last month's spend."""
+    last_month = (month_of(timezone.now()) - timedelta(days=1)).replace(day=1)
+    SpendLimit.objects.create(organization=acme, spend_alert=CHARGE)
+    late = datetime.combine(last_month + timedelta(days=27), datetime.min.time(), tzinfo=dt_timezone.utc)
+    services.record_usage(event=usage_event(acme, finished_at=late))
+    assert queued == [(acme.pk, last_month.isoformat())]
+    charge(acme)  # this month's own spend reaches it too: its own email
+    assert queued == [(acme.pk, last_month.isoformat()), (acme.pk, this_month())]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_for_an_amount_changed_meanwhile_marks_nothing(acme, queued, monkeypatch):
+    """A charge read the $X alert; the owner raised it before the charge's claim: the claim must
+    not mark the month sent for the new amount, which would then never be sent this month."""
+    charge(acme, times=2)
+    SpendLimit.objects.create(organization=acme, spend_alert=CHARGE)
+    real = spend_alerts._spend
+
+    def spend_read_while_the_owner_raises_it(organization_id, month):
+        SpendLimit.objects.filter(organization=acme).update(spend_alert=Decimal("1"), spend_alert_sent_for=None)
+        return real(organization_id, month)
+
+    monkeypatch.setattr(spend_alerts, "_spend", spend_read_while_the_owner_raises_it)
+    spend_alerts.spend_changed(organization_id=acme.pk, month=month_of(timezone.now()))
+    assert queued == [] and SpendLimit.objects.get(organization=acme).spend_alert_sent_for is None
 
 
 @pytest.mark.django_db
@@ -83,10 +116,11 @@ def test_the_email_names_the_spend_the_alert_and_the_limit(settings, acme):
     SpendLimit.objects.create(organization=acme, spend_alert=CHARGE, monthly_limit=Decimal("50"))
     assert spend_alerts.send_email(organization_id=acme.pk, month=this_month()) == 1
     [email] = mail.outbox
-    assert email.subject == "Acme: this month's spend reached $0.000535"
-    assert "Acme has spent $0.00107 this month (UTC), reaching the $0.000535 alert" in email.body
+    called = timezone.now().strftime("%B %Y")
+    assert email.subject == f"Acme: {called}'s spend reached $0.000535"
+    assert f"Acme has spent $0.00107 in {called} (UTC), reaching the $0.000535 alert" in email.body
     assert "its $50.00 limit" in email.body and "https://llm.example.com/billing/" in email.body
-    # Too late (the month is over), or the alert raised meanwhile: nothing to say.
+    # A month that spent nothing, or the alert raised meanwhile: nothing to say.
     assert spend_alerts.send_email(organization_id=acme.pk, month="2000-01-01") == 0
     SpendLimit.objects.filter(organization=acme).update(spend_alert=Decimal("1"))
     assert spend_alerts.send_email(organization_id=acme.pk, month=this_month()) == 0 and len(mail.outbox) == 1

@@ -285,12 +285,13 @@ def test_the_openapi_document_describes_the_limits_endpoint(client):
     assert {"get", "put"} <= set(operations)
     request = operations["put"]["requestBody"]["content"]["application/json"]["schema"]
     name = request["$ref"].rsplit("/", 1)[1]
-    for name_ in ("monthly_limit", "balance_alert"):  # either, or both: one left out stays
+    for name_ in ("monthly_limit", "balance_alert", "spend_alert"):  # any of them: one left out stays
         field = document["components"]["schemas"][name]["properties"][name_]
         assert field["type"] == "string" and field.get("nullable") is True
         assert name_ not in document["components"]["schemas"][name].get("required", [])
     answer = operations["put"]["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
-    assert {"monthly_limit", "monthly_spend", "balance_alert"} <= set(document["components"]["schemas"][answer]["properties"])
+    assert {"monthly_limit", "monthly_spend", "balance_alert", "spend_alert"} <= \
+        set(document["components"]["schemas"][answer]["properties"])
     for code in ("400", "401", "403"):
         assert code in operations["put"]["responses"]
 
