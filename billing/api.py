@@ -230,15 +230,11 @@ class SpendLimitView(BillingAPIView):
         return [require_scope(scope)()]
 
     def _answer(self, organization) -> Response:
-        limit = selectors.organization_monthly_limit(organization=organization)
-        alert = selectors.organization_balance_alert(organization=organization)
-        spend_alert = selectors.organization_spend_alert(organization=organization)
+        limits = selectors.organization_limits(organization=organization)
         return Response({
             "object": "billing.spend_limit",
-            "monthly_limit": serializers.money(limit) if limit is not None else None,
+            **{name: serializers.money(value) if value is not None else None for name, value in limits.items()},
             "monthly_spend": serializers.money(selectors.monthly_spend(organization=organization)),
-            "balance_alert": serializers.money(alert) if alert is not None else None,
-            "spend_alert": serializers.money(spend_alert) if spend_alert is not None else None,
             "currency": "usd",
         })
 

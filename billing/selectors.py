@@ -90,12 +90,14 @@ def organization_monthly_limit(*, organization: Organization) -> Decimal | None:
     return SpendLimit.objects.filter(organization=organization).values_list("monthly_limit", flat=True).first()
 
 
-def organization_balance_alert(*, organization: Organization) -> Decimal | None:
-    return SpendLimit.objects.filter(organization=organization).values_list("balance_alert", flat=True).first()
+# What an organization set beside its balance: its limit and alerts (USD; None: not set).
+LIMIT_FIELDS = ("monthly_limit", "balance_alert", "spend_alert")
 
 
-def organization_spend_alert(*, organization: Organization) -> Decimal | None:
-    return SpendLimit.objects.filter(organization=organization).values_list("spend_alert", flat=True).first()
+def organization_limits(*, organization: Organization) -> dict[str, Decimal | None]:
+    """The organization's monthly limit and alerts, in one read (``LIMIT_FIELDS``)."""
+    row = SpendLimit.objects.filter(organization=organization).values(*LIMIT_FIELDS).first()
+    return row or dict.fromkeys(LIMIT_FIELDS)
 
 
 def may_change_spend_limit(*, user, organization: Organization) -> bool:

@@ -68,9 +68,10 @@ def _render_page(request: HttpRequest, organization, *, status: int = 200, **ext
         before = _entry_id(request.GET.get("before"))
         entries, more = selectors.ledger_page(organization=organization, limit=LEDGER_PAGE_SIZE, after=before,
                                               kinds=LEDGER_VIEWS[show])
-        monthly_limit = selectors.organization_monthly_limit(organization=organization)
-        balance_alert = selectors.organization_balance_alert(organization=organization)
-        spend_alert = selectors.organization_spend_alert(organization=organization)
+        limits = selectors.organization_limits(organization=organization)
+        for field, (name, _, _) in AMOUNT_FORMS.items():  # each form's value, error and whether it is set
+            context.update({f"{name}_value": _plain(limits[field]), f"{name}_error": None,
+                            f"{name}_set": limits[field] is not None})
         context.update(
             ledger_show=show,
             ledger_views=list(LEDGER_VIEWS),
@@ -78,17 +79,8 @@ def _render_page(request: HttpRequest, organization, *, status: int = 200, **ext
             ledger_paged=before is not None,
             balance=selectors.balance(organization=organization),
             monthly_spend=selectors.monthly_spend(organization=organization),
-            monthly_limit=monthly_limit,
+            monthly_limit=limits["monthly_limit"],
             can_change_limit=selectors.may_change_spend_limit(user=request.user, organization=organization),
-            limit_value=_plain(monthly_limit),
-            limit_error=None,
-            limit_set=monthly_limit is not None,
-            alert_value=_plain(balance_alert),
-            alert_error=None,
-            alert_set=balance_alert is not None,
-            spend_alert_value=_plain(spend_alert),
-            spend_alert_error=None,
-            spend_alert_set=spend_alert is not None,
             entries=entries,
             stripe_enabled=bool(settings.STRIPE_SECRET_KEY and settings.STRIPE_PUBLISHABLE_KEY),
             stripe_publishable_key=settings.STRIPE_PUBLISHABLE_KEY,

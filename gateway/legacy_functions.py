@@ -39,11 +39,10 @@ def uses_functions(body: dict) -> bool:
 
 def as_tools(body: dict) -> dict:
     """``body`` (which ``uses_functions``) in the tools form; fields sent as null are left out."""
-    for name in TOOL_FIELDS:
-        if body.get(name) is not None and any(body.get(legacy) is not None for legacy in FIELDS):
-            legacy = next(legacy for legacy in FIELDS if body.get(legacy) is not None)
-            raise invalid(legacy, f"{legacy} is the deprecated form of tools; send tools or functions, not both",
-                          code="invalid_parameter_combination")
+    sent = [name for name in FIELDS if body.get(name) is not None]
+    if sent and any(body.get(name) is not None for name in TOOL_FIELDS):
+        raise invalid(sent[0], f"{sent[0]} is the deprecated form of tools; send tools or functions, not both",
+                      code="invalid_parameter_combination")
     out = {name: value for name, value in body.items() if name not in FIELDS}
     functions, choice = body.get("functions"), body.get("function_call")
     if functions is not None:

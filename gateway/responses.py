@@ -41,13 +41,13 @@ INCLUDES = {LOGPROBS, "reasoning.encrypted_content", "web_search_call.action.sou
 RENAMED = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
 MESSAGE = re.compile(r"messages\[(\d+)\]")
 # Chat's words for a call and its result, as this API calls them (items, not messages).
-TOOL_WORDS = (
-    (re.compile(r"\.tool_calls(\[\d+\])?"), ""), (".tool_call_id", ".call_id"), (".function.", "."),
+TOOL_WORDS = ((re.compile(r"\.tool_calls(\[\d+\])?"), ""), *((re.compile(re.escape(chat)), words) for chat, words in (
+    (".tool_call_id", ".call_id"), (".function.", "."),
     ("which no tool message right after it answers", "which no function_call_output item right after it answers"),
     ("which is no call of the assistant message before it still waiting for its result",
      "which is no function_call item before it still waiting for its output"),
     ("must be the id (a string) of the call it answers", "must be the call_id (a string) of the function_call it answers"),
-)
+)))
 CHAT_ROLES = {"user", "system", "developer", "assistant"}
 TEXT_PARTS = {"input_text", "output_text"}
 INHERITED = "previous_response_id"  # what an item of the previous response's conversation is named by
@@ -281,8 +281,7 @@ def renamed(exc: ApiError, origins: list[str]) -> ApiError:
         if exc.param.startswith(INHERITED + "."):  # what the stored conversation lacks: input must add it
             exc.param = "input"
     exc.message = MESSAGE.sub(origin, exc.message).replace("messages:", "input:")
-    for chat_words, words in TOOL_WORDS:
-        pattern = chat_words if isinstance(chat_words, re.Pattern) else re.compile(re.escape(chat_words))
+    for pattern, words in TOOL_WORDS:
         exc.message = pattern.sub(words, exc.message)
         exc.param = exc.param and pattern.sub(words, exc.param)
     for chat_name, name in RENAMED.items():

@@ -79,7 +79,7 @@ def test_an_alert_set_below_the_balance_is_sent_at_once_and_removing_it_sends_no
     services.set_balance_alert(organization=funded, amount=None)
     charge(funded, times=2)
     assert queued == [funded.pk]
-    assert selectors.organization_balance_alert(organization=funded) is None
+    assert selectors.organization_limits(organization=funded)["balance_alert"] is None
 
 
 @pytest.mark.django_db(transaction=True)
@@ -189,18 +189,18 @@ def test_the_billing_page_sets_the_alert_for_owners_and_admins_only(queued):
     assert b'id="balance-alert-form"' in page.content
     response = browser.post("/billing/alert/", {"balance_alert": "2.5", "action": "save"}, follow=True)
     assert b"The low-balance alert is now $2.50." in response.content
-    assert selectors.organization_balance_alert(organization=organization) == Decimal("2.5")
+    assert selectors.organization_limits(organization=organization)["balance_alert"] == Decimal("2.5")
     response = browser.post("/billing/alert/", {"balance_alert": "two"})
     assert response.status_code == 400 and b"Enter the alert in US dollars" in response.content
     browser.post("/billing/alert/", {"balance_alert": "2.5", "action": "remove"})
-    assert selectors.organization_balance_alert(organization=organization) is None
+    assert selectors.organization_limits(organization=organization)["balance_alert"] is None
 
     member = create_user(email="member@example.com", password=None, validate=False)
     add_member(organization=organization, user=member, role="member")
     browser.force_login(member)
     assert b'id="balance-alert-form"' not in browser.get("/billing/").content
     assert browser.post("/billing/alert/", {"balance_alert": "1"}).status_code == 403
-    assert selectors.organization_balance_alert(organization=organization) is None
+    assert selectors.organization_limits(organization=organization)["balance_alert"] is None
 
 
 # --- through the queue --------------------------------------------------------------------------------

@@ -140,6 +140,6 @@ def test_the_api_and_the_page_set_the_spend_alert(client, queued):
     assert b'id="spend-alert-form"' in browser.get("/billing/").content
     page = browser.post("/billing/spend-alert/", {"spend_alert": "120", "action": "save"}, follow=True)
     assert b"The monthly spend alert is now $120.00." in page.content
-    assert selectors.organization_spend_alert(organization=organization) == Decimal("120")
+    assert selectors.organization_limits(organization=organization)["spend_alert"] == Decimal("120")
     browser.post("/billing/spend-alert/", {"spend_alert": "120", "action": "remove"})
-    assert selectors.organization_spend_alert(organization=organization) is None
+    assert selectors.organization_limits(organization=organization)["spend_alert"] is None

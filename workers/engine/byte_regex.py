@@ -579,7 +579,7 @@ def decimal_pattern(low: Decimal | int | None, high: Decimal | int | None, *, lo
     """An anchored pattern of the JSON numbers without exponent between ``low`` and ``high``
     (None: no bound; ``*_open``: the bound itself excluded). A bound may have a fraction; its
     digits bound the pattern's size, so one of more than ``MAX_BOUND_DIGITS`` is refused."""
-    low, high = (None if b is None else _exact(b) for b in (low, high))
+    low, high = (None if b is None else _checked_bound(b) for b in (low, high))
     if low is not None and high is not None and (low > high or (low == high and (low_open or high_open))):
         raise RegexError(f"no number lies between {_plain(low)} and {_plain(high)}")
     options = []
@@ -596,7 +596,7 @@ def decimal_pattern(low: Decimal | int | None, high: Decimal | int | None, *, lo
 MAX_BOUND_DIGITS = 20  # of a number's bound, either side of its point: 2**64 has 20
 
 
-def _exact(bound: Decimal | int) -> Decimal:
+def _checked_bound(bound: Decimal | int) -> Decimal:
     value = Decimal(bound)
     if not value.is_finite():
         raise RegexError(f"a bound must be a finite number, not {bound}")
