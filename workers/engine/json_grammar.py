@@ -28,7 +28,7 @@ value. A stack is a tuple of frames, each a small tuple:
                                         its regex (see byte_regex), ``length`` characters written
     ("r", node, states)                 inside a number with bounds or multipleOf: the states of
                                         the range's pattern (see byte_regex.integer_pattern,
-                                        decimal_pattern), with the remainder (see multiple_of)
+                                        decimal_pattern), with what number_text keeps
     ("n", integer, phase)               inside a number
     ("l", texts, at)                    inside a literal (true, false, null, an enum's values)
 
@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from .byte_regex import RegexError, compile_format, compile_pattern, decimal_pattern, integer_pattern
-from .multiple_of import MultipleOf
+from .number_text import DOUBLE_DIGITS, NumberText
 
 MAX_WS_BYTES = 48
 MAX_WS_LINES = 2
@@ -279,8 +279,8 @@ class _Compiler:
             return Node("literal", where, literals=(b"null",))
         if any(schema.get(name) is not None for name in (*_NUMBER_BOUNDS, "multipleOf")):  # digits that follow
             regex = compile_pattern(_range_pattern(schema, kind, where))                   # the range's pattern
-            if schema.get("multipleOf") is not None:
-                regex = _multiple_of(regex, schema["multipleOf"], where)
+            if kind == "number" or schema.get("multipleOf") is not None:
+                regex = _number_text(regex, schema.get("multipleOf"), kind, where)
             self.count(len(regex.edges) // 10, where)
             return Node(kind, where, regex=regex)
         return Node(kind, where)  # pattern and format constrain strings alone (JSON Schema's rule)
@@ -364,12 +364,15 @@ def _range_pattern(schema: dict, kind: str, where: str) -> str:
         raise SchemaError(f"{where}: {exc}") from None
 
 
-def _multiple_of(regex, value: Any, where: str) -> MultipleOf:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) \
-            or (isinstance(value, float) and not math.isfinite(value)) or value <= 0:
+def _number_text(regex, multiple: Any, kind: str, where: str) -> NumberText:
+    """A bounded number read for its ``multipleOf``, and, not being an integer, for what a double
+    holds: a reader parses it into one (see number_text)."""
+    if multiple is not None and (not isinstance(multiple, (int, float)) or isinstance(multiple, bool)
+                                 or (isinstance(multiple, float) and not math.isfinite(multiple)) or multiple <= 0):
         raise SchemaError(f"{where}: multipleOf must be a number greater than 0")
     try:
-        return MultipleOf(regex, _exact(value))
+        return NumberText(regex, multiple=None if multiple is None else _exact(multiple),
+                          digits=DOUBLE_DIGITS if kind == "number" else None)
     except RegexError as exc:
         raise SchemaError(f"{where}: {exc}") from None
 

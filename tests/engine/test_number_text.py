@@ -1,5 +1,5 @@
-"""JSON output's ``multipleOf``: a number's text is taken only if it is a multiple, within its
-bounds, and no prefix the grammar allows is a dead end (a multiple can always still follow)."""
+"""A bounded number's text in JSON output: taken only if it is a multiple (``multipleOf``), within
+its bounds, and read as a double, still within them; no prefix the grammar allows is a dead end."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ import random
 from decimal import Decimal, localcontext
 
 import pytest
-from hypothesis import given, settings
+from typing import Annotated
+
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from pydantic import Field, TypeAdapter, ValidationError
 
 from workers.engine.json_grammar import SchemaError
 from tests.engine.test_byte_regex import grammar
@@ -107,3 +110,69 @@ def test_a_multiple_the_engine_cannot_follow_is_refused_by_name():
                           ({"type": "integer", "multipleOf": 10, "minimum": 1, "maximum": 9}, "no number")]:
         with pytest.raises(SchemaError, match=words):
             grammar(schema)
+
+
+def closest_to_a_bound(g, *, negative: bool, largest: bool) -> str:
+    """The number the grammar lets a writer take nearest a bound: each step the largest (or
+    smallest) digit allowed, a point when no digit is, until nothing more is."""
+    m, text = g.matcher(), ""
+    while True:
+        allowed = [chr(b) for b, ok in enumerate(m.allowed_first_bytes()) if ok]
+        if not text and "-" in allowed and (negative or allowed == ["-"]):
+            choice = "-"
+        else:
+            digits = sorted(c for c in allowed if c.isdigit())
+            choice = (digits[-1] if largest else digits[0]) if digits else "." if "." in allowed else None
+        if choice is None:
+            assert m.done, text
+            return text
+        m.advance(choice.encode())
+        text += choice
+        assert len(text) < 60, text  # a double holds no more
+
+
+FLOAT_BOUND = st.floats(-1e6, 1e6, allow_nan=False) | st.sampled_from([0.0, 0.1, 0.5, 1 / 3, 2 / 3, 1e-5, 99.99, 0.3])
+
+
+@settings(max_examples=150, deadline=None)
+@given(low=st.none() | FLOAT_BOUND, high=st.none() | FLOAT_BOUND, low_open=st.booleans(), high_open=st.booleans(),
+       multiple=st.none() | st.sampled_from([0.25, 0.01, 7]), negative=st.booleans(), largest=st.booleans())
+def test_a_number_written_near_its_bound_is_still_inside_it_when_read_as_a_double(
+        low, high, low_open, high_open, multiple, negative, largest):
+    """pydantic reads the JSON number as a double and checks the bounds then: 0.49999999999999999999
+    is below 0.5, but as a double it is 0.5, which ``lt=0.5`` refuses."""
+    if low is not None and high is not None and low > high:
+        low, high = high, low
+    bounds = {}
+    if low is not None:
+        bounds["gt" if low_open else "ge"] = low
+    if high is not None:
+        bounds["lt" if high_open else "le"] = high
+    if multiple is not None:
+        bounds["multiple_of"] = multiple
+    assume(bounds)  # (a number without either is written freely: no double can cross a bound)
+    adapter = TypeAdapter(Annotated[float, Field(**bounds)])
+    try:
+        g = grammar(adapter.json_schema())
+    except SchemaError:
+        return  # an empty range (the tests above check when)
+    text = closest_to_a_bound(g, negative=negative, largest=largest)
+    try:
+        adapter.validate_json(text)
+    except ValidationError as exc:
+        if multiple is None or "multiple" not in str(exc):  # (pydantic's multiple check is a float's)
+            raise AssertionError(f"{text} for {bounds}: {exc}") from None
+
+
+def test_numbers_past_what_a_double_holds_are_not_taken():
+    below_half = grammar({"type": "number", "exclusiveMaximum": 0.5})
+    assert takes(below_half, "0.499999999999999") and not takes(below_half, "0.4999999999999999")
+    assert takes(below_half, "-123456789012345") and not takes(below_half, "-1234567890123456")
+    positive = grammar({"type": "number", "exclusiveMinimum": 0})  # a run of zeros would underflow
+    assert takes(positive, "0." + "0" * 19 + "1") and not takes(positive, "0." + "0" * 20 + "1")
+    assert takes(positive, "0.5" + "0" * 14) and not takes(positive, "0.5" + "0" * 15)
+    assert takes(grammar({"type": "integer", "minimum": 0}), "12345678901234567890")  # an integer is no double
+    with pytest.raises(SchemaError, match="at most 15 significant digits"):
+        grammar({"type": "number", "exclusiveMinimum": 0.1, "exclusiveMaximum": 0.1000000000000001})
+    with pytest.raises(SchemaError, match="multiple of 0.25 and has at most 15"):
+        grammar({"type": "number", "minimum": 1e15, "maximum": 1e15 + 0.25, "multipleOf": 0.25})

@@ -1,0 +1,121 @@
+"""A bounded number's text, read beside its pattern (a range's, or that of any number written
+without an exponent) for what a pattern cannot say: ``multipleOf``, and what a double can hold.
+
+A multiple ``m = p / 10**q`` (``p`` a whole number) divides a number when the number's digits past
+the ``q``-th after its point are zeros and its digits up to there, read as a whole number padded
+with zeros to ``q`` places, are divisible by ``p``: 7.50 is a multiple of 0.25 (750 = 30 × 25),
+7.6 is not. So the remainder of what the digits spell is kept as they come.
+
+Readers parse a JSON number into a binary double (JavaScript, pydantic's ``float``), which holds
+15 significant digits. One written with more may round onto the bound it kept clear of:
+0.49999999999999999999 is below 0.5, but reads as 0.5, and a field with ``lt=0.5`` refuses it. A
+number of at most 15 significant digits (and a bound, a double's shortest text) never crosses so:
+two such texts that differ read as doubles that differ, in the same order. So ``digits`` counts
+them from the first nonzero one, and a number has at most ``MAX_PLACES`` after its point (no bound
+has more; a run of zeros there is what would underflow).
+
+A state is (the pattern's states, the remainder, digits after the point so far or None before it,
+significant digits so far). A byte is taken only if a match can still follow, as the grammar needs
+of every step: whether one can is a search of the few states ahead, kept once known.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from decimal import Decimal
+
+from .byte_regex import MAX_BOUND_DIGITS, ByteRegex, RegexError
+
+DOUBLE_DIGITS = 15  # the significant digits a double holds (C's DBL_DIG)
+MAX_PLACES = MAX_BOUND_DIGITS  # digits after the point, where digits are counted
+MAX_STATES_PER_PATTERN_STATE = 1_000  # p × (q + 2): what one reading of the pattern may meet (a search each)
+MAX_KNOWN = 100_000  # states whose fate is kept
+_DIGIT_BYTES = b"0123456789"
+_NUMBER_BYTES = b"-0123456789."
+
+State = tuple  # (pattern states, remainder, places or None, significant digits)
+
+
+class NumberText:
+    """The texts of ``regex`` (a number's pattern) that are multiples of ``multiple`` (None: any)
+    and, if ``digits`` is set, have at most that many significant digits; read as the grammar
+    reads a ``ByteRegex``: ``start``, ``step`` (falsy: the byte cannot come), ``matches``."""
+
+    def __init__(self, regex: ByteRegex, *, multiple: Decimal | None = None, digits: int | None = None) -> None:
+        self.places, self.divisor = None, 1  # the multiple's decimal places (None: no multiple)
+        if multiple is not None:
+            multiple = multiple.normalize()
+            if not multiple.is_finite() or multiple <= 0:
+                raise RegexError("multipleOf must be a number greater than 0")
+            self.places = max(0, -multiple.as_tuple().exponent)
+            self.divisor = int(multiple.scaleb(self.places))
+            if self.divisor * (self.places + 2) > MAX_STATES_PER_PATTERN_STATE:
+                raise RegexError(f"multipleOf {_plain(multiple)} has more digits than this engine follows "
+                                 f"(its digits times its decimal places must stay under {MAX_STATES_PER_PATTERN_STATE})")
+        self.digits = digits
+        self.regex = regex
+        self.edges = regex.edges  # (what a schema's size is counted by)
+        self.start: State = (regex.start, 0, None, 0)
+        self._known: dict[State, bool] = {}
+        if not self._alive(self.start):
+            raise RegexError("no number of the range " + " and ".join(filter(None, (
+                multiple is not None and f"is a multiple of {_plain(multiple)}",
+                digits is not None and f"has at most {digits} significant digits (what a double holds)"))))
+
+    def step(self, state: State, b: int) -> State | None:
+        after = self._advance(state, b)
+        return after if after is not None and self._alive(after) else None
+
+    def matches(self, state: State) -> bool:
+        states, remainder, places, _ = state
+        if not self.regex.matches(states):
+            return False
+        return self.places is None or remainder * pow(10, self.places - min(places or 0, self.places), self.divisor) % self.divisor == 0
+
+    def _advance(self, state: State, b: int) -> State | None:
+        states, remainder, places, significant = state
+        after = self.regex.step(states, b)
+        if not after:
+            return None
+        if b in _DIGIT_BYTES:
+            if self.digits is not None:
+                significant += significant > 0 or b != 0x30
+                if significant > self.digits or (places is not None and places >= MAX_PLACES):
+                    return None
+            if self.places is not None and places is not None and places >= self.places:
+                if b != 0x30:  # past the multiple's places: zeros only
+                    return None
+            else:
+                remainder = (remainder * 10 + b - 0x30) % self.divisor
+            if places is not None and (self.digits is not None or self.places is None or places < self.places):
+                places += 1  # (past the multiple's places, counted only against MAX_PLACES: states stay few)
+        elif b == 0x2E:
+            places = 0
+        return after, remainder, places, significant
+
+    def _alive(self, state: State) -> bool:
+        """Whether a match can follow ``state``: a breadth-first search of the states ahead."""
+        known = self._known.get(state)
+        if known is not None:
+            return known
+        seen, work, found = {state}, deque([state]), False
+        while work and not found:
+            current = work.popleft()
+            if self._known.get(current) or self.matches(current):
+                found = True
+                break
+            for b in _NUMBER_BYTES:
+                after = self._advance(current, b)
+                if after is not None and after not in seen and self._known.get(after) is not False:
+                    seen.add(after)
+                    work.append(after)
+        if len(self._known) > MAX_KNOWN:
+            self._known.clear()
+        self._known[state] = found
+        if not found:  # everything reached is a dead end too
+            self._known.update(dict.fromkeys(seen, False))
+        return found
+
+
+def _plain(value: Decimal) -> str:
+    return format(value, "f")
