@@ -238,6 +238,7 @@ class Call:
     done: bool = False  # the worker's last event arrived
     cancelled: bool = False
     tokens_used: int = 0
+    usage: dict | None = None  # the worker's, once it finished the request (what billing records)
     completion_seen: int = 0  # tokens relayed so far
     tokens_counted: bool = False  # against the token rate limits: once per request (a batch's: never)
     queue_timeout: float | None = None  # longer while a scaled-to-zero deployment cold-starts
@@ -312,7 +313,7 @@ class Call:
                 self.completion_seen = 0
             elif event["type"] == "inference.finished":
                 self.done = True
-                usage = event["usage"]
+                self.usage = usage = event["usage"]
                 self.tokens_used = usage["prompt_tokens"] + usage["completion_tokens"]
                 await self._count_tokens(self.tokens_used)
                 failure = _ended_badly(event, cancelled=self.cancelled)

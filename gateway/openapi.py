@@ -348,7 +348,7 @@ def build() -> dict:
             "requestBody": {"required": True, "content": {"application/json": {
                 "schema": {"$ref": "#/components/schemas/ResponseRequest"}}}},
             "responses": {"200": {"description": "The response object, or an SSE stream of typed events ending with "
-                                                 "response.completed (or response.incomplete)",
+                                                 "response.completed (or response.incomplete, or response.failed)",
                                   "content": {"application/json": {"schema": {"type": "object"}},
                                               "text/event-stream": {"schema": {"type": "string"}}}},
                           **ERRORS},

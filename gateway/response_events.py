@@ -1,7 +1,8 @@
 """A Responses API reply, built from a call's worker events: the stream of typed events
 (``response.created``, ``response.output_text.delta``, ``response.function_call_arguments.delta``,
 ..., ``response.completed``), whose last one holds the whole response, which is also what a client
-that does not stream gets.
+that does not stream gets. A response that fails once started (``response.failed``, or the error's
+status for a client that does not stream) is stored as ``failed`` with its error and what it wrote.
 
 The reply's text is read as chat reads it (``tools.ToolCallStream``): text goes into a message
 item, each call into a function_call item, in the order the model wrote them.
@@ -9,11 +10,14 @@ item, each call into a function_call item, in the order the model wrote them.
 
 from __future__ import annotations
 
+import logging
 from typing import Awaitable, Callable
 
 from . import formatting, tools
-from .errors import ApiError
+from .errors import ApiError, unexpected_error
 from .responses import new_id as _id
+
+log = logging.getLogger(__name__)
 
 
 def usage_json(usage: dict) -> dict:
@@ -57,10 +61,19 @@ class ResponseBuilder:
 
     def settle(self, event: dict) -> list[dict]:
         """The response is whole: the open item closes, usage and status are set."""
-        out = self._pieces(self._reader.pieces(None), []) if self._reader is not None else []
         status = "incomplete" if event["finish_reason"] == "length" else "completed"
-        out += self._close(status=status)
-        self.response["usage"] = usage_json(event["usage"])
+        return self._settle(status, event["usage"])
+
+    def fail(self, error: ApiError, usage: dict) -> list[dict]:
+        """The response failed after it started: what it wrote so far stays, cut short."""
+        out = self._settle("failed", usage)
+        self.response["error"] = {"code": error.code or error.type, "message": error.message}
+        return out
+
+    def _settle(self, status: str, usage: dict) -> list[dict]:
+        out = self._pieces(self._reader.pieces(None), []) if self._reader is not None else []
+        out += self._close(status="completed" if status == "completed" else "incomplete")
+        self.response["usage"] = usage_json(usage)
         self.response["status"] = status
         if status == "incomplete":
             self.response["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -71,7 +84,7 @@ class ResponseBuilder:
         return self._event(f"response.{self.response['status']}", response=self._snapshot())
 
     def error(self, error: ApiError) -> dict:
-        """The stream's end when the call fails after its first event."""
+        """The stream's end when even failing the response failed (a bug): no response to end it."""
         return self._event("error", code=error.code, message=error.message, param=error.param)
 
     # ------------------------------------------------------------------------------ items
@@ -175,31 +188,56 @@ async def _kept(builder: ResponseBuilder, keep: Keep | None) -> None:
         builder.response["store"] = False
 
 
+def _usage_so_far(call) -> dict:
+    """The worker's usage once it finished (what it billed), else what reached the gateway."""
+    return call.usage or {"prompt_tokens": call.prompt_tokens, "completion_tokens": call.completion_seen}
+
+
+def _failure(call, exc: Exception) -> ApiError:
+    if isinstance(exc, ApiError):
+        return exc
+    log.exception("response %s failed", call.request_id)  # a bug: the client gets its id, the log its traceback
+    return unexpected_error()
+
+
 async def stream(call, builder: ResponseBuilder, keep: Keep | None = None):
-    """The Responses events of a started call."""
+    """The Responses events of a started call. One that fails ends with ``response.failed``, kept
+    like any other."""
     for event in builder.start():
         yield event
-    async for event in call.events():
-        if event["type"] == "inference.delta":
-            for out in builder.feed(event):
-                yield out
-        elif event["type"] == "inference.finished":
-            for out in builder.settle(event):
-                yield out
-            await _kept(builder, keep)
-            yield builder.end()
+    failure = None
+    try:
+        async for event in call.events():
+            if event["type"] == "inference.delta":
+                for out in builder.feed(event):
+                    yield out
+            elif event["type"] == "inference.finished":
+                for out in builder.settle(event):
+                    yield out
+    except Exception as exc:
+        failure = _failure(call, exc)
+    if failure is not None:
+        for out in builder.fail(failure, _usage_so_far(call)):
+            yield out
+    await _kept(builder, keep)
+    yield builder.end()
 
 
 async def collect(call, new_builder, keep: Keep | None = None) -> dict:
-    """The whole response of a call whose client does not stream."""
+    """The whole response of a call whose client does not stream; a failure is kept, then raised."""
     builder = new_builder()
-    async for event in call.events():
-        if event["type"] == "inference.delta":
-            builder.feed(event)
-        elif event["type"] == "inference.restarted":  # its worker died: a copy runs it from the start
-            builder = new_builder()
-        elif event["type"] == "inference.finished":
-            builder.settle(event)
-            await _kept(builder, keep)
-            return builder.response
-    raise ApiError(500, "The worker ended the request without finishing it.")
+    try:
+        async for event in call.events():
+            if event["type"] == "inference.delta":
+                builder.feed(event)
+            elif event["type"] == "inference.restarted":  # its worker died: a copy runs it from the start
+                builder = new_builder()
+            elif event["type"] == "inference.finished":
+                builder.settle(event)
+    except Exception as exc:
+        failure = _failure(call, exc)
+        builder.fail(failure, _usage_so_far(call))
+        await _kept(builder, keep)
+        raise failure from None
+    await _kept(builder, keep)
+    return builder.response

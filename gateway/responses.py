@@ -65,11 +65,11 @@ class ResponseRequest:
     store: bool
 
 
-def parse_response_request(body: Any, *, history: Callable[[str], list[dict] | None] = lambda _: None,
+def parse_response_request(body: Any, *, history: Callable[[str], tuple[list[dict], str] | None] = lambda _: None,
                            can_store: bool = False) -> ResponseRequest:
     """The chat request a Responses body asks for. ``history(id)`` is the conversation of a stored
-    response, its output included (None: no such response); ``can_store``: whether responses
-    are kept at all."""
+    response, its output included, and its status (None: no such response); ``can_store``:
+    whether responses are kept at all."""
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
     for name in body:
@@ -108,15 +108,20 @@ def parse_response_request(body: Any, *, history: Callable[[str], list[dict] | N
     return ResponseRequest(request, _settings(body, store=store), conversation, store)
 
 
-def _previous(response_id: Any, history: Callable[[str], list[dict] | None]) -> list[dict]:
+def _previous(response_id: Any, history: Callable[[str], tuple[list[dict], str] | None]) -> list[dict]:
     if response_id is None:
         return []
     if not isinstance(response_id, str) or not response_id:
         raise invalid(INHERITED, "previous_response_id must be the id of a stored response")
-    items = history(response_id) if response_id.isprintable() else None
-    if items is None:
+    found = history(response_id) if response_id.isprintable() else None
+    if found is None:
         raise ApiError(404, f"Previous response with id '{response_id[:80]}' not found.", param=INHERITED,
                        code="previous_response_not_found")
+    items, status = found
+    if status == "failed":  # what it wrote is no answer to build on, and leaving it out would hide that
+        raise invalid(INHERITED, f"Previous response with id '{response_id[:80]}' failed, so it cannot be "
+                                 "continued: continue the response it continued, or send its input again.",
+                      code="previous_response_failed")
     return items
 
 

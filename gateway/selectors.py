@@ -45,12 +45,14 @@ def input_items(*, organization_id, response_id: str) -> list[dict] | None:
     return json.loads(row.conversation) if row is not None else None
 
 
-def conversation_after(*, organization_id, response_id: str) -> list[dict] | None:
-    """What a response that continues ``response_id`` starts from: its input items, then its output."""
+def conversation_after(*, organization_id, response_id: str) -> tuple[list[dict], str] | None:
+    """What a response that continues ``response_id`` starts from (its input items, then its
+    output), and that response's status; None if the organization has no such response."""
     row = _row(organization_id=organization_id, response_id=response_id)
     if row is None:
         return None
-    return [*json.loads(row.conversation), *json.loads(row.response)["output"]]
+    response = json.loads(row.response)
+    return [*json.loads(row.conversation), *response["output"]], response.get("status", "completed")
 
 
 PREVIEW_CHARS = 160

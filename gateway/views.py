@@ -143,9 +143,7 @@ async def _response_sse(call: calls.Call, builder: response_events.ResponseBuild
     try:
         async for event in response_events.stream(call, builder, keep):
             yield frame(event)
-    except ApiError as exc:  # after the first byte the status is sent: report in-band
-        yield frame(builder.error(exc))
-    except Exception:
+    except Exception:  # a bug even in failing the response: the client still gets an end it can parse
         log.exception("streaming %s failed", call.request_id)
         yield frame(builder.error(INTERNAL_ERROR))
     finally:

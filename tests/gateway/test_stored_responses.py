@@ -37,7 +37,8 @@ def test_a_response_is_read_back_whole_by_its_organization_only(org_key):
     response = _store(mine, "resp_a", odd, text="é\x00")
     assert selectors.stored_response(organization_id=mine.pk, response_id="resp_a") == response
     assert selectors.input_items(organization_id=mine.pk, response_id="resp_a") == odd
-    assert selectors.conversation_after(organization_id=mine.pk, response_id="resp_a") == [*odd, *response["output"]]
+    assert selectors.conversation_after(organization_id=mine.pk, response_id="resp_a") == (
+        [*odd, *response["output"]], "completed")
     assert selectors.stored_response(organization_id=theirs.pk, response_id="resp_a") is None
     assert not services.delete_response(organization_id=theirs.pk, response_id="resp_a")
     assert selectors.stored_response(organization_id=mine.pk, response_id="resp_a") == response
@@ -113,7 +114,7 @@ def test_a_continued_request_is_the_stored_conversation_then_its_input_without_o
     parsed = parse_response_request(
         {"model": "m", "previous_response_id": "resp_1", "instructions": "New rules.",
          "input": [{"type": "function_call_output", "call_id": "call_1", "output": "42"}]},
-        history=lambda rid: HISTORY if rid == "resp_1" else None, can_store=True)
+        history=lambda rid: (HISTORY, "completed") if rid == "resp_1" else None, can_store=True)
     assert parsed.inference.messages == [
         {"role": "system", "content": "New rules."}, {"role": "user", "content": "Call it."},
         {"role": "assistant", "content": "", "tool_calls": [
@@ -131,7 +132,7 @@ def test_a_call_of_input_is_its_own_message_even_right_after_the_stored_conversa
             {"model": "m", "previous_response_id": "resp_1", "input": [
                 {"type": "function_call", "call_id": "call_2", "name": "f", "arguments": "{}"},
                 {"type": "function_call_output", "call_id": "call_2", "output": "x"}]},
-            history=lambda rid: HISTORY)
+            history=lambda rid: (HISTORY, "completed"))
     assert refused.value.param == "input"  # what the client must add to: not a name it never sent
     assert "input[0]" not in refused.value.message  # the unanswered call is the stored one
 

@@ -1,0 +1,240 @@
+"""Responses that do not end well are stored too: one that fails once started, as ``failed`` with
+its error and what it wrote. A failed response cannot be continued.
+
+In process, on the real Redis: a real call whose worker events the test sends, and the real views
+with the test taking the request off the deployment's queue as a worker does."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import threading
+import uuid
+
+import pytest
+
+from gateway.errors import ApiError
+from gateway.response_events import ResponseBuilder, collect, stream
+from gateway.responses import parse_response_request
+from tests.gateway.test_timeouts import cancel_marked, new_call, reply_channel_with
+
+STARTED = {"type": "inference.started", "prompt_tokens": 3}
+
+
+def delta(text: str, tokens: int = 1) -> dict:
+    return {"type": "inference.delta", "text": text, "token_ids": [1] * tokens, "logprobs": None}
+
+
+def finished(reason: str, completion_tokens: int, error: str | None = None) -> dict:
+    return {"type": "inference.finished", "finish_reason": reason, "error": error, "timings": {},
+            "usage": {"prompt_tokens": 3, "cached_prompt_tokens": 0, "completion_tokens": completion_tokens}}
+
+
+def new_builder() -> ResponseBuilder:
+    return ResponseBuilder(response_id="resp_t", created=0, model="m", sampling={}, settings={"store": True})
+
+
+class Keeper:
+    """A ``keep`` that remembers each response it was given, as it was then, and when."""
+
+    def __init__(self, sent: list | None = None):
+        self.kept: list[dict] = []
+        self.at: list[int] = []  # how many events were out at each keep
+        self._sent = sent if sent is not None else []
+
+    async def __call__(self, response: dict) -> bool:
+        self.kept.append(copy.deepcopy(response))
+        self.at.append(len(self._sent))
+        return True
+
+
+def text_of(response: dict) -> str:
+    return "".join(part["text"] for item in response["output"] for part in item.get("content", []))
+
+
+def run_stream(*events: dict):
+    """Stream a call whose worker sent ``events``: the call, the events sent, and the keeper."""
+    async def scenario():
+        call = new_call(await reply_channel_with(STARTED, *events))
+        await call.start()
+        sent: list[dict] = []
+        keeper = Keeper(sent)
+        async for event in stream(call, new_builder(), keeper):
+            sent.append(event)
+        return call, sent, keeper
+
+    return asyncio.run(scenario())
+
+
+def test_an_engine_failure_mid_stream_ends_with_response_failed_and_is_kept_first():
+    call, sent, keeper = run_stream(delta("Hel"), delta("lo"), finished("error", 2, "step failed: CUDA error"))
+    last = sent[-1]
+    assert last["type"] == "response.failed" and keeper.at == [len(sent) - 1]  # kept before its last event
+    [response] = keeper.kept
+    assert last["response"] == response
+    assert response["status"] == "failed" and response["error"]["code"] == "engine_error"
+    assert set(response["error"]) == {"code", "message"} and "step failed" in response["error"]["message"]
+    assert text_of(response) == "Hello" and response["output"][0]["status"] == "incomplete"
+    assert response["usage"]["input_tokens"] == 3 and response["usage"]["output_tokens"] == 2  # the worker's
+    assert response["incomplete_details"] is None
+    done = [e for e in sent if e["type"] == "response.output_item.done"]
+    assert [e["item"]["status"] for e in done] == ["incomplete"]
+
+
+def test_a_worker_error_without_usage_keeps_what_reached_the_gateway():
+    lost = {"type": "inference.error", "status": 503, "code": "worker_lost", "param": None,
+            "message": "The worker running this request stopped."}
+    _, sent, keeper = run_stream(delta("Hel", tokens=2), delta("lo", tokens=2), lost)
+    [response] = keeper.kept
+    assert sent[-1]["type"] == "response.failed" and response["error"]["code"] == "worker_lost"
+    assert (response["usage"]["input_tokens"], response["usage"]["output_tokens"]) == (3, 4)
+
+
+def test_a_stream_that_stalls_fails_as_a_timeout_and_is_cancelled(settings):
+    settings.GATEWAY_STALL_TIMEOUT = 0.3
+    call, sent, keeper = run_stream(delta("Hel"))
+    [response] = keeper.kept
+    assert sent[-1]["type"] == "response.failed" and response["error"]["code"] == "timeout"
+    assert text_of(response) == "Hel" and cancel_marked(call.request_id)
+
+
+def test_a_failure_of_a_client_that_does_not_stream_is_kept_then_raised():
+    async def scenario():
+        call = new_call(await reply_channel_with(STARTED, delta("Hel"), finished("error", 1, "boom")))
+        await call.start()
+        keeper = Keeper()
+        with pytest.raises(ApiError) as failed:
+            await collect(call, new_builder, keeper)
+        return failed.value, keeper
+
+    error, keeper = asyncio.run(scenario())
+    assert (error.status, error.code) == (500, "engine_error")
+    [response] = keeper.kept
+    assert response["status"] == "failed" and response["error"]["code"] == "engine_error"
+    assert text_of(response) == "Hel"
+
+
+# ---------------------------------------------------------------------------------- continuing
+
+ASKED = [{"id": "msg_q", "type": "message", "role": "user", "status": "completed",
+          "content": [{"type": "input_text", "text": "Tell me a story."}]}]
+WROTE = [{"id": "msg_a", "type": "message", "role": "assistant", "status": "incomplete",
+          "content": [{"type": "output_text", "text": "Once upon", "annotations": [], "logprobs": []}]}]
+
+
+def test_a_failed_response_cannot_be_continued_and_an_incomplete_one_can():
+    with pytest.raises(ApiError) as refused:
+        parse_response_request({"model": "m", "input": "Go on.", "previous_response_id": "resp_f"},
+                               history=lambda rid: (ASKED + WROTE, "failed"))
+    error = refused.value
+    assert (error.status, error.param, error.code) == (400, "previous_response_id", "previous_response_failed")
+    assert "resp_f" in error.message
+    continued = parse_response_request({"model": "m", "input": "Go on.", "previous_response_id": "resp_c"},
+                                       history=lambda rid: (ASKED + WROTE, "incomplete"))
+    assert [m["content"] for m in continued.inference.messages] == ["Tell me a story.", "Once upon", "Go on."]
+
+
+# ------------------------------------------------------------------------------- through the views
+
+@pytest.fixture
+def served(seeded, org_key):
+    """An organization's own deployment of the bundled model, ready (on a queue only the test
+    takes from), and its key; its queue and the placement-loop runs its creation asked for are
+    emptied after."""
+    from inference_platform.celery import deployment_queue
+    from models_catalog.models import CatalogModel, Deployment
+    from models_catalog.services import create_deployment
+    from tests.workers.test_capacity import queued_ticks
+    from workers import fleet
+
+    ticks_before = set(queued_ticks())
+    org, _, key = org_key()
+    name = f"unfinished-{uuid.uuid4().hex[:8]}"
+    deployment = create_deployment(organization=org, model=CatalogModel.objects.get(slug=seeded), name=name,
+                                   kind="serverless")
+    Deployment.objects.filter(pk=deployment.pk).update(status=Deployment.Status.READY)
+    yield name, key
+    fleet.client().delete(*fleet.queue_lists(deployment_queue(name)))
+    for raw in set(queued_ticks()) - ticks_before:
+        fleet.client().lrem("default", 0, raw)
+
+
+def play_worker(name: str, *events: dict) -> threading.Thread:
+    """Take the next request off the deployment's queue, as a worker does, and send ``events`` to
+    its reply channel (in a thread: the view waits for them)."""
+    from inference_platform.celery import app
+    from workers.relay import sender
+
+    def run():
+        with app.connection_for_read() as connection:
+            message = connection.SimpleQueue(f"deployment.{name}").get(timeout=20)
+            message.ack()
+        payload = message.payload[0][0]
+        for event in events:
+            sender().send(payload["reply_channel"], event)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def post(client, key: str, body: dict):
+    return client.post("/v1/responses", data=json.dumps(body), content_type="application/json",
+                       HTTP_AUTHORIZATION=f"Bearer {key}")
+
+
+def get(client, key: str, path: str):
+    return client.get(path, HTTP_AUTHORIZATION=f"Bearer {key}")
+
+
+FAILING = (STARTED, delta("Once"), delta(" upon"), finished("error", 2, "step failed"))
+
+
+@pytest.mark.django_db
+def test_a_failed_response_is_an_error_to_its_client_and_stored_as_failed(client, served):
+    name, key = served
+    worker = play_worker(name, *FAILING)
+    response = post(client, key, {"model": name, "input": "Tell me a story."})
+    worker.join(timeout=20)
+    assert response.status_code == 500 and response.json()["error"]["code"] == "engine_error"
+    response_id = response["x-request-id"]  # the response's id: what the client can read it by
+    stored = get(client, key, f"/v1/responses/{response_id}")
+    assert stored.status_code == 200, stored.content
+    failed = stored.json()
+    assert failed["id"] == response_id and failed["status"] == "failed" and failed["store"] is True
+    assert failed["error"]["code"] == "engine_error" and "step failed" in failed["error"]["message"]
+    assert text_of(failed) == "Once upon" and failed["usage"]["output_tokens"] == 2
+    items = get(client, key, f"/v1/responses/{response_id}/input_items").json()["data"]
+    assert [item["content"][0]["text"] for item in items] == ["Tell me a story."]
+
+    refused = post(client, key, {"model": name, "input": "Go on.", "previous_response_id": response_id})
+    assert refused.status_code == 400
+    assert (refused.json()["error"]["param"], refused.json()["error"]["code"]) == ("previous_response_id",
+                                                                                    "previous_response_failed")
+
+
+@pytest.mark.django_db
+@pytest.mark.filterwarnings("ignore:StreamingHttpResponse must consume")  # the test client reads it synchronously
+def test_a_streamed_failure_ends_with_the_stored_failed_response(client, served):
+    name, key = served
+    worker = play_worker(name, *FAILING)
+    response = post(client, key, {"model": name, "input": "Tell me a story.", "stream": True})
+    frames = b"".join(response).decode()
+    worker.join(timeout=20)
+    events = [json.loads(line[6:]) for line in frames.splitlines() if line.startswith("data: ")]
+    assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.failed"
+    assert "event: error" not in frames
+    last = events[-1]["response"]
+    assert last["status"] == "failed" and last["error"]["code"] == "engine_error"
+    assert get(client, key, f"/v1/responses/{last['id']}").json() == last
+
+
+@pytest.mark.django_db
+def test_a_failed_response_asked_not_to_be_stored_is_not(client, served):
+    name, key = served
+    worker = play_worker(name, *FAILING)
+    response = post(client, key, {"model": name, "input": "Tell me a story.", "store": False})
+    worker.join(timeout=20)
+    assert response.status_code == 500
+    assert get(client, key, f"/v1/responses/{response['x-request-id']}").status_code == 404
