@@ -2,7 +2,8 @@
 (``response.created``, ``response.output_text.delta``, ``response.function_call_arguments.delta``,
 ..., ``response.completed``), whose last one holds the whole response, which is also what a client
 that does not stream gets. A response that fails once started (``response.failed``, or the error's
-status for a client that does not stream) is stored as ``failed`` with its error and what it wrote.
+status for a client that does not stream) is stored as ``failed`` with its error and what it wrote,
+and one whose client leaves as ``cancelled``, with what the model wrote until it stopped.
 
 The reply's text is read as chat reads it (``tools.ToolCallStream``): text goes into a message
 item, each call into a function_call item, in the order the model wrote them.
@@ -10,6 +11,7 @@ item, each call into a function_call item, in the order the model wrote them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Awaitable, Callable
 
@@ -60,8 +62,10 @@ class ResponseBuilder:
         return self.settle(event) + [self.end()]
 
     def settle(self, event: dict) -> list[dict]:
-        """The response is whole: the open item closes, usage and status are set."""
-        status = "incomplete" if event["finish_reason"] == "length" else "completed"
+        """The response is whole: the open item closes, usage and status are set. One its client
+        cancelled (by leaving) is ``cancelled``, OpenAI's status for a response stopped on request."""
+        reason = event["finish_reason"]
+        status = "incomplete" if reason == "length" else "cancelled" if reason == "abort" else "completed"
         return self._settle(status, event["usage"])
 
     def fail(self, error: ApiError, usage: dict) -> list[dict]:
@@ -69,6 +73,10 @@ class ResponseBuilder:
         out = self._settle("failed", usage)
         self.response["error"] = {"code": error.code or error.type, "message": error.message}
         return out
+
+    def cancel(self, usage: dict) -> list[dict]:
+        """The client left and the worker was not heard from again: the response as it stands."""
+        return self._settle("cancelled", usage)
 
     def _settle(self, status: str, usage: dict) -> list[dict]:
         out = self._pieces(self._reader.pieces(None), []) if self._reader is not None else []
@@ -78,6 +86,10 @@ class ResponseBuilder:
         if status == "incomplete":
             self.response["incomplete_details"] = {"reason": "max_output_tokens"}
         return out
+
+    @property
+    def settled(self) -> bool:
+        return self.response["status"] != "in_progress"
 
     def end(self) -> dict:
         """The last event, which holds the whole response."""
@@ -179,6 +191,9 @@ def _copy_part(part: dict) -> dict:
 
 # Keeps a whole response (when it asked to be stored); False when it could not.
 Keep = Callable[[dict], Awaitable[bool]]
+# How long a response whose client left waits for the worker's last event, which brings what the
+# model wrote before it stopped and the usage billed for it; past this it is kept as it stands.
+LEFT_WAIT_S = 10.0
 
 
 async def _kept(builder: ResponseBuilder, keep: Keep | None) -> None:
@@ -202,25 +217,32 @@ def _failure(call, exc: Exception) -> ApiError:
 
 async def stream(call, builder: ResponseBuilder, keep: Keep | None = None):
     """The Responses events of a started call. One that fails ends with ``response.failed``, kept
-    like any other."""
-    for event in builder.start():
-        yield event
-    failure = None
+    like any other; one whose client leaves is kept as the model left it (``_left``)."""
+    kept = False
     try:
-        async for event in call.events():
-            if event["type"] == "inference.delta":
-                for out in builder.feed(event):
-                    yield out
-            elif event["type"] == "inference.finished":
-                for out in builder.settle(event):
-                    yield out
-    except Exception as exc:
-        failure = _failure(call, exc)
-    if failure is not None:
-        for out in builder.fail(failure, _usage_so_far(call)):
-            yield out
-    await _kept(builder, keep)
-    yield builder.end()
+        for event in builder.start():
+            yield event
+        failure = None
+        try:
+            async for event in call.events():
+                if event["type"] == "inference.delta":
+                    for out in builder.feed(event):
+                        yield out
+                elif event["type"] == "inference.finished":
+                    for out in builder.settle(event):
+                        yield out
+        except Exception as exc:
+            failure = _failure(call, exc)
+        if failure is not None:
+            for out in builder.fail(failure, _usage_so_far(call)):
+                yield out
+        kept = True  # from here on, a client that leaves changes nothing
+        await _kept(builder, keep)
+        yield builder.end()
+    except (asyncio.CancelledError, GeneratorExit):
+        if not kept:
+            await asyncio.shield(_left(call, builder, keep))
+        raise
 
 
 async def collect(call, new_builder, keep: Keep | None = None) -> dict:
@@ -234,6 +256,9 @@ async def collect(call, new_builder, keep: Keep | None = None) -> dict:
                 builder = new_builder()
             elif event["type"] == "inference.finished":
                 builder.settle(event)
+    except asyncio.CancelledError:
+        await asyncio.shield(_left(call, builder, keep, new_builder))
+        raise
     except Exception as exc:
         failure = _failure(call, exc)
         builder.fail(failure, _usage_so_far(call))
@@ -241,3 +266,27 @@ async def collect(call, new_builder, keep: Keep | None = None) -> dict:
         raise failure from None
     await _kept(builder, keep)
     return builder.response
+
+
+async def _left(call, builder: ResponseBuilder, keep: Keep | None, new_builder=None) -> None:
+    """The client left before the end: the request is cancelled, and the response kept with what
+    the model wrote until it stopped, its usage the worker's (what it billed) unless the worker is
+    not heard from within LEFT_WAIT_S."""
+    if not builder.settled and not call.done:
+        await call.cancel()
+        try:
+            async with asyncio.timeout(LEFT_WAIT_S):
+                async for event in call.events():
+                    if event["type"] == "inference.delta":
+                        builder.feed(event)
+                    elif event["type"] == "inference.restarted" and new_builder is not None:
+                        builder = new_builder()
+                    elif event["type"] == "inference.finished":
+                        builder.settle(event)
+        except ApiError as exc:
+            builder.fail(exc, _usage_so_far(call))
+        except TimeoutError:
+            pass
+    if not builder.settled:
+        builder.cancel(_usage_so_far(call))
+    await _kept(builder, keep)

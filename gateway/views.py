@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 
@@ -140,9 +141,10 @@ async def _response_sse(call: calls.Call, builder: response_events.ResponseBuild
     def frame(event: dict) -> str:
         return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
-    try:
-        async for event in response_events.stream(call, builder, keep):
-            yield frame(event)
+    try:  # closed here, not when collected: a client that leaves has what it was given kept at once
+        async with contextlib.aclosing(response_events.stream(call, builder, keep)) as events:
+            async for event in events:
+                yield frame(event)
     except Exception:  # a bug even in failing the response: the client still gets an end it can parse
         log.exception("streaming %s failed", call.request_id)
         yield frame(builder.error(INTERNAL_ERROR))

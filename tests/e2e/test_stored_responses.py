@@ -1,11 +1,16 @@
 """Stored responses through the real stack, with the official client: a response is kept unless it
 asks not to be, read back, continued with previous_response_id, listed item by item, and deleted;
-another organization never sees it."""
+another organization never sees it. One whose client leaves before its end is kept too, cancelled."""
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import openai
 import pytest
+
+from tests.support import wait_until
 
 from .conftest import DEPLOYMENT
 
@@ -129,3 +134,67 @@ def test_a_bad_page_is_a_400_naming_the_parameter(openai_client, query, param):
     with pytest.raises(openai.BadRequestError) as refused:
         openai_client.get(f"/responses/{stored.id}/input_items?{query}", cast_to=object)
     assert refused.value.body["param"] == param
+
+
+STORY = "Tell me a long story."
+
+
+def _retrieved(client, response_id: str):
+    try:
+        return client.responses.retrieve(response_id)
+    except openai.NotFoundError:
+        return None
+
+
+def _usage_record(db_read, request_id: str):
+    from billing.models import UsageRecord
+
+    return db_read(lambda: UsageRecord.objects.filter(request_id=request_id).first())
+
+
+def test_a_stream_its_client_leaves_is_stored_cancelled_with_what_was_produced_and_billed(openai_client, tenant,
+                                                                                        db_read):
+    body = {"model": DEPLOYMENT, "input": STORY, "max_output_tokens": 1500, "stream": True}
+    received = []
+    with httpx.stream("POST", f"{tenant.base_url}/v1/responses", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {tenant.api_key}"}) as response:
+        for line in response.iter_lines():
+            event = json.loads(line[6:]) if line.startswith("data: ") else {}
+            if event.get("type") == "response.created":
+                response_id = event["response"]["id"]
+            elif event.get("type") == "response.output_text.delta":
+                received.append(event["delta"])
+                if len(received) == 3:
+                    break  # leaving the block closes the connection mid-stream
+    stored = wait_until(lambda: _retrieved(openai_client, response_id), timeout=60,
+                        message="the response its client left")
+    assert stored.status == "cancelled" and stored.error is None and stored.incomplete_details is None
+    assert stored.output_text.startswith("".join(received)) and stored.output[0].status == "incomplete"
+    # Its usage is what the worker billed: the tokens it made until the cancel reached it.
+    row = wait_until(lambda: _usage_record(db_read, response_id), timeout=60, message="the usage record")
+    assert row.status == "cancelled"
+    assert (stored.usage.input_tokens, stored.usage.output_tokens) == (row.prompt_tokens, row.completion_tokens)
+    assert 3 <= stored.usage.output_tokens < 1500
+
+    # It continues with what it wrote, as a response max_output_tokens cut short does.
+    after = openai_client.responses.create(model=DEPLOYMENT, previous_response_id=response_id, input="Go on.",
+                                           max_output_tokens=4)
+    items = list(openai_client.responses.input_items.list(after.id, order="asc"))
+    assert _texts(items) == [("user", STORY), ("assistant", stored.output_text), ("user", "Go on.")]
+
+
+def test_a_client_that_does_not_stream_and_leaves_has_its_response_stored_cancelled(tenant, db_read):
+    from gateway.models import StoredResponse
+
+    impatient = openai.OpenAI(base_url=f"{tenant.base_url}/v1", api_key=tenant.api_key, max_retries=0, timeout=3)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.responses.create(model=DEPLOYMENT, input=STORY, max_output_tokens=1500)
+    # It never got the response's id (that comes with the answer): its organization's only one.
+    row = wait_until(lambda: db_read(lambda: StoredResponse.objects.filter(
+        organization_id=tenant.organization_id).first()), timeout=60, message="the response its client left")
+    stored = json.loads(row.response)
+    assert stored["status"] == "cancelled" and stored["error"] is None
+    billed = wait_until(lambda: _usage_record(db_read, row.pk), timeout=60, message="the usage record")
+    assert (stored["usage"]["input_tokens"], stored["usage"]["output_tokens"]) == (billed.prompt_tokens,
+                                                                                  billed.completion_tokens)
+    assert stored["usage"]["output_tokens"] < 1500

@@ -1,5 +1,7 @@
 """Responses that do not end well are stored too: one that fails once started, as ``failed`` with
-its error and what it wrote. A failed response cannot be continued.
+its error and what it wrote, and one whose client leaves, as ``cancelled`` with what the model
+wrote until it stopped and the usage the worker billed for it. A failed response cannot be
+continued; a cancelled one can.
 
 In process, on the real Redis: a real call whose worker events the test sends, and the real views
 with the test taking the request off the deployment's queue as a worker does."""
@@ -7,13 +9,17 @@ with the test taking the request off the deployment's queue as a worker does."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import threading
+import time
 import uuid
 
 import pytest
+from channels.layers import get_channel_layer
 
+from gateway import response_events
 from gateway.errors import ApiError
 from gateway.response_events import ResponseBuilder, collect, stream
 from gateway.responses import parse_response_request
@@ -53,15 +59,19 @@ def text_of(response: dict) -> str:
     return "".join(part["text"] for item in response["output"] for part in item.get("content", []))
 
 
-def run_stream(*events: dict):
-    """Stream a call whose worker sent ``events``: the call, the events sent, and the keeper."""
+def run_stream(*events: dict, leave_at=None):
+    """Stream a call whose worker sent ``events``; ``leave_at(event)`` says when the client leaves
+    (the view closes the stream then, as here). The call, the events sent, and the keeper."""
     async def scenario():
         call = new_call(await reply_channel_with(STARTED, *events))
         await call.start()
         sent: list[dict] = []
         keeper = Keeper(sent)
-        async for event in stream(call, new_builder(), keeper):
-            sent.append(event)
+        async with contextlib.aclosing(stream(call, new_builder(), keeper)) as out:
+            async for event in out:
+                sent.append(event)
+                if leave_at is not None and leave_at(event):
+                    break
         return call, sent, keeper
 
     return asyncio.run(scenario())
@@ -99,6 +109,67 @@ def test_a_stream_that_stalls_fails_as_a_timeout_and_is_cancelled(settings):
     assert text_of(response) == "Hel" and cancel_marked(call.request_id)
 
 
+def test_a_client_that_leaves_has_the_response_kept_with_what_the_model_wrote_until_it_stopped():
+    """After the client left, the worker still sent what it made before the cancel reached it, and
+    the usage it billed: the stored response holds both."""
+    call, sent, keeper = run_stream(delta("Hel"), delta("lo"), delta(" there"), finished("abort", 3),
+                                    leave_at=lambda e: e["type"] == "response.output_text.delta")
+    assert [e["delta"] for e in sent if e["type"] == "response.output_text.delta"] == ["Hel"]
+    assert call.cancelled and cancel_marked(call.request_id)
+    [response] = keeper.kept
+    assert response["status"] == "cancelled" and response["error"] is None and response["incomplete_details"] is None
+    assert text_of(response) == "Hello there" and response["output"][0]["status"] == "incomplete"
+    assert response["usage"]["output_tokens"] == 3
+
+
+def test_a_client_that_leaves_a_silent_worker_has_the_response_kept_as_it_stands(monkeypatch):
+    monkeypatch.setattr(response_events, "LEFT_WAIT_S", 0.3)
+    started = time.monotonic()
+    call, _, keeper = run_stream(delta("Hel", tokens=2), leave_at=lambda e: e["type"] == "response.output_text.delta")
+    assert time.monotonic() - started < 5
+    [response] = keeper.kept
+    assert response["status"] == "cancelled" and text_of(response) == "Hel"
+    assert (response["usage"]["input_tokens"], response["usage"]["output_tokens"]) == (3, 2)
+    assert cancel_marked(call.request_id)
+
+
+def test_a_client_that_leaves_once_the_response_is_whole_changes_nothing(monkeypatch):
+    monkeypatch.setattr(response_events, "LEFT_WAIT_S", 30)  # a wait for a worker already done would show
+    started = time.monotonic()
+    call, sent, keeper = run_stream(delta("Hi"), finished("stop", 1),
+                                    leave_at=lambda e: e["type"] == "response.output_item.done")
+    assert time.monotonic() - started < 5
+    assert [r["status"] for r in keeper.kept] == ["completed"] and not call.cancelled
+
+
+async def until(predicate, *, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting for the condition"
+        await asyncio.sleep(0.01)
+
+
+def test_a_client_that_does_not_stream_and_leaves_has_the_response_kept_too():
+    async def scenario():
+        channel = await reply_channel_with(STARTED, delta("Hel"))
+        call = new_call(channel)
+        await call.start()
+        keeper = Keeper()
+        waiting = asyncio.ensure_future(collect(call, new_builder, keeper))
+        await until(lambda: call.completion_seen == 1)
+        waiting.cancel()  # the client went away (Django cancels the view)
+        for event in (delta("lo"), finished("abort", 2)):  # what the worker made before it stopped
+            await get_channel_layer().send(channel, event)
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        return call, keeper
+
+    call, keeper = asyncio.run(scenario())
+    [response] = keeper.kept
+    assert response["status"] == "cancelled" and text_of(response) == "Hello"
+    assert response["usage"]["output_tokens"] == 2 and cancel_marked(call.request_id)
+
+
 def test_a_failure_of_a_client_that_does_not_stream_is_kept_then_raised():
     async def scenario():
         call = new_call(await reply_channel_with(STARTED, delta("Hel"), finished("error", 1, "boom")))
@@ -123,7 +194,7 @@ WROTE = [{"id": "msg_a", "type": "message", "role": "assistant", "status": "inco
           "content": [{"type": "output_text", "text": "Once upon", "annotations": [], "logprobs": []}]}]
 
 
-def test_a_failed_response_cannot_be_continued_and_an_incomplete_one_can():
+def test_a_failed_response_cannot_be_continued_and_a_cancelled_one_can():
     with pytest.raises(ApiError) as refused:
         parse_response_request({"model": "m", "input": "Go on.", "previous_response_id": "resp_f"},
                                history=lambda rid: (ASKED + WROTE, "failed"))
@@ -131,7 +202,7 @@ def test_a_failed_response_cannot_be_continued_and_an_incomplete_one_can():
     assert (error.status, error.param, error.code) == (400, "previous_response_id", "previous_response_failed")
     assert "resp_f" in error.message
     continued = parse_response_request({"model": "m", "input": "Go on.", "previous_response_id": "resp_c"},
-                                       history=lambda rid: (ASKED + WROTE, "incomplete"))
+                                       history=lambda rid: (ASKED + WROTE, "cancelled"))
     assert [m["content"] for m in continued.inference.messages] == ["Tell me a story.", "Once upon", "Go on."]
 
 
