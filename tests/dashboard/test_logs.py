@@ -3,6 +3,7 @@ and their deletion; another organization's stay out of sight."""
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
 import pytest
@@ -73,6 +74,17 @@ def test_a_response_shows_its_conversation_and_can_be_deleted(ada, acme, globex)
     assert "Response resp_a is deleted." in deleted.content.decode()
     assert not StoredResponse.objects.filter(pk="resp_a").exists()
     assert ada.get("/responses/resp_a/").status_code == 404
+
+
+def test_a_failed_response_shows_as_failed_with_its_error(ada, acme):
+    _, organization = acme
+    _store(organization, "resp_failed")
+    StoredResponse.objects.filter(pk="resp_failed").update(response=json.dumps({
+        **json.loads(StoredResponse.objects.get(pk="resp_failed").response), "status": "failed",
+        "error": {"code": "engine_error", "message": "The model failed while generating: <oops>."}}))
+    assert 'class="badge badge-failed">Failed' in ada.get("/responses/").content.decode()
+    html = ada.get("/responses/resp_failed/").content.decode()
+    assert "Failed" in html and "engine_error" in html and "The model failed while generating: &lt;oops&gt;." in html
 
 
 def test_an_expired_response_is_not_shown(ada, acme, settings):
