@@ -340,7 +340,7 @@ class Call:
             if deadline is not None and now >= deadline:
                 await self.cancel()
                 raise ApiError(503, f"'{name}' is busy: this request waited too long for a replica; try again "
-                                    "shortly.", code="model_overloaded") from None
+                                    "shortly.", code="model_overloaded", expected=True) from None
             try:
                 served = await dispatch.served(ratelimit.client(), name)
             except REDIS_FAILURES as exc:

@@ -18,8 +18,9 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str | None = None, headers: dict | None = None, expected: bool = False):
         super().__init__(message)
-        # A 5xx that is no failure of the platform's (a deployment its owner stopped): logged as a
-        # warning, not as Django's ERROR for every 5xx, which alerting on errors would page for.
+        # A 5xx that is no failure of the platform's (a deployment its owner stopped, or one busier
+        # than its replicas, like a 429): logged as a warning, not as Django's ERROR for every
+        # 5xx, which alerting on errors would page for.
         self.expected = expected
         self.status = status
         self.message = message

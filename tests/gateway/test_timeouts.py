@@ -136,6 +136,7 @@ def test_a_request_behind_busy_replicas_waits_while_a_worker_serves_its_deployme
     assert error is None and call.prompt_tokens == 3 and waited >= 1.0
     call, error, waited = asyncio.run(scenario(served_after=None, hosted_for=60))
     assert (error.status, error.code) == (503, "model_overloaded") and "busy" in error.message
+    assert error.expected  # load, as a 429 is: a warning in the log, not an error to page for
     assert waited >= 0.3 + 1.2 and call.cancelled and cancel_marked(call.request_id)
     call, error, waited = asyncio.run(scenario(served_after=None, hosted_for=0.5))  # its worker went away
     assert (error.status, error.code) == (503, "model_unavailable")  # before its deadline: not "busy"
