@@ -457,7 +457,8 @@ def cmd_up(args) -> int:
         worker_name = f"worker@{socket.gethostname()}"
         # Every part's: the billing worker's emails link to this server too.
         common = {"DATA_DIR": str(settings.DATA_DIR), "SITE_URL": settings.SITE_URL or own_site_url(args.host, args.port)}
-        env = child_env(**common, INFERENCE_PRELOAD=",".join(served), WORKER_SLOTS=str(max(args.slots, len(served))))
+        slots = max(args.slots, len(served))
+        env = child_env(**common, INFERENCE_PRELOAD=",".join(served), WORKER_SLOTS=str(slots))
         logs = settings.DATA_DIR / "logs"
         logs.mkdir(exist_ok=True)
         from django.utils import timezone
@@ -472,7 +473,8 @@ def cmd_up(args) -> int:
         procs.append(drains_on_stop(
             spawn(
                 worker_command(queues=["default"] + [deployment_queue(d) for d in served],
-                               concurrency=args.concurrency, name=worker_name),
+                               concurrency=args.concurrency or default_concurrency(slots=slots, other_queues=1),
+                               name=worker_name),
                 env=env,
                 log=logs / "worker.log",
                 role="the inference worker",
@@ -558,6 +560,17 @@ def cmd_beat(args) -> int:
     return supervise(procs, say=say)
 
 
+def default_concurrency(*, slots: int, other_queues: int) -> int:
+    """Threads enough to fill the batches of ``slots`` deployments of the default batch size, as
+    the worker takes requests for them (``reservations``): with fewer, a second deployment placed
+    on it batches less, and the worker warns. Idle threads cost little."""
+    from models_catalog.models import Deployment
+    from workers.reservations import reserve_for
+
+    batch_size = Deployment._meta.get_field("max_batch_size").default
+    return max(64, slots * reserve_for(batch_size) + other_queues)
+
+
 def cmd_worker(args) -> int:
     settings = setup_django()
     procs: list[subprocess.Popen] = []
@@ -570,7 +583,8 @@ def cmd_worker(args) -> int:
         slots = settings.WORKER_SLOTS if os.environ.get("WORKER_SLOTS", "").strip() else max(1, len(args.deployments))
     env = child_env(INFERENCE_PRELOAD=",".join(args.deployments), WORKER_SLOTS=str(slots))
     inference = slots > 0 or bool(args.deployments)
-    worker = spawn(worker_command(queues=queues, concurrency=args.concurrency, name=name), env=env,
+    concurrency = args.concurrency or default_concurrency(slots=slots, other_queues=len(args.queues))
+    worker = spawn(worker_command(queues=queues, concurrency=concurrency, name=name), env=env,
                    role="the inference worker" if inference else "the worker")
     if inference:  # a stop lets its running requests finish, up to the drain timeout
         drains_on_stop(worker, settings, name)
@@ -601,7 +615,8 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Start the whole platform on its embedded defaults; Ctrl-C stops it all.")
     up.add_argument("--host", default="127.0.0.1", help="address the web server listens on (default 127.0.0.1)")
     up.add_argument("--port", type=port_number, default=8000, help="web server port (default 8000)")
-    up.add_argument("--concurrency", type=counting(1), default=64, help="worker threads (default 64)")
+    up.add_argument("--concurrency", type=counting(1), default=None,
+                    help="worker threads (default: enough to fill the batches of --slots deployments, at least 64)")
     up.add_argument("--web-workers", type=counting(1), default=1, help="web server processes (default 1)")
     up.add_argument("--ready-timeout", type=seconds, default=180.0, help="seconds to wait for /readyz and the worker's model load (default 180)")
     up.add_argument("--slots", type=counting(0), default=4,
@@ -619,8 +634,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated queues to consume (default: default,billing)")
     worker.add_argument("--deployments", type=lambda s: [d for d in s.split(",") if d], default=[],
                         help="comma-separated deployments to serve: their queues are consumed and their models loaded at start")
-    worker.add_argument("--concurrency", type=counting(1), default=64,
-                        help="worker threads; at least the engine's max batch size (default 64)")
+    worker.add_argument("--concurrency", type=counting(1), default=None,
+                        help="worker threads; at least the engine's max batch size (default: enough to fill the "
+                             "batches of --slots deployments, at least 64)")
     worker.add_argument("--name", default="", help="Celery node name (default worker-PID@HOST)")
     worker.add_argument("--slots", type=counting(0), default=None,
                         help="deployments this worker may host at once, placed by the fleet's placement loop "

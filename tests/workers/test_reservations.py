@@ -123,3 +123,22 @@ def test_held_answers_are_counted_under_the_thread_ceiling_too():
     assert consumer.qos.value == 16
     with reservations.holding("big", 70):
         assert consumer.qos.value == 80 - 69
+
+
+@pytest.mark.parametrize("slots", [1, 4, 8])
+def test_a_worker_started_without_concurrency_fills_the_batches_of_its_slots_without_warning(slots, caplog):
+    """``up`` and ``worker`` size the thread pool for their slots: a second deployment placed on a
+    worker of 64 threads warned that its batches could not fill."""
+    from inference_platform.cli import default_concurrency
+    from models_catalog.models import Deployment
+
+    threads = default_concurrency(slots=slots, other_queues=1)
+    assert threads >= 64
+    consumer = _consumer("default", *(f"deployment.d{i}" for i in range(slots)), threads=threads)
+    reservations = Reservations()
+    reservations.attach(consumer)
+    with caplog.at_level(logging.WARNING, logger="workers.reservations"):
+        for i in range(slots):
+            reservations.serve(f"d{i}", Deployment().max_batch_size)
+    assert consumer.qos.value == slots * reserve_for(Deployment().max_batch_size) + 1
+    assert not caplog.records, caplog.text
