@@ -116,6 +116,12 @@ def signed_usd(value) -> str:
 
 
 @register.filter
+def status_label(value) -> str:
+    """An API status for people: in_progress → In progress."""
+    return str(value).replace("_", " ").capitalize()
+
+
+@register.filter
 def num(value) -> str:
     """1234567 → 1,234,567."""
     if value is None or value == "":

@@ -285,6 +285,10 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     assert row.get_attribute("data-status") == "completed"
     assert row.locator("[data-progress]").get_attribute("data-progress") == "2/2"
     shot(page, "13d-batches")
+    page.set_viewport_size({"width": 1280, "height": 800})  # a laptop's: the table fits, no sideways scroll
+    assert page.evaluate("(t => t.parentElement.scrollWidth <= t.parentElement.clientWidth)"
+                         "(document.querySelector('#batches-table'))")
+    page.set_viewport_size({"width": 1440, "height": 900})
 
     # --- revoke the key: calls with it fail ---------------------------------------------------------------
     page.click("nav >> text=API keys")
