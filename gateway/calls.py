@@ -209,7 +209,7 @@ def unavailable(exc: BaseException, *, part: str = "message broker") -> ApiError
                     code="service_unavailable", headers={"Retry-After": "2"})
 
 
-def _ended_badly(event: dict, *, cancelled: bool) -> ApiError | None:
+def ended_badly(event: dict, *, cancelled: bool) -> ApiError | None:
     """The error a finished request reports instead of a normal end: its engine failed, or it was
     aborted by something other than this client (its worker stopped serving the model)."""
     reason = event.get("finish_reason")
@@ -238,7 +238,7 @@ class Call:
     done: bool = False  # the worker's last event arrived
     cancelled: bool = False
     tokens_used: int = 0
-    usage: dict | None = None  # the worker's, once it finished the request (what billing records)
+    finished: dict | None = None  # the worker's last event, once it finished (its usage is what billing records)
     completion_seen: int = 0  # tokens relayed so far
     tokens_counted: bool = False  # against the token rate limits: once per request (a batch's: never)
     queue_timeout: float | None = None  # longer while a scaled-to-zero deployment cold-starts
@@ -313,10 +313,11 @@ class Call:
                 self.completion_seen = 0
             elif event["type"] == "inference.finished":
                 self.done = True
-                self.usage = usage = event["usage"]
+                self.finished = event
+                usage = event["usage"]
                 self.tokens_used = usage["prompt_tokens"] + usage["completion_tokens"]
                 await self._count_tokens(self.tokens_used)
-                failure = _ended_badly(event, cancelled=self.cancelled)
+                failure = ended_badly(event, cancelled=self.cancelled)
                 if failure is not None:
                     raise failure
             yield event

@@ -15,7 +15,7 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
-from . import formatting, tools
+from . import calls, formatting, tools
 from .errors import ApiError, unexpected_error
 from .responses import new_id as _id
 
@@ -71,7 +71,7 @@ class ResponseBuilder:
     def fail(self, error: ApiError, usage: dict) -> list[dict]:
         """The response failed after it started: what it wrote so far stays, cut short."""
         out = self._settle("failed", usage)
-        self.response["error"] = {"code": error.code or error.type, "message": error.message}
+        self.response["error"] = {"code": _response_error_code(error), "message": error.message}
         return out
 
     def cancel(self, usage: dict) -> list[dict]:
@@ -184,6 +184,14 @@ def _copy(item: dict) -> dict:
     return copied
 
 
+def _response_error_code(error: ApiError) -> str:
+    """A failed response's ``error.code`` is one of the values OpenAI documents for it (clients
+    switch on them), not the HTTP error's own code; its message says what happened."""
+    if error.status == 429:
+        return "rate_limit_exceeded"
+    return "invalid_prompt" if error.status < 500 else "server_error"
+
+
 def _copy_part(part: dict) -> dict:
     """A part as it is now (its lists grow with the text)."""
     return {**part, "annotations": list(part["annotations"]), "logprobs": list(part["logprobs"])}
@@ -205,7 +213,9 @@ async def _kept(builder: ResponseBuilder, keep: Keep | None) -> None:
 
 def _usage_so_far(call) -> dict:
     """The worker's usage once it finished (what it billed), else what reached the gateway."""
-    return call.usage or {"prompt_tokens": call.prompt_tokens, "completion_tokens": call.completion_seen}
+    if call.finished is not None:
+        return call.finished["usage"]
+    return {"prompt_tokens": call.prompt_tokens, "completion_tokens": call.completion_seen}
 
 
 def _failure(call, exc: Exception) -> ApiError:
@@ -236,8 +246,8 @@ async def stream(call, builder: ResponseBuilder, keep: Keep | None = None):
         if failure is not None:
             for out in builder.fail(failure, _usage_so_far(call)):
                 yield out
-        kept = True  # from here on, a client that leaves changes nothing
-        await _kept(builder, keep)
+        kept = True  # from here on, a client that leaves changes nothing: the store is shielded
+        await asyncio.shield(_kept(builder, keep))
         yield builder.end()
     except (asyncio.CancelledError, GeneratorExit):
         if not kept:
@@ -262,9 +272,9 @@ async def collect(call, new_builder, keep: Keep | None = None) -> dict:
     except Exception as exc:
         failure = _failure(call, exc)
         builder.fail(failure, _usage_so_far(call))
-        await _kept(builder, keep)
+        await asyncio.shield(_kept(builder, keep))  # a client that leaves meanwhile does not undo it
         raise failure from None
-    await _kept(builder, keep)
+    await asyncio.shield(_kept(builder, keep))
     return builder.response
 
 
@@ -272,6 +282,12 @@ async def _left(call, builder: ResponseBuilder, keep: Keep | None, new_builder=N
     """The client left before the end: the request is cancelled, and the response kept with what
     the model wrote until it stopped, its usage the worker's (what it billed) unless the worker is
     not heard from within LEFT_WAIT_S."""
+    if not builder.settled and call.finished is not None:  # it finished as the client left
+        failure = calls.ended_badly(call.finished, cancelled=call.cancelled)
+        if failure is not None:
+            builder.fail(failure, _usage_so_far(call))
+        else:
+            builder.settle(call.finished)
     if not builder.settled and not call.done:
         await call.cancel()
         try:

@@ -83,7 +83,7 @@ def test_an_engine_failure_mid_stream_ends_with_response_failed_and_is_kept_firs
     assert last["type"] == "response.failed" and keeper.at == [len(sent) - 1]  # kept before its last event
     [response] = keeper.kept
     assert last["response"] == response
-    assert response["status"] == "failed" and response["error"]["code"] == "engine_error"
+    assert response["status"] == "failed" and response["error"]["code"] == "server_error"
     assert set(response["error"]) == {"code", "message"} and "step failed" in response["error"]["message"]
     assert text_of(response) == "Hello" and response["output"][0]["status"] == "incomplete"
     assert response["usage"]["input_tokens"] == 3 and response["usage"]["output_tokens"] == 2  # the worker's
@@ -97,7 +97,8 @@ def test_a_worker_error_without_usage_keeps_what_reached_the_gateway():
             "message": "The worker running this request stopped."}
     _, sent, keeper = run_stream(delta("Hel", tokens=2), delta("lo", tokens=2), lost)
     [response] = keeper.kept
-    assert sent[-1]["type"] == "response.failed" and response["error"]["code"] == "worker_lost"
+    assert sent[-1]["type"] == "response.failed" and response["error"]["code"] == "server_error"
+    assert response["error"]["message"] == "The worker running this request stopped."
     assert (response["usage"]["input_tokens"], response["usage"]["output_tokens"]) == (3, 4)
 
 
@@ -105,7 +106,8 @@ def test_a_stream_that_stalls_fails_as_a_timeout_and_is_cancelled(settings):
     settings.GATEWAY_STALL_TIMEOUT = 0.3
     call, sent, keeper = run_stream(delta("Hel"))
     [response] = keeper.kept
-    assert sent[-1]["type"] == "response.failed" and response["error"]["code"] == "timeout"
+    assert sent[-1]["type"] == "response.failed" and response["error"]["code"] == "server_error"
+    assert "stopped producing tokens" in response["error"]["message"]
     assert text_of(response) == "Hel" and cancel_marked(call.request_id)
 
 
@@ -170,6 +172,58 @@ def test_a_client_that_does_not_stream_and_leaves_has_the_response_kept_too():
     assert response["usage"]["output_tokens"] == 2 and cancel_marked(call.request_id)
 
 
+def test_a_client_that_leaves_while_its_response_is_being_stored_does_not_undo_the_store():
+    """The store runs in a thread of the admission pool: cancelled with the view, it never ran."""
+    async def scenario():
+        call = new_call(await reply_channel_with(STARTED, delta("Hi"), finished("stop", 1)))
+        await call.start()
+        storing, release, kept = asyncio.Event(), asyncio.Event(), []
+
+        async def slow_keep(response: dict) -> bool:
+            storing.set()
+            await release.wait()
+            kept.append(response["status"])
+            return True
+
+        waiting = asyncio.ensure_future(collect(call, new_builder, slow_keep))
+        await storing.wait()
+        waiting.cancel()  # the client went away meanwhile
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        release.set()
+        await until(lambda: kept)
+        return kept
+
+    assert asyncio.run(scenario()) == ["completed"]
+
+
+def test_a_client_that_leaves_just_as_the_worker_finished_has_it_stored_whole():
+    """The cancel lands after the call took the worker's last event, before the reply was built
+    from it: the response is whole, not cancelled."""
+    async def scenario():
+        call = new_call(await reply_channel_with(STARTED, delta("Hi"), delta(" there"), finished("length", 2)))
+        await call.start()
+        counting = asyncio.Event()
+
+        async def count_tokens_forever(tokens: int) -> None:  # where the last event is taken, not yet passed on
+            counting.set()
+            await asyncio.Event().wait()
+
+        call._count_tokens = count_tokens_forever
+        keeper = Keeper()
+        waiting = asyncio.ensure_future(collect(call, new_builder, keeper))
+        await counting.wait()
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        return call, keeper
+
+    call, keeper = asyncio.run(scenario())
+    [response] = keeper.kept
+    assert response["status"] == "incomplete" and response["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert text_of(response) == "Hi there" and response["usage"]["output_tokens"] == 2
+
+
 def test_a_failure_of_a_client_that_does_not_stream_is_kept_then_raised():
     async def scenario():
         call = new_call(await reply_channel_with(STARTED, delta("Hel"), finished("error", 1, "boom")))
@@ -182,7 +236,7 @@ def test_a_failure_of_a_client_that_does_not_stream_is_kept_then_raised():
     error, keeper = asyncio.run(scenario())
     assert (error.status, error.code) == (500, "engine_error")
     [response] = keeper.kept
-    assert response["status"] == "failed" and response["error"]["code"] == "engine_error"
+    assert response["status"] == "failed" and response["error"]["code"] == "server_error"
     assert text_of(response) == "Hel"
 
 
@@ -274,7 +328,7 @@ def test_a_failed_response_is_an_error_to_its_client_and_stored_as_failed(client
     assert stored.status_code == 200, stored.content
     failed = stored.json()
     assert failed["id"] == response_id and failed["status"] == "failed" and failed["store"] is True
-    assert failed["error"]["code"] == "engine_error" and "step failed" in failed["error"]["message"]
+    assert failed["error"]["code"] == "server_error" and "step failed" in failed["error"]["message"]
     assert text_of(failed) == "Once upon" and failed["usage"]["output_tokens"] == 2
     items = get(client, key, f"/v1/responses/{response_id}/input_items").json()["data"]
     assert [item["content"][0]["text"] for item in items] == ["Tell me a story."]
@@ -297,7 +351,7 @@ def test_a_streamed_failure_ends_with_the_stored_failed_response(client, served)
     assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.failed"
     assert "event: error" not in frames
     last = events[-1]["response"]
-    assert last["status"] == "failed" and last["error"]["code"] == "engine_error"
+    assert last["status"] == "failed" and last["error"]["code"] == "server_error"
     assert get(client, key, f"/v1/responses/{last['id']}").json() == last
 
 
