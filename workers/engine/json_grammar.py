@@ -200,8 +200,8 @@ class _Compiler:
     def count(self, parts: int, where: str) -> None:
         self.parts += parts
         if self.parts > MAX_PARTS:
-            raise SchemaError(f"{where}: a schema of more than {MAX_PARTS} parts (subschemas and enum values) "
-                              "is not supported")
+            raise SchemaError(f"{where}: a schema of more than {MAX_PARTS} parts (subschemas and enum values; a "
+                              "multipleOf counts as its digits times its decimal places plus two) is not supported")
 
     def node(self, schema: Any, where: str, depth: int = 0) -> Node:
         if depth > MAX_DEPTH:
@@ -281,7 +281,7 @@ class _Compiler:
             regex = compile_pattern(_range_pattern(schema, kind, where))                   # the range's pattern
             if kind == "number" or schema.get("multipleOf") is not None:
                 regex = _number_text(regex, schema.get("multipleOf"), kind, where)
-            self.count(len(regex.edges) // 10, where)
+            self.count(len(regex.edges) // 10 + getattr(regex, "cost", 0), where)
             return Node(kind, where, regex=regex)
         return Node(kind, where)  # pattern and format constrain strings alone (JSON Schema's rule)
 

@@ -9,14 +9,18 @@ with zeros to ``q`` places, are divisible by ``p``: 7.50 is a multiple of 0.25 (
 Readers parse a JSON number into a binary double (JavaScript, pydantic's ``float``), which holds
 15 significant digits. One written with more may round onto the bound it kept clear of:
 0.49999999999999999999 is below 0.5, but reads as 0.5, and a field with ``lt=0.5`` refuses it. A
-number of at most 15 significant digits (and a bound, a double's shortest text) never crosses so:
-two such texts that differ read as doubles that differ, in the same order. So ``digits`` counts
-them from the first nonzero one, and a number has at most ``MAX_PLACES`` after its point (no bound
-has more; a run of zeros there is what would underflow).
+number whose digits from its first nonzero one to its last are at most 15 never crosses so. Two
+such texts that differ read as doubles that differ, in the same order (a double keeps 15 digits).
+A bound is a double's shortest text (integers past 2**53, which no double holds, aside): a
+number of 15 digits or fewer that read as the bound's double would be a shorter text of it, so
+it would be the bound. Zeros count only once a nonzero digit follows them (``1732800000000000``
+and ``0.5000`` are fine); a run of them is at most ``MAX_PLACES`` long, as are the digits after
+the point: no bound has more, and it keeps the states to search few.
 
 A state is (the pattern's states, the remainder, digits after the point so far or None before it,
-significant digits so far). A byte is taken only if a match can still follow, as the grammar needs
-of every step: whether one can is a search of the few states ahead, kept once known.
+significant digits so far, zeros since the last nonzero digit after the first). A byte is taken
+only if a match can still follow, as the grammar needs of every step: whether one can is a search
+of the few states ahead, kept once known.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ MAX_KNOWN = 100_000  # states whose fate is kept
 _DIGIT_BYTES = b"0123456789"
 _NUMBER_BYTES = b"-0123456789."
 
-State = tuple  # (pattern states, remainder, places or None, significant digits)
+State = tuple  # (pattern states, remainder, places or None, significant digits, zeros pending)
 
 
 class NumberText:
@@ -53,9 +57,12 @@ class NumberText:
                 raise RegexError(f"multipleOf {_plain(multiple)} has more digits than this engine follows "
                                  f"(its digits times its decimal places must stay under {MAX_STATES_PER_PATTERN_STATE})")
         self.digits = digits
+        # What a schema's size counts it as: the states one reading of the pattern may meet, which
+        # a compile's search for a match may all visit (a second each, at the most).
+        self.cost = 0 if multiple is None else self.divisor * (self.places + 2)
         self.regex = regex
         self.edges = regex.edges  # (what a schema's size is counted by)
-        self.start: State = (regex.start, 0, None, 0)
+        self.start: State = (regex.start, 0, None, 0, 0)
         self._known: dict[State, bool] = {}
         if not self._alive(self.start):
             raise RegexError("no number of the range " + " and ".join(filter(None, (
@@ -67,20 +74,23 @@ class NumberText:
         return after if after is not None and self._alive(after) else None
 
     def matches(self, state: State) -> bool:
-        states, remainder, places, _ = state
+        states, remainder, places, _, _ = state
         if not self.regex.matches(states):
             return False
         return self.places is None or remainder * pow(10, self.places - min(places or 0, self.places), self.divisor) % self.divisor == 0
 
     def _advance(self, state: State, b: int) -> State | None:
-        states, remainder, places, significant = state
+        states, remainder, places, significant, zeros = state
         after = self.regex.step(states, b)
         if not after:
             return None
         if b in _DIGIT_BYTES:
             if self.digits is not None:
-                significant += significant > 0 or b != 0x30
-                if significant > self.digits or (places is not None and places >= MAX_PLACES):
+                if b != 0x30:
+                    significant, zeros = significant + zeros + 1, 0
+                elif significant:
+                    zeros += 1
+                if significant > self.digits or zeros > MAX_PLACES or (places is not None and places >= MAX_PLACES):
                     return None
             if self.places is not None and places is not None and places >= self.places:
                 if b != 0x30:  # past the multiple's places: zeros only
@@ -91,7 +101,7 @@ class NumberText:
                 places += 1  # (past the multiple's places, counted only against MAX_PLACES: states stay few)
         elif b == 0x2E:
             places = 0
-        return after, remainder, places, significant
+        return after, remainder, places, significant, zeros
 
     def _alive(self, state: State) -> bool:
         """Whether a match can follow ``state``: a breadth-first search of the states ahead."""
