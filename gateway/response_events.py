@@ -218,10 +218,11 @@ def _usage_so_far(call) -> dict:
     return {"prompt_tokens": call.prompt_tokens, "completion_tokens": call.completion_seen}
 
 
-def _failure(call, exc: Exception) -> ApiError:
+async def _failure(call, exc: Exception) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     log.exception("response %s failed", call.request_id)  # a bug: the client gets its id, the log its traceback
+    await asyncio.shield(call.cancel())  # the model must not write on for nobody (and be billed for it)
     return unexpected_error()
 
 
@@ -242,7 +243,7 @@ async def stream(call, builder: ResponseBuilder, keep: Keep | None = None):
                     for out in builder.settle(event):
                         yield out
         except Exception as exc:
-            failure = _failure(call, exc)
+            failure = await _failure(call, exc)
         if failure is not None:
             for out in builder.fail(failure, _usage_so_far(call)):
                 yield out
@@ -270,7 +271,7 @@ async def collect(call, new_builder, keep: Keep | None = None) -> dict:
         await asyncio.shield(_left(call, builder, keep, new_builder))
         raise
     except Exception as exc:
-        failure = _failure(call, exc)
+        failure = await _failure(call, exc)
         builder.fail(failure, _usage_so_far(call))
         await asyncio.shield(_kept(builder, keep))  # a client that leaves meanwhile does not undo it
         raise failure from None

@@ -240,6 +240,26 @@ def test_a_failure_of_a_client_that_does_not_stream_is_kept_then_raised():
     assert text_of(response) == "Hel"
 
 
+def test_a_bug_while_building_the_response_cancels_the_request_and_keeps_it_failed(monkeypatch):
+    """The client gets a 500 with the request's id; the model does not write on for nobody."""
+    def broken_feed(self, event):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(ResponseBuilder, "feed", broken_feed)
+
+    async def scenario():
+        call = new_call(await reply_channel_with(STARTED, delta("Hel")))
+        await call.start()
+        keeper = Keeper()
+        with pytest.raises(ApiError) as failed:
+            await collect(call, new_builder, keeper)
+        return call, failed.value, keeper
+
+    call, error, keeper = asyncio.run(scenario())
+    assert error.status == 500 and call.cancelled and cancel_marked(call.request_id)
+    assert [r["status"] for r in keeper.kept] == ["failed"]
+
+
 # ---------------------------------------------------------------------------------- continuing
 
 ASKED = [{"id": "msg_q", "type": "message", "role": "user", "status": "completed",
