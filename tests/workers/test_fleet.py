@@ -289,7 +289,11 @@ def test_a_worker_paused_past_its_heartbeats_sends_and_bills_nothing_of_the_requ
     reference = _client(tenant).chat.completions.create(
         model=name, messages=[{"role": "user", "content": "Count slowly to one hundred."}], max_tokens=200,
         temperature=0, logit_bias=no_end)
-    assert got["text"] == reference.choices[0].message.content
+    # Greedy: a lone run's answer, up to where a near tie may tip another way (the reference's
+    # prompt can come from the prefix cache, its sums in another order). Two copies mixed would
+    # start it over: its opening shows once.
+    opening = reference.choices[0].message.content[:40]
+    assert got["text"].startswith(opening) and got["text"].count(opening) == 1, (got["text"], opening)
 
     def records():
         rows = db_read(lambda: sorted(UsageRecord.objects.filter(deployment_name=name)
