@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from contextlib import contextmanager
 from decimal import Decimal
 
 import pytest
@@ -42,3 +43,28 @@ def seeded(db):
 
     call_command("seed_catalog", verbosity=0)
     return "smollm2-135m-instruct"
+
+
+@contextmanager
+def own_deployment(org_key, model_slug: str, *, prefix: str, status: str):
+    """An organization's serverless deployment of ``model_slug`` in ``status`` (nobody consumes its
+    queue here): (organization, plaintext key, name). Its queue and the placement-loop runs its
+    creation and requests asked for are emptied after."""
+    from inference_platform.celery import deployment_queue
+    from models_catalog.models import CatalogModel, Deployment
+    from models_catalog.services import create_deployment
+    from tests.workers.test_capacity import queued_ticks
+    from workers import fleet
+
+    ticks_before = set(queued_ticks())
+    org, _, plaintext = org_key()
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    deployment = create_deployment(organization=org, model=CatalogModel.objects.get(slug=model_slug), name=name,
+                                   kind="serverless")
+    Deployment.objects.filter(pk=deployment.pk).update(status=status)
+    try:
+        yield org, plaintext, name
+    finally:
+        fleet.client().delete(*fleet.queue_lists(deployment_queue(name)))
+        for raw in set(queued_ticks()) - ticks_before:
+            fleet.client().lrem("default", 0, raw)

@@ -10,8 +10,8 @@ import uuid
 
 import pytest
 
+from tests.gateway.conftest import own_deployment
 from tests.gateway.test_timeouts import cancel_marked
-from tests.workers.test_capacity import queued_ticks
 
 pytestmark = pytest.mark.django_db
 QUEUE_TIMEOUT, COLD_START_TIMEOUT = 0.2, 1.0
@@ -19,22 +19,11 @@ QUEUE_TIMEOUT, COLD_START_TIMEOUT = 0.2, 1.0
 
 @pytest.fixture
 def scaled_to_zero(seeded, org_key):
-    """An organization's serverless deployment at zero replicas, and its key; its queue emptied
-    after, and the placement-loop runs the requests asked for (nobody consumes them here)."""
-    from models_catalog.models import CatalogModel, Deployment
-    from models_catalog.services import create_deployment
-    from workers import fleet
+    """An organization's serverless deployment at zero replicas, and its key."""
+    from models_catalog.models import Deployment
 
-    ticks_before = set(queued_ticks())
-    org, _, plaintext = org_key()
-    name = f"cold-{uuid.uuid4().hex[:8]}"
-    deployment = create_deployment(organization=org, model=CatalogModel.objects.get(slug=seeded), name=name,
-                                   kind="serverless")
-    Deployment.objects.filter(pk=deployment.pk).update(status=Deployment.Status.SCALED_TO_ZERO)
-    yield org, plaintext, name
-    fleet.client().delete(*fleet.queue_lists(f"deployment.{name}"))
-    for raw in set(queued_ticks()) - ticks_before:
-        fleet.client().lrem("default", 0, raw)
+    with own_deployment(org_key, seeded, prefix="cold", status=Deployment.Status.SCALED_TO_ZERO) as made:
+        yield made
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import copy
 import json
 import threading
 import time
-import uuid
 
 import pytest
 from channels.layers import get_channel_layer
@@ -23,6 +22,7 @@ from gateway import response_events
 from gateway.errors import ApiError
 from gateway.response_events import ResponseBuilder, collect, stream
 from gateway.responses import parse_response_request
+from tests.gateway.conftest import own_deployment
 from tests.gateway.test_timeouts import cancel_marked, new_call, reply_channel_with
 
 STARTED = {"type": "inference.started", "prompt_tokens": 3}
@@ -285,24 +285,11 @@ def test_a_failed_response_cannot_be_continued_and_a_cancelled_one_can():
 @pytest.fixture
 def served(seeded, org_key):
     """An organization's own deployment of the bundled model, ready (on a queue only the test
-    takes from), and its key; its queue and the placement-loop runs its creation asked for are
-    emptied after."""
-    from inference_platform.celery import deployment_queue
-    from models_catalog.models import CatalogModel, Deployment
-    from models_catalog.services import create_deployment
-    from tests.workers.test_capacity import queued_ticks
-    from workers import fleet
+    takes from), and its key."""
+    from models_catalog.models import Deployment
 
-    ticks_before = set(queued_ticks())
-    org, _, key = org_key()
-    name = f"unfinished-{uuid.uuid4().hex[:8]}"
-    deployment = create_deployment(organization=org, model=CatalogModel.objects.get(slug=seeded), name=name,
-                                   kind="serverless")
-    Deployment.objects.filter(pk=deployment.pk).update(status=Deployment.Status.READY)
-    yield name, key
-    fleet.client().delete(*fleet.queue_lists(deployment_queue(name)))
-    for raw in set(queued_ticks()) - ticks_before:
-        fleet.client().lrem("default", 0, raw)
+    with own_deployment(org_key, seeded, prefix="unfinished", status=Deployment.Status.READY) as (_, key, name):
+        yield name, key
 
 
 def play_worker(name: str, *events: dict) -> threading.Thread:

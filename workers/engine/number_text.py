@@ -57,6 +57,9 @@ class NumberText:
                 raise RegexError(f"multipleOf {_plain(multiple)} has more digits than this engine follows "
                                  f"(its digits times its decimal places must stay under {MAX_STATES_PER_PATTERN_STATE})")
         self.digits = digits
+        # Places are counted as far as anything reads them: MAX_PLACES where digits are counted, else
+        # the multiple's places (past them only zeros come, whatever their number): states stay few.
+        self._places_counted = MAX_PLACES if digits is not None else self.places
         # What a schema's size counts it as: the states one reading of the pattern may meet, which
         # a compile's search for a match may all visit (a second each, at the most).
         self.cost = 0 if multiple is None else self.divisor * (self.places + 2)
@@ -77,7 +80,9 @@ class NumberText:
         states, remainder, places, _, _ = state
         if not self.regex.matches(states):
             return False
-        return self.places is None or remainder * pow(10, self.places - min(places or 0, self.places), self.divisor) % self.divisor == 0
+        if self.places is None:
+            return True
+        return remainder * pow(10, self.places - min(places or 0, self.places), self.divisor) % self.divisor == 0
 
     def _advance(self, state: State, b: int) -> State | None:
         states, remainder, places, significant, zeros = state
@@ -97,8 +102,8 @@ class NumberText:
                     return None
             else:
                 remainder = (remainder * 10 + b - 0x30) % self.divisor
-            if places is not None and (self.digits is not None or self.places is None or places < self.places):
-                places += 1  # (past the multiple's places, counted only against MAX_PLACES: states stay few)
+            if places is not None:
+                places = min(places + 1, self._places_counted)
         elif b == 0x2E:
             places = 0
         return after, remainder, places, significant, zeros
