@@ -261,12 +261,7 @@ async def collect(call, new_builder, keep: Keep | None = None) -> dict:
     builder = new_builder()
     try:
         async for event in call.events():
-            if event["type"] == "inference.delta":
-                builder.feed(event)
-            elif event["type"] == "inference.restarted":  # its worker died: a copy runs it from the start
-                builder = new_builder()
-            elif event["type"] == "inference.finished":
-                builder.settle(event)
+            builder = _read(builder, event, new_builder)
     except asyncio.CancelledError:
         await asyncio.shield(_left(call, builder, keep, new_builder))
         raise
@@ -277,6 +272,19 @@ async def collect(call, new_builder, keep: Keep | None = None) -> dict:
         raise failure from None
     await asyncio.shield(_kept(builder, keep))
     return builder.response
+
+
+def _read(builder: ResponseBuilder, event: dict, new_builder=None) -> ResponseBuilder:
+    """The response with a worker event read into it (not streamed: nothing goes out): a new one
+    when its worker died and a copy runs it from the start (``new_builder``, for a client that
+    does not stream, the one such events come to)."""
+    if event["type"] == "inference.delta":
+        builder.feed(event)
+    elif event["type"] == "inference.restarted" and new_builder is not None:
+        return new_builder()
+    elif event["type"] == "inference.finished":
+        builder.settle(event)
+    return builder
 
 
 async def _left(call, builder: ResponseBuilder, keep: Keep | None, new_builder=None) -> None:
@@ -294,12 +302,7 @@ async def _left(call, builder: ResponseBuilder, keep: Keep | None, new_builder=N
         try:
             async with asyncio.timeout(LEFT_WAIT_S):
                 async for event in call.events():
-                    if event["type"] == "inference.delta":
-                        builder.feed(event)
-                    elif event["type"] == "inference.restarted" and new_builder is not None:
-                        builder = new_builder()
-                    elif event["type"] == "inference.finished":
-                        builder.settle(event)
+                    builder = _read(builder, event, new_builder)
         except ApiError as exc:
             builder.fail(exc, _usage_so_far(call))
         except TimeoutError:
