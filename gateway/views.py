@@ -17,6 +17,7 @@ from inference_platform import jsonbody
 
 from . import admission, answers, calls, formatting, pages, response_events, selectors, services
 from .errors import ApiError, invalid
+from .event_stream import EventStream
 from .protocol import MAX_MODEL_NAME, parse_chat, parse_completion, parse_embedding
 from .responses import parse_response_request, renamed
 
@@ -63,7 +64,7 @@ async def _inference(request, parse, kind: str):
 
 
 def _event_stream(events, headers: dict) -> StreamingHttpResponse:
-    response = StreamingHttpResponse(events, content_type="text/event-stream")
+    response = StreamingHttpResponse(EventStream(events), content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
     return _with_headers(response, headers)

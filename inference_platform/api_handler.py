@@ -2,8 +2,9 @@
 
 Under ASGI, Django runs each of the site's (synchronous) middleware hooks through
 ``sync_to_async``: a hop to another thread and back, twice per middleware, for every request.
-The inference endpoints use none of what they provide (sessions, the logged-in user, messages,
-CSRF, slash redirects): they take a Bearer key and answer JSON. So requests to them skip the
+The inference endpoints (chat, completions, embeddings, Responses and its stored responses,
+models) use none of what they provide (sessions, the logged-in user, messages, CSRF, slash
+redirects): they take a Bearer key and answer JSON. So requests to them skip the
 chain and keep only the security checks and headers, run in place (they touch no database).
 Nor do they get a thread of their own: Django starts one per request (``ThreadSensitiveContext``)
 for its synchronous code, which here is only the request signals' receivers (their blocking
@@ -22,8 +23,8 @@ from django.middleware.security import SecurityMiddleware
 from gateway.errors import unexpected_error
 
 # Exact paths, and prefixes, of the endpoints this handler serves (all of them Bearer-key only).
-PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
-PREFIXES = ("/v1/models/",)
+PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/models"})
+PREFIXES = ("/v1/models/", "/v1/responses/")
 
 
 def serves(path: str) -> bool:

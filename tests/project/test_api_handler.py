@@ -48,6 +48,8 @@ def _headers(response) -> dict:
 
 
 @pytest.mark.parametrize("method,path", [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
+                                         ("POST", "/v1/embeddings"), ("POST", "/v1/responses"),
+                                         ("GET", "/v1/responses/resp_1"), ("GET", "/v1/responses/resp_1/input_items"),
                                          ("GET", "/v1/models"), ("GET", "/v1/models/anything")])
 def test_an_inference_endpoint_answers_with_the_security_headers_and_no_session_machinery(application, method, path):
     response = async_to_sync(_call)(application, method, path, b"{}")
@@ -56,7 +58,8 @@ def test_an_inference_endpoint_answers_with_the_security_headers_and_no_session_
     assert json.loads(response["body"])["error"]["code"] == "invalid_api_key"
     assert headers["x-content-type-options"] == "nosniff" and headers["referrer-policy"] == "same-origin"
     assert "x-frame-options" not in headers and "vary" not in headers  # no clickjacking or session middleware
-    prefix = {"/v1/chat/completions": "chatcmpl-", "/v1/completions": "cmpl-"}.get(path, "req_")
+    prefix = {"/v1/chat/completions": "chatcmpl-", "/v1/completions": "cmpl-", "/v1/embeddings": "embd-",
+              "/v1/responses": "resp_"}.get(path, "req_")
     assert headers["x-request-id"].startswith(prefix) and len(headers["x-request-id"]) > len(prefix) + 16
 
 
