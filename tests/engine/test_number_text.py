@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from pydantic import Field, TypeAdapter, ValidationError
 
 from workers.engine.json_grammar import SchemaError
+from workers.engine.number_text import Divisibility
 from tests.engine.test_byte_regex import grammar
 
 MULTIPLES = st.sampled_from([5, 7, 12, 0.25, 0.01, 0.3, 12.5, 1e-3])
@@ -114,10 +115,44 @@ def test_a_multiple_counts_in_the_schema_size_as_the_work_of_following_it():
         grammar(of(6))
 
 
+@settings(max_examples=200, deadline=None)
+@given(divisor=st.integers(1, 3000) | st.sampled_from([3600, 5000, 8192, 86400, 100_000]),
+       values=st.lists(st.integers(0, 10**12), min_size=1, max_size=20))
+def test_divisibility_read_digit_by_digit_is_the_remainder_s(divisor, values):
+    divisible = Divisibility(divisor)
+    for value in [*values, *(divisor * v for v in values), divisor]:
+        state = divisible.start
+        for digit in str(value):
+            state = divisible.step[state][int(digit)]
+        assert (state == divisible.start) == (value % divisor == 0), value
+
+
+def test_divisibility_keeps_only_the_states_digits_to_come_tell_apart():
+    """A divisor prime to 10 needs every remainder; 10**k needs how many of the last k digits are
+    zeros; what a multiple of both needs, their product at most."""
+    assert [Divisibility(d).states for d in (7, 499, 10, 1000, 100_000, 25, 3600)] == [7, 499, 2, 4, 6, 4, 17]
+
+
+@pytest.mark.parametrize("multiple", [1000, 3600, 86400, 2500, 0.125, 1e4])
+def test_a_multiple_with_many_digits_but_few_states_is_followed(multiple):
+    """Seconds in an hour or a day, whole thousands: exact, and cheap to compile."""
+    schema = {"type": "integer" if multiple >= 1 else "number", "multipleOf": multiple, "minimum": -10**6,
+              "maximum": 10**6}
+    g = grammar(schema)
+    step = exact(multiple)
+    rng = random.Random(multiple)
+    for value in [0, step, -step, step * 11, *(Decimal(rng.randrange(-10**6, 10**6)) for _ in range(200)),
+                  *(step * rng.randrange(-10**6 // int(step) if step >= 1 else -1000, 1000) for _ in range(50))]:
+        text = format(value.normalize(), "f") if value else "0"
+        assert takes(g, text) == (value % step == 0 and -10**6 <= value <= 10**6), text
+
+
 def test_a_multiple_the_engine_cannot_follow_is_refused_by_name():
     for schema, words in [({"type": "number", "multipleOf": 0}, "greater than 0"),
                           ({"type": "number", "multipleOf": "2"}, "greater than 0"),
-                          ({"type": "integer", "multipleOf": 997}, "more digits"),
+                          ({"type": "integer", "multipleOf": 997}, "more digits"),  # 997 states
+                          ({"type": "integer", "multipleOf": 65536}, "more digits"),  # 2,829
+                          ({"type": "integer", "multipleOf": 10**6}, "more digits"),  # too many to sort
                           ({"type": "integer", "multipleOf": 10, "minimum": 1, "maximum": 9}, "no number")]:
         with pytest.raises(SchemaError, match=words):
             grammar(schema)

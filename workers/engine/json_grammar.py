@@ -201,7 +201,7 @@ class _Compiler:
         self.parts += parts
         if self.parts > MAX_PARTS:
             raise SchemaError(f"{where}: a schema of more than {MAX_PARTS} parts (subschemas and enum values; a "
-                              "multipleOf counts as its digits times its decimal places plus two) is not supported")
+                              "multipleOf counts as the states of its remainders times its decimal places plus two) is not supported")
 
     def node(self, schema: Any, where: str, depth: int = 0) -> Node:
         if depth > MAX_DEPTH:

@@ -4,7 +4,8 @@ without an exponent) for what a pattern cannot say: ``multipleOf``, and what a d
 A multiple ``m = p / 10**q`` (``p`` a whole number) divides a number when the number's digits past
 the ``q``-th after its point are zeros and its digits up to there, read as a whole number padded
 with zeros to ``q`` places, are divisible by ``p``: 7.50 is a multiple of 0.25 (750 = 30 × 25),
-7.6 is not. So the remainder of what the digits spell is kept as they come.
+7.6 is not. So the remainder of what the digits spell is kept as they come, as few states as
+tell it apart (``Divisibility``): a multiple of 1000 needs four, not a thousand.
 
 Readers parse a JSON number into a binary double (JavaScript, pydantic's ``float``), which holds
 15 significant digits. One written with more may round onto the bound it kept clear of:
@@ -25,19 +26,62 @@ of the few states ahead, kept once known.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from decimal import Decimal
+
+import numpy as np
 
 from .byte_regex import MAX_BOUND_DIGITS, ByteRegex, RegexError
 
 DOUBLE_DIGITS = 15  # the significant digits a double holds (C's DBL_DIG)
 MAX_PLACES = MAX_BOUND_DIGITS  # digits after the point, where digits are counted
-MAX_STATES_PER_PATTERN_STATE = 1_000  # p × (q + 2): what one reading of the pattern may meet (a search each)
+MAX_STATES_PER_PATTERN_STATE = 1_000  # remainders × (q + 2): what one reading of the pattern may meet (a search each)
+MAX_DIVISOR = 100_000  # the largest p whose remainders are sorted into states (at most a tenth of a second)
 MAX_KNOWN = 100_000  # states whose fate is kept
 _DIGIT_BYTES = b"0123456789"
 _NUMBER_BYTES = b"-0123456789."
 
-State = tuple  # (pattern states, remainder, places or None, significant digits, zeros pending)
+State = tuple  # (pattern states, remainder's state, places or None, significant digits, zeros pending)
+
+
+class Divisibility:
+    """Whether a whole number, read a digit at a time, is divisible by ``divisor``, in as few
+    states as tell its remainders apart: ``divisor`` of them when it is prime to 10 (7, 499), but
+    four for 1000 (how many of the last three digits are zeros so far), 17 for 3600.
+    ``step[state][digit]`` is the next state; ``start`` is the empty number's (0), and the state
+    of every multiple.
+
+    Two remainders are one state when the same digits, and only those, complete each to a
+    multiple. With ``divisor = p · 2**a · 5**b`` (``p`` prime to 10) and ``c = max(a, b)``: a
+    remainder ``r`` followed by ``k`` more digits spelling ``v`` is a multiple when ``v ≡ -r · 10**k``.
+    For ``k < c`` that names one ``v`` or none, which is ``r``'s mark for ``k``; for ``k >= c``,
+    ``10**k`` is 0 modulo ``2**a · 5**b`` and invertible modulo ``p``, so the ``v`` that complete
+    ``r`` are those of every remainder with the same value modulo ``p``, and only theirs. So a
+    state is a remainder's marks for ``k < c`` and its value modulo ``p``."""
+
+    def __init__(self, divisor: int) -> None:
+        prime_to_ten, tens = _prime_to_ten(divisor)
+        remainders = np.arange(divisor, dtype=np.int64)
+        state = remainders % prime_to_ten
+        for k in range(tens):  # told apart by one more mark: numbered again, so the numbers stay small
+            v = (-remainders * pow(10, k, divisor)) % divisor
+            mark = np.where(v < 10 ** k, v, -1)
+            _, state = np.unique(state * (divisor + 1) + mark + 1, return_inverse=True)
+        some = np.zeros(int(state.max()) + 1, dtype=np.int64)
+        some[state] = remainders  # a remainder of each state
+        after = (some[:, None] * 10 + np.arange(10)) % divisor  # [state, digit]
+        self.start = int(state[0])
+        self.step = tuple(tuple(int(s) for s in row) for row in state[after])
+
+    @property
+    def states(self) -> int:
+        return len(self.step)
+
+
+@functools.lru_cache(maxsize=64)
+def divisibility(divisor: int) -> Divisibility:
+    return Divisibility(divisor)
 
 
 class NumberText:
@@ -46,26 +90,29 @@ class NumberText:
     reads a ``ByteRegex``: ``start``, ``step`` (falsy: the byte cannot come), ``matches``."""
 
     def __init__(self, regex: ByteRegex, *, multiple: Decimal | None = None, digits: int | None = None) -> None:
-        self.places, self.divisor = None, 1  # the multiple's decimal places (None: no multiple)
+        self.places, self.divisible = None, divisibility(1)  # the multiple's decimal places (None: no multiple)
         if multiple is not None:
             multiple = multiple.normalize()
             if not multiple.is_finite() or multiple <= 0:
                 raise RegexError("multipleOf must be a number greater than 0")
             self.places = max(0, -multiple.as_tuple().exponent)
-            self.divisor = int(multiple.scaleb(self.places))
-            if self.divisor * (self.places + 2) > MAX_STATES_PER_PATTERN_STATE:
-                raise RegexError(f"multipleOf {_plain(multiple)} has more digits than this engine follows "
-                                 f"(its digits times its decimal places must stay under {MAX_STATES_PER_PATTERN_STATE})")
+            divisor = int(multiple.scaleb(self.places))
+            if (divisor > MAX_DIVISOR or _prime_to_ten(divisor)[0] * (self.places + 2) > MAX_STATES_PER_PATTERN_STATE
+                    or divisibility(divisor).states * (self.places + 2) > MAX_STATES_PER_PATTERN_STATE):
+                raise RegexError(f"multipleOf {_plain(multiple)} has more digits than this engine follows (the "
+                                 "remainders that tell its multiples apart, times its decimal places plus 2, must stay "
+                                 f"under {MAX_STATES_PER_PATTERN_STATE})")
+            self.divisible = divisibility(divisor)
         self.digits = digits
         # Places are counted as far as anything reads them: MAX_PLACES where digits are counted, else
         # the multiple's places (past them only zeros come, whatever their number): states stay few.
         self._places_counted = MAX_PLACES if digits is not None else self.places
         # What a schema's size counts it as: the states one reading of the pattern may meet, which
         # a compile's search for a match may all visit (a second each, at the most).
-        self.cost = 0 if multiple is None else self.divisor * (self.places + 2)
+        self.cost = 0 if multiple is None else self.divisible.states * (self.places + 2)
         self.regex = regex
         self.edges = regex.edges  # (what a schema's size is counted by)
-        self.start: State = (regex.start, 0, None, 0, 0)
+        self.start: State = (regex.start, self.divisible.start, None, 0, 0)
         self._known: dict[State, bool] = {}
         if not self._alive(self.start):
             raise RegexError("no number of the range " + " and ".join(filter(None, (
@@ -82,7 +129,9 @@ class NumberText:
             return False
         if self.places is None:
             return True
-        return remainder * pow(10, self.places - min(places or 0, self.places), self.divisor) % self.divisor == 0
+        for _ in range(self.places - min(places or 0, self.places)):  # read as padded with zeros to its places
+            remainder = self.divisible.step[remainder][0]
+        return remainder == self.divisible.start
 
     def _advance(self, state: State, b: int) -> State | None:
         states, remainder, places, significant, zeros = state
@@ -101,7 +150,7 @@ class NumberText:
                 if b != 0x30:  # past the multiple's places: zeros only
                     return None
             else:
-                remainder = (remainder * 10 + b - 0x30) % self.divisor
+                remainder = self.divisible.step[remainder][b - 0x30]
             if places is not None:
                 places = min(places + 1, self._places_counted)
         elif b == 0x2E:
@@ -130,6 +179,16 @@ class NumberText:
         if not found:  # everything reached is a dead end too
             self._known.update(dict.fromkeys(seen, False))
         return found
+
+
+def _prime_to_ten(divisor: int) -> tuple[int, int]:
+    """``divisor`` without its factors 2 and 5, and the larger of their powers in it."""
+    powers = []
+    for factor in (2, 5):
+        powers.append(0)
+        while divisor % factor == 0:
+            divisor, powers[-1] = divisor // factor, powers[-1] + 1
+    return divisor, max(powers)
 
 
 def _plain(value: Decimal) -> str:
