@@ -26,20 +26,33 @@ def error_response(status: int, message: str, *, type: str | None = None, param=
     return Response(body, status=status, headers=headers)
 
 
-def drf_error_response(exc: drf_exceptions.APIException) -> Response:
-    """DRF's exception as one message; a field error names the field in ``param``."""
+# DRF's codes for a field, as OpenAI names them.
+_FIELD_CODES = {"required": "missing_required_parameter", "invalid": "invalid_value", "null": "invalid_value"}
+
+
+def drf_error_response(exc: drf_exceptions.APIException, context: dict | None = None) -> Response:
+    """DRF's exception as one message; a field error names the field in ``param``, and its code.
+    A method the view does not take says which ones it does (``context``: the handler's)."""
     detail = exc.detail
     if isinstance(detail, dict):
         param, messages = next(iter(detail.items())) if detail else (None, ["invalid request"])
-        message = str(messages[0] if isinstance(messages, list) else messages)
+        first = messages[0] if isinstance(messages, list) and messages else messages
+        message = str(first)
+        field_code = getattr(first, "code", None)
+        code = _FIELD_CODES.get(field_code, field_code) if param is not None else None
     elif isinstance(detail, list):
         param, message = None, str(detail[0]) if detail else "invalid request"
+        code = None
     else:
         param, message = None, str(detail)
-    codes = exc.get_codes()
-    code = codes if isinstance(codes, str) else None
+        codes = exc.get_codes()
+        code = codes if isinstance(codes, str) else None
     if isinstance(exc, drf_exceptions.NotAuthenticated):
         code = "invalid_api_key"
+    view, request = (context or {}).get("view"), (context or {}).get("request")
+    if isinstance(exc, drf_exceptions.MethodNotAllowed) and view is not None and request is not None:
+        allowed = [m for m in view.allowed_methods if m not in ("OPTIONS", "HEAD")]
+        message = f"Use {' or '.join(allowed)} for {request.path}." if allowed else message
     headers = {}
     if getattr(exc, "auth_header", None):
         headers["WWW-Authenticate"] = exc.auth_header

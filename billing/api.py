@@ -48,7 +48,7 @@ def billing_exception_handler(exc, context):
     if isinstance(exc, BillingError):
         return error_response(exc.status, exc.message, type=exc.type, param=exc.param, code=exc.code)
     if isinstance(exc, drf_exceptions.APIException):
-        return drf_error_response(exc)
+        return drf_error_response(exc, context)
     return None
 
 

@@ -156,6 +156,8 @@ def usd_amount(data, *, param: str, integers: bool = True) -> Decimal:
     if not isinstance(data, str):
         raise InvalidParameter(param, f"'{param}' must be a decimal string such as {example}.")
     text = data.strip()
+    if text.startswith("-") and _DECIMAL_STRING.fullmatch(text[1:]):
+        raise InvalidParameter(param, f"'{param}' cannot be negative: {data[:40]!r}.")
     if not _DECIMAL_STRING.fullmatch(text):
         raise InvalidParameter(param, f"'{param}' must be a decimal string such as {example}, not {data[:40]!r}.")
     return Decimal(text)
@@ -178,13 +180,27 @@ class UsdAmountField(serializers.CharField):
         return str(value)
 
 
-class TopUpRequestSerializer(serializers.Serializer):
+class RequestSerializer(serializers.Serializer):
+    """A request body: a field it does not know is a 400 naming it, not ignored (a misspelt
+    ``montly_limit`` must not answer 200 and leave the limit as it was)."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, dict):
+            for name in data:
+                if name not in self.fields:
+                    known = ", ".join(self.fields)
+                    raise serializers.ValidationError({name: [serializers.ErrorDetail(
+                        f"Unknown field '{str(name)[:40]}': this takes {known}.", code="unknown_parameter")]})
+        return super().to_internal_value(data)
+
+
+class TopUpRequestSerializer(RequestSerializer):
     """``{"amount": "20.00"}``: USD as a string, or a JSON integer; never a float."""
 
     amount = UsdAmountField()
 
 
-class SpendLimitRequestSerializer(serializers.Serializer):
+class SpendLimitRequestSerializer(RequestSerializer):
     """``{"monthly_limit": "100.00"}``, ``{"balance_alert": "10.00"}``, ``{"spend_alert": "80.00"}``,
     or several; null removes one, and one left out stays as it is."""
 

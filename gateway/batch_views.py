@@ -12,7 +12,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from . import batch_input, calls, pages, selectors, services
 from .downloads import download
-from .errors import ApiError, invalid
+from .errors import ApiError, invalid, json_object
 from .models import Batch, UploadedFile
 from .views import read_json
 
@@ -108,9 +108,7 @@ def batches(request, caller):
         found = {b.pk: b for b in selectors.batches_by_id(organization_id=caller.org_id,
                                                           ids=[item["id"] for item in listed["data"]])}
         return JsonResponse({**listed, "data": selectors.batches_json([found[item["id"]] for item in listed["data"]])})
-    body = read_json(request)
-    if not isinstance(body, dict):
-        raise invalid(None, "the request body must be a JSON object")
+    body = json_object(read_json(request))
     for name in body:
         if name not in BATCH_FIELDS:
             raise invalid(name, f"Unrecognized request argument supplied: {name}", code="unknown_parameter")

@@ -46,6 +46,15 @@ def invalid(param: str | None, message: str, *, code: str | None = None) -> ApiE
     return ApiError(400, message, param=param, code=code or ("invalid_value" if param else None))
 
 
+def json_object(body) -> dict:
+    """A request body, which must be a JSON object: anything else is a 400 saying what it is."""
+    if isinstance(body, dict):
+        return body
+    kind = ("null" if body is None else "a boolean" if isinstance(body, bool) else "a number"
+            if isinstance(body, (int, float)) else "a string" if isinstance(body, str) else "an array")
+    raise ApiError(400, f"The request body must be a JSON object, not {kind}.", code="invalid_type")
+
+
 def unexpected_error() -> ApiError:
     """What a client gets for a bug (the traceback goes to the log, not to the client)."""
     return ApiError(500, "The server hit an unexpected error; it is logged. Retry, or tell the operator.",

@@ -16,7 +16,7 @@ from typing import Any
 from workers.dispatch import response_format_problem
 
 from . import legacy_functions
-from .errors import ApiError, invalid, text_only
+from .errors import ApiError, invalid, json_object, text_only
 from .tools import ToolTurns, parse_tools
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -78,7 +78,7 @@ class InferenceRequest:
 
 
 def parse_chat(body: Any) -> InferenceRequest:
-    body = _object(body)
+    body = json_object(body)
     legacy, answers_legacy = legacy_functions.uses_functions(body), legacy_functions.asks_functions(body)
     if legacy:
         body = legacy_functions.as_tools(body)
@@ -118,7 +118,7 @@ def parse_chat(body: Any) -> InferenceRequest:
 
 
 def parse_completion(body: Any) -> InferenceRequest:
-    body = _object(body)
+    body = json_object(body)
     _no_unknown(body, COMPLETION_FIELDS)
     prompts = _prompts(body.get("prompt"))
     echo = body.get("echo")
@@ -159,7 +159,7 @@ def parse_embedding(body: Any) -> InferenceRequest:
     of either) is embedded by the deployment's model; ``dimensions`` keeps that many of each
     embedding's first values (normalized again), ``encoding_format`` writes them as numbers or
     as base64 of little-endian float32."""
-    body = _object(body)
+    body = json_object(body)
     _no_unknown(body, EMBEDDING_FIELDS)
     inputs = _inputs(body.get("input"))
     encoding = body.get("encoding_format")
@@ -341,11 +341,6 @@ def _logit_bias(bias: Any) -> dict[str, float]:
         clean[key] = float(value)
     return clean
 
-
-def _object(body: Any) -> dict:
-    if not isinstance(body, dict):
-        raise invalid(None, "the request body must be a JSON object")
-    return body
 
 
 def _response_format(value: Any) -> dict | None:

@@ -16,7 +16,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .errors import ApiError, invalid
+from .errors import ApiError, invalid, json_object
 from .protocol import InferenceRequest, parse_chat
 
 FIELDS = {
@@ -70,9 +70,7 @@ def parse_response_request(body: Any, *, history: Callable[[str], tuple[list[dic
     """The chat request a Responses body asks for. ``history(id)`` is the conversation of a stored
     response, its output included, and its status (None: no such response); ``can_store``:
     whether responses are kept at all."""
-    if not isinstance(body, dict):
-        raise invalid(None, "the request body must be a JSON object")
-    for name in body:
+    for name in json_object(body):
         if name not in FIELDS:
             raise invalid(name, f"Unrecognized request argument supplied: {name}", code="unknown_parameter")
     for name, accepted in NO_OPS.items():

@@ -12,7 +12,7 @@ urlpatterns = [
     path("", include("billing.urls")),
     path("", include("models_catalog.urls")),
     path("", include("workers.urls")),
-    re_path(r"^v1/", unknown_endpoint),  # after every API route: the rest of /v1/ is a JSON 404
+    re_path(r"^v1(/|$)", unknown_endpoint),  # after every API route: the rest of /v1 is a JSON 404
     path("admin/", admin.site.urls),
     path("", include("dashboard.urls")),
 ]

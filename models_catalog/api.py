@@ -66,7 +66,7 @@ def exception_handler(exc, context):
     if isinstance(exc, CatalogError):
         return error_response(400, exc.message, code="invalid_value")
     if isinstance(exc, drf_exceptions.APIException):
-        return drf_error_response(exc)
+        return drf_error_response(exc, context)
     return None
 
 

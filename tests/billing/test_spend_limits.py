@@ -90,7 +90,7 @@ def test_the_limit_set_through_the_api_is_what_the_quota_check_refuses_at(client
     '{"monthly_limit": "-1"}', '{"monthly_limit": "1e3"}', '{"monthly_limit": "1.0000001"}',
     '{"monthly_limit": "1000000000000"}', '{"monthly_limit": "999999999999.999999"}',
     '{"monthly_limit": "1000000000"}', '{"monthly_limit": ""}', '{"monthly_limit": true}',
-    '{"monthly_limit": ["1"]}', '{"monthly_limit": {"amount": "1"}}', "{}", '{"monthly_limt": "5"}',
+    '{"monthly_limit": ["1"]}', '{"monthly_limit": {"amount": "1"}}', "{}",
 ])
 def test_bad_input_is_400_naming_monthly_limit_and_changes_nothing(client, acme, raw):
     organization, manager, _ = acme
@@ -101,6 +101,24 @@ def test_bad_input_is_400_naming_monthly_limit_and_changes_nothing(client, acme,
     assert error["param"] == "monthly_limit" and error["type"] == "invalid_request_error"
     assert set(error) == {"message", "type", "param", "code"}
     assert limit_of(organization) == Decimal("42")
+
+
+def test_a_misspelt_field_is_400_naming_it_and_changes_nothing(client, acme):
+    organization, manager, _ = acme
+    services.set_spend_limit(organization=organization, monthly_limit=Decimal("42"))
+    response = put(client, None, key=manager, raw='{"montly_limit": "5"}')
+    assert response.status_code == 400, response.content
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("montly_limit", "unknown_parameter")
+    assert "monthly_limit, balance_alert, spend_alert" in error["message"]
+    assert limit_of(organization) == Decimal("42")
+
+
+def test_a_negative_amount_is_refused_as_negative(client, acme):
+    organization, manager, _ = acme
+    error = put(client, None, key=manager, raw='{"monthly_limit": "-5"}').json()["error"]
+    assert (error["param"], error["code"]) == ("monthly_limit", "invalid_value")
+    assert error["message"] == "'monthly_limit' cannot be negative: '-5'."
 
 
 def test_the_largest_limit_is_accepted_and_one_above_is_refused_naming_the_maximum(client, acme):

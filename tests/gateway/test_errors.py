@@ -359,6 +359,24 @@ def test_get_on_an_inference_endpoint_is_405(client, seeded, org_key):
     assert_error(client.get(CHAT, HTTP_AUTHORIZATION=f"Bearer {plaintext}"), 405)
 
 
+@pytest.mark.parametrize("path", [CHAT, "/v1/responses", "/v1/batches"])
+@pytest.mark.parametrize("body, kind", [([1, 2], "an array"), ("hi", "a string"), (None, "null"), (3, "a number")])
+def test_a_body_that_is_not_a_json_object_says_what_it_is(client, seeded, org_key, path, body, kind):
+    org, key, plaintext = org_key()
+    error = assert_error(post(client, path, json.dumps(body), key=plaintext), 400, code="invalid_type")
+    assert error["message"] == f"The request body must be a JSON object, not {kind}."
+    assert no_usage(org)
+
+
+def test_a_rest_endpoint_says_which_methods_it_takes(client, seeded, org_key):
+    org, key, plaintext = org_key()
+    response = client.get("/v1/deployments/anything/scale", HTTP_AUTHORIZATION=f"Bearer {plaintext}")
+    error = assert_error(response, 405, code="method_not_allowed")
+    assert error["message"] == "Use POST for /v1/deployments/anything/scale."
+    response = client.delete("/v1/billing/limits", HTTP_AUTHORIZATION=f"Bearer {plaintext}")
+    assert assert_error(response, 405, code="method_not_allowed")["message"] == "Use GET or PUT for /v1/billing/limits."
+
+
 @pytest.mark.parametrize("path", ["/v1/models", "/v1/models/smollm2-135m-instruct"])
 def test_the_models_endpoints_answer_get_only(client, seeded, org_key, path):
     org, key, plaintext = org_key()
@@ -369,7 +387,7 @@ def test_the_models_endpoints_answer_get_only(client, seeded, org_key, path):
 
 
 @pytest.mark.parametrize("method, path", [("post", "/v1/moderations"), ("post", "/v1/chat/completions/"),
-                                          ("get", "/v1/models/a/b"), ("get", "/v1/nothing")])
+                                          ("get", "/v1/models/a/b"), ("get", "/v1/nothing"), ("get", "/v1")])
 def test_an_unknown_api_path_is_a_json_404(client, method, path):
     response = client.post(path, data="{}", content_type="application/json") if method == "post" else client.get(path)
     error = assert_error(response, 404, code="unknown_url")
