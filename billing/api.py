@@ -10,6 +10,7 @@ or an admin). Every answer concerns the caller's organization only. Errors follo
 from __future__ import annotations
 
 import csv
+import logging
 from decimal import Decimal
 from typing import Iterable, Iterator
 
@@ -34,6 +35,7 @@ from accounts.selectors import current_organization_for_user
 from . import selectors, serializers, services
 from .errors import BillingError
 
+log = logging.getLogger(__name__)
 EXPORT_CHUNK_ROWS = 2000
 
 _PERIOD = [
@@ -46,7 +48,11 @@ _ERRORS = {400: _ERROR, 401: _ERROR, 403: _ERROR}
 def billing_exception_handler(exc, context):
     """BillingError and DRF's own errors, rendered in OpenAI's shape; anything else: a 500."""
     if isinstance(exc, BillingError):
-        return error_response(exc.status, exc.message, type=exc.type, param=exc.param, code=exc.code)
+        response = error_response(exc.status, exc.message, type=exc.type, param=exc.param, code=exc.code)
+        if exc.expected:
+            log.warning("%s %s: %s", exc.status, exc.code, exc.message)
+            response._has_been_logged = True  # (what Django's request logging reads)
+        return response
     if isinstance(exc, drf_exceptions.APIException):
         return drf_error_response(exc, context)
     return None

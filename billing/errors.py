@@ -11,6 +11,9 @@ class BillingError(Exception):
     type = "invalid_request_error"
     code: str | None = None
     default_message = "billing error"
+    # A 5xx that is the platform as its operator set it up, not a failure: logged as a warning,
+    # not as Django's ERROR for every 5xx, which alerting on errors would page for.
+    expected = False
 
     def __init__(self, message: str | None = None, *, code: str | None = None, param: str | None = None):
         self.message = message or self.default_message
@@ -84,6 +87,7 @@ class PaymentsNotConfigured(BillingError):
     status = 503
     type = "server_error"
     code = "payments_not_configured"
+    expected = True
     default_message = "Payments are not configured on this platform (STRIPE_SECRET_KEY is unset)."
 
 

@@ -8,9 +8,8 @@ from urllib.parse import urlsplit
 from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied
 from django.http import HttpResponse
-from django.shortcuts import redirect, resolve_url
+from django.shortcuts import redirect, render, resolve_url
 from django.utils.http import url_has_allowed_host_and_scheme, urlencode
 
 from ..organizations import current_organization
@@ -63,10 +62,16 @@ def staff_required(view):
     @wraps(view)
     def wrapped(request, *args, **kwargs):
         if not request.user.is_staff:
-            raise PermissionDenied("This page is for the platform's operators.")
+            return forbidden(request, "This page is for the platform's operators.")
         return view(request, *args, **kwargs)
 
     return wrapped
+
+
+def forbidden(request, reason: str) -> HttpResponse:
+    """The 403 page, saying why. Returned, not raised as PermissionDenied, which Django logs with
+    a traceback: a refusal is no bug (Django still logs the 403, as a warning)."""
+    return render(request, "403.html", {"exception": reason}, status=403)
 
 
 def safe_next(request, fallback: str = "/") -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 from django.contrib import messages
-from django.core.exceptions import PermissionDenied
 from django.http import Http404
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_POST
@@ -19,7 +18,7 @@ from gateway import services as response_services
 from accounts.models import MANAGER_ROLES
 from accounts.selectors import can_change, membership_for
 
-from .common import organization_required
+from .common import forbidden, organization_required
 
 PER_PAGE = 25
 
@@ -61,7 +60,7 @@ def _manages(request) -> bool:
 @require_POST
 def response_delete(request, response_id: str):
     if not _manages(request):
-        raise PermissionDenied("Deleting a stored response needs an owner or admin of the organization.")
+        return forbidden(request, "Deleting a stored response needs an owner or admin of the organization.")
     if not response_services.delete_response(organization_id=request.organization.pk, response_id=response_id):
         raise Http404("No such response.")
     messages.success(request, f"Response {response_id} is deleted.")
@@ -129,7 +128,7 @@ def batch_cancel(request, batch_id: str):
     if batch is None:
         raise Http404("No such batch.")
     if not _may_cancel(membership_for(user=request.user, organization=request.organization), batch):
-        raise PermissionDenied("A member may cancel the batches their own keys started; ask an owner or admin.")
+        return forbidden(request, "A member may cancel the batches their own keys started; ask an owner or admin.")
     if response_services.cancel_batch(batch=batch).status == "cancelling":
         messages.success(request, f"Batch {batch_id} is cancelling: the requests running finish, no other starts.")
     else:

@@ -335,3 +335,14 @@ def test_topups_without_stripe_configured_are_503(db, settings):
     settings.STRIPE_SECRET_KEY = ""
     with pytest.raises(PaymentsNotConfigured):
         services.create_topup(organization=make_organization("NoStripe"), amount=Decimal("10"))
+
+
+def test_a_topup_without_stripe_configured_is_a_503_logged_as_a_warning(db, client, settings, caplog):
+    """The platform as its operator set it up, not a failure: no ERROR for alerting to page on."""
+    settings.STRIPE_SECRET_KEY = ""
+    client.force_login(make_organization("NoStripeApi").memberships.get().user)
+    with caplog.at_level("WARNING"):
+        response = client.post("/v1/billing/topups", {"amount": "10.00"}, content_type="application/json")
+    assert response.status_code == 503 and response.json()["error"]["code"] == "payments_not_configured"
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    assert any(r.levelname == "WARNING" and "payments_not_configured" in r.getMessage() for r in caplog.records)

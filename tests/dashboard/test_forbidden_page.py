@@ -24,10 +24,13 @@ def _page(user, exception: PermissionDenied) -> str:
     return response.content.decode()
 
 
-def test_an_operator_page_says_it_is_for_operators(ada):
-    response = ada.get("/operator/fleet/")
+def test_an_operator_page_says_it_is_for_operators(ada, caplog):
+    with caplog.at_level("WARNING", logger="django.request"):
+        response = ada.get("/operator/fleet/")
     assert response.status_code == 403
     assert _reason(response.content.decode()) == "This page is for the platform&#x27;s operators."
+    [record] = [r for r in caplog.records if r.name == "django.request"]
+    assert record.levelname == "WARNING" and record.exc_info is None  # a refusal, not a bug: no traceback
 
 
 def test_a_refusal_with_a_reason_shows_that_reason_and_not_the_operators(acme):
