@@ -174,8 +174,10 @@ def make_api_key(*, org_name: str, email: str | None, scopes: list[str], name: s
                 organization = create_organization(name=org_name, owner=user)
                 notes.append(f"created the organization {organization.name!r} owned by {user.email}")
             elif user is not None and not Membership.objects.filter(organization=organization, user=user).exists():
-                add_member(organization=organization, user=user, role=Membership.Role.ADMIN)
-                notes.append(f"added {user.email} to {organization.name!r} as an admin")
+                # A key acts with its creator's role: an admin's only for a key that manages.
+                role = Membership.Role.ADMIN if "manage" in scopes else Membership.Role.MEMBER
+                add_member(organization=organization, user=user, role=role)
+                notes.append(f"added {user.email} to {organization.name!r} as {'an admin' if role == 'admin' else 'a member'}")
             if user is None:
                 owner = organization.memberships.filter(role=Membership.Role.OWNER).select_related("user").first()
                 user = owner.user if owner else None
@@ -604,6 +606,15 @@ def cmd_createkey(args) -> int:
     return 0
 
 
+# What an operator most often sets; the README's Settings lists every one.
+SETTINGS_EPILOG = """settings (environment variables; the README's Settings section lists them all):
+  DATA_DIR       SQLite file, embedded Redis socket, logs, the saved key (default: .data in the checkout)
+  DATABASE_URL   postgresql://user:pass@host:5432/name (default: SQLite in DATA_DIR)
+  REDIS_URL      redis://host:6379/0 (default: a private Redis on a socket in DATA_DIR, started here)
+  DEBUG          true (default) for development; false needs SECRET_KEY and ALLOWED_HOSTS
+  LOG_LEVEL      INFO (default), DEBUG, WARNING, ..."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="inference-platform",
@@ -612,7 +623,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     up = sub.add_parser("up", help="start everything in the foreground (Redis, migrations, web, worker)",
-                        description="Start the whole platform on its embedded defaults; Ctrl-C stops it all.")
+                        description="Start the whole platform on its embedded defaults; Ctrl-C stops it all.",
+                        epilog=SETTINGS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     up.add_argument("--host", default="127.0.0.1", help="address the web server listens on (default 127.0.0.1)")
     up.add_argument("--port", type=port_number, default=8000, help="web server port (default 8000)")
     up.add_argument("--concurrency", type=counting(1), default=None,
@@ -623,13 +635,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="deployments the worker may host at once; the placement loop fills them (default 4)")
     up.set_defaults(func=cmd_up)
 
-    web = sub.add_parser("web", help="start the ASGI web server only", description="Start the ASGI web server (HTTP + WebSocket).")
+    web = sub.add_parser("web", help="start the ASGI web server only", description="Start the ASGI web server (HTTP + WebSocket).",
+                         epilog=SETTINGS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     web.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     web.add_argument("--port", type=port_number, default=8000, help="port (default 8000)")
     web.add_argument("--workers", type=counting(1), default=1, help="web server processes (default 1)")
     web.set_defaults(func=cmd_web)
 
-    worker = sub.add_parser("worker", help="start one Celery worker", description="Start one Celery worker process (thread pool, late acks; it takes from the queue what the engines it hosts can run).")
+    worker = sub.add_parser("worker", help="start one Celery worker", description="Start one Celery worker process (thread pool, late acks; it takes from the queue what the engines it hosts can run).",
+                            epilog=SETTINGS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     worker.add_argument("--queues", type=lambda s: [q for q in s.split(",") if q], default=DEFAULT_QUEUES,
                         help="comma-separated queues to consume (default: default,billing)")
     worker.add_argument("--deployments", type=lambda s: [d for d in s.split(",") if d], default=[],
@@ -657,8 +671,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     createkey.add_argument("--org", default=DEFAULT_ORG, help=f"organization name (default {DEFAULT_ORG!r}; created when missing)")
     createkey.add_argument("--email", default=None,
-                           help=f"the user the key is created for (created when missing); default: the organization's owner, "
-                                f"or {ADMIN_EMAIL} for a new organization")
+                           help=f"the user the key is created for (created when missing, and added to an existing "
+                                f"organization as a member, or as an admin for a key with the manage scope); default: "
+                                f"the organization's owner, or {ADMIN_EMAIL} for a new organization")
     createkey.add_argument("--scopes", default=",".join(DEFAULT_SCOPES),
                            help=f"comma-separated scopes among inference, read_usage, manage (default {','.join(DEFAULT_SCOPES)})")
     createkey.add_argument("--name", default="cli", help="a name for the key (default 'cli')")

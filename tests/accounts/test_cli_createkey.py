@@ -49,6 +49,18 @@ def test_createkey_reuses_an_existing_org_and_its_owner():
     assert Organization.objects.count() == 1 and User.objects.count() == 1
 
 
+@pytest.mark.parametrize("scopes, role", [("inference", "member"), ("inference,manage", "admin")])
+def test_createkey_for_a_new_user_of_an_existing_org_gives_them_the_role_the_key_needs(scopes, role):
+    """A key acts with its creator's role: only one that manages needs an admin."""
+    owner = create_user(email="ada@example.com", password="a-long-pass-phrase-42")
+    org = create_organization(name="Acme", owner=owner)
+    result = createkey("--org", "Acme", "--email", "bob@example.com", "--scopes", scopes)
+    assert result.returncode == 0, result.stderr
+    assert Membership.objects.get(organization=org, user__email="bob@example.com").role == role
+    assert f"to 'Acme' as {'an admin' if role == 'admin' else 'a member'}" in result.stderr
+    assert authenticate_api_key(result.stdout.strip()).created_by.email == "bob@example.com"
+
+
 def test_createkey_into_an_organization_without_owner_makes_a_key_that_acts_as_it():
     """No user to make it for: the key says the command line made it, the one creator-less key with
     an owner's rights (a deleted member's key is revoked, never left like this)."""

@@ -46,6 +46,8 @@ def test_every_command_has_help(command):
     if not command:  # the top-level help lists every subcommand
         listed = re.findall(r"^    (\S+)", result.stdout, flags=re.MULTILINE)
         assert listed == subcommands(), result.stdout
+    if command in (["up"], ["web"], ["worker"]):  # where they keep their data, and how to change it
+        assert "DATA_DIR" in result.stdout and "DATABASE_URL" in result.stdout and "REDIS_URL" in result.stdout
 
 
 def test_the_installed_console_script_runs():
