@@ -109,17 +109,18 @@ class DeploymentSettingsForm(forms.Form):
                "dtype": "auto", "quantization": "none"}
 
     def clean(self):
+        # Each check runs when the fields it reads are valid, whatever other field is not: every
+        # error shows on the first submit, not one more after each fix.
         data = super().clean()
-        if self.errors:
-            return data
-        low, high = data["min_replicas"], data["max_replicas"]
-        if data["kind"] == Deployment.Kind.DEDICATED:
+        low, high = data.get("min_replicas"), data.get("max_replicas")
+        if data.get("kind") == Deployment.Kind.DEDICATED:
             data["scale_to_zero"] = False
-            if low < 1:
+            if low is not None and low < 1:
                 self.add_error("min_replicas", "A dedicated deployment keeps at least one replica.")
-        if high < low:
+        if low is not None and high is not None and high < low:
             self.add_error("max_replicas", "Max replicas must be at least min replicas.")
-        if data.get("scale_to_zero") and data["scale_to_zero_seconds"] < 1:
+        seconds = data.get("scale_to_zero_seconds")
+        if data.get("scale_to_zero") and seconds is not None and seconds < 1:
             self.add_error("scale_to_zero_seconds", "Give the idle time in seconds (at least 1).")
         return data
 

@@ -57,6 +57,22 @@ def test_bad_settings_are_refused_with_the_field_named(ada, catalog, changes, fi
     assert not Deployment.objects.filter(organization__isnull=False).exists()
 
 
+def test_every_bad_field_is_reported_on_the_first_submit(ada, catalog):
+    """A bad name does not hide the replicas' error until the next submit: both show at once, by
+    their fields and in the form's summary."""
+    response = ada.post("/deploy/", {**FORM, "name": "Bad Name", "min_replicas": "3", "max_replicas": "1"})
+    errors = response.context["form"].errors
+    assert "lowercase letters" in " ".join(errors["name"])
+    assert "at least min replicas" in " ".join(errors["max_replicas"])
+    summary = response.content.decode().split('id="error-summary"')[1].split("</div>")[0]
+    assert 'href="#id_name"' in summary and 'href="#id_max_replicas"' in summary
+    response = ada.post("/deploy/", {**FORM, "kind": "dedicated", "min_replicas": "0", "queue_limit": "0",
+                                     "scale_to_zero_seconds": "x"})
+    errors = response.context["form"].errors
+    assert set(errors) == {"min_replicas", "queue_limit", "scale_to_zero_seconds"}, errors
+    assert "at least one replica" in " ".join(errors["min_replicas"])
+
+
 def test_the_list_shows_own_and_public_deployments_only(ada, acme, globex, catalog):
     model, public = catalog
     _, acme_org = acme
