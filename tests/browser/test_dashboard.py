@@ -20,6 +20,9 @@ from tests.support import wait_until
 pytestmark = pytest.mark.slow
 
 HOME = re.compile(r"^https?://[^/]+/$")
+LAPTOP = {"width": 1280, "height": 800}
+DESKTOP = {"width": 1440, "height": 900}  # new_page's
+KEY_NAME = "journey key for the nightly analytics backend"  # long: shortened in the keys table, wrapped elsewhere
 
 
 def _chat(base: str, key: str, model: str):
@@ -29,6 +32,16 @@ def _chat(base: str, key: str, model: str):
 
 def _set_range(page, selector: str, value: str) -> None:
     page.eval_on_selector(selector, "(el, v) => { el.value = v; el.dispatchEvent(new Event('input')); }", value)
+
+
+def _fits_a_laptop(page, table: str) -> bool:
+    """Whether ``table`` fits its card on a 1280 px laptop: its box has nothing to scroll sideways,
+    no column is cut off."""
+    page.set_viewport_size(LAPTOP)
+    try:
+        return page.eval_on_selector(table, "t => t.parentElement.scrollWidth <= t.parentElement.clientWidth")
+    finally:
+        page.set_viewport_size(DESKTOP)
 
 
 def _serve(worker: str, deployment: str) -> None:
@@ -54,7 +67,7 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     # --- an API key, shown once ------------------------------------------------------------------------
     page.click("nav >> text=API keys")
     page.click("#create-key-button")
-    page.fill("#create-key-dialog #id_name", "journey key")
+    page.fill("#create-key-dialog #id_name", KEY_NAME)
     page.check("#create-key-dialog input[value=read_usage]")
     shot(page, "03-api-key-create-dialog")
     page.click("#create-key-submit")
@@ -63,6 +76,7 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     page.click("#copy-new-key")
     page.wait_for_selector("#copy-new-key.copied")
     shot(page, "04-api-key-created")
+    assert _fits_a_laptop(page, "#api-keys-table")  # its Revoke button is not cut off
     page.reload()
     assert page.locator("#new-key-secret").count() == 0 and secret not in page.content()
 
@@ -243,7 +257,7 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     assert "/v1/ws" in page.inner_text(f"#usage-requests tr[data-request='{stopped_id}']")  # the playground's socket
     assert "/v1/ws" in page.inner_text("#usage-by-endpoint")
     by_key = page.inner_text("#usage-by-key")
-    assert "journey key" in by_key and "Playground" in by_key
+    assert KEY_NAME in by_key and "Playground" in by_key
     assert page.get_attribute("#csv-export", "href").startswith("/v1/usage/export.csv?start=")
     page.wait_for_timeout(400)  # the charts' entry animation (250 ms), for the screenshot only
     shot(page, "12-usage")
@@ -285,15 +299,12 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     assert row.get_attribute("data-status") == "completed"
     assert row.locator("[data-progress]").get_attribute("data-progress") == "2/2"
     shot(page, "13d-batches")
-    page.set_viewport_size({"width": 1280, "height": 800})  # a laptop's: the table fits, no sideways scroll
-    assert page.evaluate("(t => t.parentElement.scrollWidth <= t.parentElement.clientWidth)"
-                         "(document.querySelector('#batches-table'))")
-    page.set_viewport_size({"width": 1440, "height": 900})
+    assert _fits_a_laptop(page, "#batches-table")
 
     # --- revoke the key: calls with it fail ---------------------------------------------------------------
     page.click("nav >> text=API keys")
-    page.click("tr[data-key='journey key'] button:has-text('Revoke')")
-    page.wait_for_selector("tr[data-key='journey key'] .badge-revoked")
+    page.click(f"tr[data-key='{KEY_NAME}'] button:has-text('Revoke')")
+    page.wait_for_selector(f"tr[data-key='{KEY_NAME}'] .badge-revoked")
     shot(page, "14-api-key-revoked")
     response = _chat(stack, secret, name)
     assert response.status_code == 401

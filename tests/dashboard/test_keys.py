@@ -91,8 +91,8 @@ def test_the_list_shows_when_a_key_was_last_used_and_when_it_expires(ada, acme):
     page = ada.get("/api-keys/").content.decode()
     used_row = page.split('data-key="used"')[1].split("</tr>")[0]
     idle_row = page.split('data-key="idle"')[1].split("</tr>")[0]
-    assert "3\xa0hours ago" in used_row and "May 17, 2031" in used_row
-    assert idle_row.count("Never") == 2  # never used, never expires
+    assert "3\xa0hours ago" in used_row and "expires May 17, 2031" in used_row
+    assert "Never" in idle_row and "never expires" in idle_row
 
 
 def test_a_key_whose_limit_is_refused_is_not_made_at_all(acme):
