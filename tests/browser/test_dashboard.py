@@ -92,7 +92,7 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     assert f'base_url="{stack}/v1"' in page.inner_text("#model-examples pre[data-panel=python]")
     shot(page, "06-model-page")
 
-    name = unique("journey").lower()
+    name = unique("journey-smollm2-135m-instruct").lower()  # as long as real names get
     page.click("text=Deploy this model")
     assert page.input_value("#id_name")  # a name is suggested
     page.fill("#id_name", name)
@@ -261,6 +261,7 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     assert page.get_attribute("#csv-export", "href").startswith("/v1/usage/export.csv?start=")
     page.wait_for_timeout(400)  # the charts' entry animation (250 ms), for the screenshot only
     shot(page, "12-usage")
+    assert _fits_a_laptop(page, "#usage-requests")  # its Cost and Status columns are not cut off
 
     page.goto(f"/deployments/{name}/")
     assert page.inner_text("#m-requests") == "6"
