@@ -379,13 +379,22 @@ def test_another_organization_sees_none_of_it(new_page, stack, db_call):
 def test_operator_pages_and_team_management(new_page, stack, inference_worker, db_call):
     email = f"{unique('operator')}@example.com"
 
+    long_name = unique("smollm2-135m-instruct-production-eu-west")
+
     def operator():
         from accounts.services import create_organization, create_user
+        from models_catalog.models import CatalogModel
+        from models_catalog.services import create_deployment
 
         user = create_user(email=email, password=PASSWORD, name="Olive Operator")
         user.is_staff = True
         user.save(update_fields=["is_staff"])
         create_organization(name="Platform Ops", owner=user)
+        # A customer's deployment whose names are long, for the fleet's table.
+        customer = create_organization(name="Analytical Engines Research Laboratory",
+                                       owner=create_user(email=f"{unique('customer')}@example.com", password=None))
+        create_deployment(organization=customer, model=CatalogModel.objects.get(slug=DEPLOYMENT), name=long_name,
+                          kind="dedicated", min_replicas=2, max_replicas=12)
 
     db_call(operator)
     page = new_page()
@@ -400,7 +409,10 @@ def test_operator_pages_and_team_management(new_page, stack, inference_worker, d
     page.wait_for_url("**/operator/fleet/")
     page.wait_for_selector(f"#workers-table tr[data-worker='{inference_worker}']", timeout=20_000)
     assert DEPLOYMENT in page.inner_text(f"#workers-table tr[data-worker='{inference_worker}']")
+    assert "Analytical Engines" in page.inner_text(f"#fleet-deployments tr[data-deployment='{long_name}']")
     shot(page, "18-fleet")
+    for table in ("#workers-table", "#fleet-deployments"):  # the heartbeat and the status are not cut off
+        assert _fits_a_laptop(page, table), table
     page.click("nav >> text=Import a model")
     page.fill("#id_path", "../etc/passwd")
     page.click("form.card button[type=submit]")
