@@ -28,6 +28,13 @@ assert {value for value, _ in SCOPE_CHOICES} == set(SCOPES)
 # The largest limit billing accepts (its service checks it again, for the API too).
 SPEND_LIMIT_MAX = LIMIT_MAX
 
+QUANTIZATION_CHOICES = [
+    (Deployment.Quantization.NONE, "Compute precision"),
+    (Deployment.Quantization.FP8, "FP8, per channel"),
+    (Deployment.Quantization.FP8_PER_TENSOR, "FP8, per tensor"),
+]
+assert {value for value, _ in QUANTIZATION_CHOICES} == set(Deployment.Quantization.values)
+
 EXPIRY_CHOICES = [("", "Never"), ("30", "In 30 days"), ("90", "In 90 days"), ("365", "In one year")]
 
 
@@ -99,10 +106,12 @@ class DeploymentSettingsForm(forms.Form):
     queue_limit = _int_field("queue_limit", "Queue limit", "Requests waiting at most; more are answered 429.")
     dtype = forms.ChoiceField(label="Precision", choices=Deployment.Dtype.choices, initial=Deployment.Dtype.AUTO,
                               help_text="auto: the best the worker's device supports.")
-    quantization = forms.ChoiceField(label="Weights", choices=Deployment.Quantization.choices,
+    # Short labels, which fit a half-width select on a laptop; the help says what they mean.
+    quantization = forms.ChoiceField(label="Weights", choices=QUANTIZATION_CHOICES,
                                      initial=Deployment.Quantization.NONE, required=False,
-                                     help_text="FP8 halves the weights' memory and speeds decode on Hopper GPUs, "
-                                               "at a small cost in accuracy.")
+                                     help_text="FP8 halves the weights' memory and speeds decode on Hopper and "
+                                               "newer GPUs, at a small cost in accuracy (smaller per channel than "
+                                               "per tensor).")
 
     INITIAL = {"kind": "serverless", "batch_window_ms": 20, "max_batch_size": 32, "min_replicas": 0,
                "max_replicas": 1, "scale_to_zero": True, "scale_to_zero_seconds": 300, "queue_limit": 256,

@@ -267,6 +267,18 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     assert page.inner_text("#m-requests") == "6"
     page.wait_for_timeout(400)
     shot(page, "13-deployment")
+    # On a laptop, the code tabs leave room for their Copy button on their line, and the Weights
+    # options show whole in their half-width select.
+    page.set_viewport_size(LAPTOP)
+    assert page.eval_on_selector("#deployment-examples .tabbar", """bar => bar.querySelector(".copy-btn")
+        .getBoundingClientRect().top < bar.querySelector(".tab").getBoundingClientRect().bottom""")
+    clipped = page.eval_on_selector("#id_quantization", """select => {
+        const style = getComputedStyle(select), text = document.createElement("canvas").getContext("2d");
+        text.font = style.font;
+        const room = select.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+        return [...select.options].map((o) => o.text).filter((label) => text.measureText(label).width > room); }""")
+    assert not clipped, clipped
+    page.set_viewport_size(DESKTOP)
 
     # --- a Responses API call is stored: the logs list it, with its conversation ---------------------------
     stored = httpx.post(f"{stack}/v1/responses", headers={"Authorization": f"Bearer {secret}"}, timeout=120,
