@@ -118,14 +118,33 @@
     else field.removeAttribute("aria-invalid");
   }
 
+  // Max tokens: at most the selected model's context, which the API refuses to exceed (the field's
+  // own max when the catalog does not know it).
+  const maxField = $("p-max-tokens"), maxTokensCap = Number(maxField.max);
+
+  function followContext() {
+    const context = Number(select.selectedOptions[0]?.dataset.contextLength) || 0;
+    maxField.max = String(context || maxTokensCap);
+    const help = $("p-max-tokens-help");
+    help.textContent = context ? `At most ${context.toLocaleString("en-US")}: this model's context, prompt included.` : "";
+    help.hidden = !context;
+    if (maxField.hasAttribute("aria-invalid") || Number(maxField.value) > Number(maxField.max)) {
+      showParamError("p-max-tokens", maxTokensError());
+    }
+  }
+
+  function maxTokensError() {
+    const ceiling = Number(maxField.max), value = wholeNumber(maxField, 256, 9);
+    return value >= 1 && value <= ceiling ? null : `Enter a whole number from 1 to ${ceiling.toLocaleString("en-US")}.`;
+  }
+
   // The frame's sampling parameters, or null after showing what is wrong next to each field.
   function params() {
     const frame = { temperature: Number($("p-temperature").value), top_p: Number($("p-top-p").value) };
     const errors = {};
-    const maxField = $("p-max-tokens"), ceiling = Number(maxField.max);
-    const maxTokens = wholeNumber(maxField, 256, 9);
-    if (maxTokens >= 1 && maxTokens <= ceiling) frame.max_tokens = maxTokens;
-    else errors["p-max-tokens"] = `Enter a whole number from 1 to ${ceiling.toLocaleString("en-US")}.`;
+    const maxError = maxTokensError();
+    if (maxError) errors["p-max-tokens"] = maxError;
+    else frame.max_tokens = wholeNumber(maxField, 256, 9);
     const stops = stopSequences();
     if (stops.length > MAX_STOP) errors["p-stop"] = `At most ${MAX_STOP} stop sequences, one per line.`;
     else if (stops.length) frame.stop = stops;
@@ -336,7 +355,9 @@
     const url = new URL(window.location.href);
     url.searchParams.set("deployment", select.value);
     window.history.replaceState(null, "", url);
+    followContext();
   });
+  followContext();
   connect();
   input.focus();
 })();

@@ -526,3 +526,44 @@ def test_the_playground_bills_the_organization_on_screen_after_a_switch_in_anoth
     assert "Reload the page" in page.inner_text("#conn-state")
     shot(page, "22-playground-refused")
     assert not page.js_errors, page.js_errors
+
+
+def test_the_playground_caps_max_tokens_at_the_selected_models_context(new_page, stack, db_call):
+    """Max tokens goes up to the selected model's context, which the API refuses to exceed, and
+    follows the selection; a model whose context the catalog does not know keeps the field's cap."""
+    page = new_page()
+    account = sign_up(page, name="Max Tokens", organization=unique("Context"))
+    tag = unique("ctx").lower()
+
+    def deployments():
+        from accounts.models import Organization
+        from models_catalog.models import CatalogModel
+        from models_catalog.services import create_deployment
+
+        organization = Organization.objects.get(name=account.organization)
+        for suffix, context in (("short", 2048), ("unknown", 0)):
+            model = CatalogModel.objects.create(slug=f"{tag}-{suffix}", display_name=f"Context {suffix}",
+                                                architecture="llama", context_length=context,
+                                                weights_path=f"{tag}-{suffix}.gguf")
+            create_deployment(organization=organization, model=model, name=f"{tag}-{suffix}")
+
+    db_call(deployments)
+    page.goto(f"/playground/?deployment={DEPLOYMENT}")  # the bundled model: 8,192 tokens
+    page.wait_for_selector("#conn-state[data-state=open]")
+    assert page.get_attribute("#p-max-tokens", "max") == "8192"
+    assert "8,192" in page.inner_text("#p-max-tokens-help")
+    page.fill("#p-max-tokens", "20000")
+    page.fill("#chat-input", "Say hi.")
+    page.keyboard.press("Enter")
+    assert "from 1 to 8,192" in page.inner_text("#p-max-tokens-error")
+    assert page.locator(".msg").count() == 0  # refused before sending, not by an error reply
+
+    page.fill("#p-max-tokens", "4000")
+    page.select_option("#deployment-select", f"{tag}-short")
+    assert page.get_attribute("#p-max-tokens", "max") == "2048"
+    assert "from 1 to 2,048" in page.inner_text("#p-max-tokens-error")  # at once, not on the next send
+    page.select_option("#deployment-select", DEPLOYMENT)
+    assert page.get_attribute("#p-max-tokens", "max") == "8192" and not page.is_visible("#p-max-tokens-error")
+    page.select_option("#deployment-select", f"{tag}-unknown")
+    assert page.get_attribute("#p-max-tokens", "max") == "32768" and not page.is_visible("#p-max-tokens-help")
+    assert not page.js_errors, page.js_errors
