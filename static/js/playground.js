@@ -84,6 +84,15 @@
     return node;
   }
 
+  // Makes `change` to the chat, then keeps its end in view if it was in view: the next tokens, and a
+  // reply's chips (Stopped, tokens, cost) show whole, while a reader scrolled up stays where they are.
+  function keepingEnd(change) {
+    const atEnd = pane.scrollHeight - pane.scrollTop - pane.clientHeight < 80;
+    const result = change();
+    if (atEnd) pane.scrollTop = pane.scrollHeight;
+    return result;
+  }
+
   function tag(node, text, attrs) {
     const span = document.createElement("span");
     span.className = "tag";
@@ -224,9 +233,7 @@
           reply.node.querySelector(".meta").textContent = "";
         }
         reply.text += piece;
-        reply.node.querySelector(".text").textContent = reply.text;
-        const nearBottom = pane.scrollHeight - pane.scrollTop - pane.clientHeight < 80;
-        if (nearBottom) pane.scrollTop = pane.scrollHeight;
+        keepingEnd(() => { reply.node.querySelector(".text").textContent = reply.text; });
       }
       if (choice.finish_reason) reply.finishReason = choice.finish_reason;
     }
@@ -248,7 +255,7 @@
     reply.node.querySelector(".meta").textContent = "";
     reply.node.classList.add("error");
     reply.node.dataset.state = "error";
-    reply.node.querySelector(".text").textContent = (reply.text ? reply.text + "\n\n" : "") + message;
+    keepingEnd(() => { reply.node.querySelector(".text").textContent = (reply.text ? reply.text + "\n\n" : "") + message; });
     if (!reply.left) history.pop();  // the question stays on screen but not in the context of the next turn
   }
 
@@ -258,20 +265,28 @@
     if (!reply.left) history.push({ role: "assistant", content: reply.text });
     const seconds = ((performance.now() - reply.started) / 1000).toFixed(1);
     clearTimeout(reply.waitTimer);
-    reply.node.querySelector(".meta").textContent = "";
-    if (reply.stopped) tag(reply.node, "Stopped", { "data-stopped": "1", class: "tag tag-warn" });
-    if (!reply.usage) {
-      tag(reply.node, "Nothing generated");
-      return;
-    }
+    const costTag = keepingEnd(() => chips(reply, seconds));
+    if (!costTag) return;
     const u = reply.usage;
     const cached = (u.prompt_tokens_details && u.prompt_tokens_details.cached_tokens) || 0;
-    tag(reply.node, `${u.prompt_tokens} in · ${u.completion_tokens} out`, { "data-tokens": String(u.total_tokens) });
-    tag(reply.node, `${seconds} s`);
-    const costTag = tag(reply.node, "…", { "data-cost": "" });
     sessionTokens += u.total_tokens;
     $("session-tokens").textContent = sessionTokens.toLocaleString("en-US");
     fetchCost(reply, u, cached, costTag, 0, null);
+  }
+
+  // A finished reply's chips: Stopped, its tokens, its time, and its cost's tag (returned, filled in
+  // once the cost is known); null when nothing was generated.
+  function chips(reply, seconds) {
+    reply.node.querySelector(".meta").textContent = "";
+    if (reply.stopped) tag(reply.node, "Stopped", { "data-stopped": "1", class: "tag tag-warn" });
+    const u = reply.usage;
+    if (!u) {
+      tag(reply.node, "Nothing generated");
+      return null;
+    }
+    tag(reply.node, `${u.prompt_tokens} in · ${u.completion_tokens} out`, { "data-tokens": String(u.total_tokens) });
+    tag(reply.node, `${seconds} s`);
+    return tag(reply.node, "…", { "data-cost": "" });
   }
 
   function fetchCost(reply, usage, cached, costTag, attempt, counted) {

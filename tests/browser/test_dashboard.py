@@ -44,6 +44,11 @@ def _fits_a_laptop(page, table: str) -> bool:
         page.set_viewport_size(DESKTOP)
 
 
+def _chat_at_end(page) -> bool:
+    return page.evaluate("() => { const pane = document.getElementById('messages');"
+                         " return pane.scrollHeight - pane.scrollTop - pane.clientHeight < 2; }")
+
+
 def _serve(worker: str, deployment: str) -> None:
     """What the fleet's placement does for a new deployment: the worker consumes its queue."""
     from inference_platform.celery import app, deployment_queue
@@ -140,8 +145,15 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     assert billed_cost > 0
     assert int(first.locator("[data-tokens]").get_attribute("data-tokens")) > 0
 
+    # On a laptop, where this long a question fills the chat: it has to scroll to show the reply's chips.
+    # Without scroll anchoring (Safari has none; Chromium's follows the end in some layouts only), the
+    # page alone keeps them in view.
+    page.set_viewport_size(LAPTOP)
+    page.add_style_tag(content="#messages { overflow-anchor: none; }")
     page.fill("#p-max-tokens", "1500")
-    page.fill("#chat-input", "Tell me a very long story about a brave little robot who explores the ocean.")
+    page.fill("#chat-input", "Tell me a very long story about a brave little robot who explores the ocean.\nIn it:\n"
+              + "".join(f"- {part}\n" for part in ("the robot's name", "a storm", "a whale who helps", "a sunken ship",
+                                                   "a map to a hidden reef", "a friend", "the way home")))
     page.click("#send-button")
     second = page.locator(".msg.assistant").nth(1)
     page.wait_for_function("() => (document.querySelectorAll('.msg.assistant')[1]?.querySelector('.text')"
@@ -159,8 +171,12 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     record = wait_until(lambda: db_call(stopped_record), timeout=30, message="the stopped reply's usage record")
     assert record.status == "cancelled" and 0 < record.completion_tokens < 1500
     page.wait_for_selector(".msg.assistant[data-state=stopped] [data-cost][data-source=billed]", timeout=30_000)
+    assert page.evaluate("() => { const pane = document.getElementById('messages');"
+                         " return pane.scrollHeight > pane.clientHeight; }")  # it scrolls
+    assert _chat_at_end(page), "the stopped reply's chips are below the fold"
 
     shot(page, "09-playground")
+    page.set_viewport_size(DESKTOP)
 
     # JSON output, in a new conversation: the reply is a JSON object.
     page.goto(f"/playground/?deployment={name}")
