@@ -73,6 +73,7 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "inference_platform.api_errors.ApiErrorsMiddleware",
+    "dashboard.not_found.NotFoundPageMiddleware",
 ]
 
 ROOT_URLCONF = "inference_platform.urls"
