@@ -14,13 +14,17 @@ Everything else goes through the full stack as before.
 
 from __future__ import annotations
 
+import logging
 import uuid
 
+from django.core.exceptions import DisallowedHost
 from django.core.handlers.asgi import ASGIHandler
 from django.core.handlers.exception import convert_exception_to_response
 from django.middleware.security import SecurityMiddleware
 
-from gateway.errors import unexpected_error
+from gateway.errors import ApiError, unexpected_error
+
+_host_log = logging.getLogger("django.security.DisallowedHost")  # where Django logs it for the site
 
 # Exact paths, and prefixes, of the endpoints this handler serves (all of them Bearer-key only).
 PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/models"})
@@ -32,12 +36,19 @@ def serves(path: str) -> bool:
 
 
 def _security(get_response):
-    """SecurityMiddleware's redirect and headers, without its thread hops; errors in OpenAI's JSON
+    """The Host header checked against ALLOWED_HOSTS; SecurityMiddleware's redirect and headers,
+    without its thread hops; errors in OpenAI's JSON
     shape, Django's 500 page included; and, as OpenAI does, an ``x-request-id`` on every response
     (an inference request's is its completion id, which its usage record has too)."""
     checks = SecurityMiddleware(get_response)
 
     async def middleware(request):
+        try:
+            request.get_host()  # checked against ALLOWED_HOSTS, as CommonMiddleware does for the site
+        except DisallowedHost as exc:
+            _host_log.warning("%s", exc)
+            return ApiError(400, "The request's Host header is not one this server answers to.",
+                            code="invalid_host").response()
         response = checks.process_request(request) or await get_response(request)
         if response.status_code == 500 and not response.get("Content-Type", "").startswith("application/json"):
             # A bug (Django logged it): an API client still gets an error it can parse.

@@ -70,6 +70,21 @@ def test_other_paths_keep_the_whole_middleware_stack(application):
     assert headers["x-frame-options"] == "DENY" and headers["x-content-type-options"] == "nosniff"
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/models"])
+def test_an_inference_endpoint_refuses_a_host_not_allowed(application, path):
+    async def call():
+        scope = {"type": "http", "http_version": "1.1", "method": "POST", "path": path, "raw_path": path.encode(),
+                 "query_string": b"", "root_path": "", "scheme": "http", "headers": [(b"host", b"evil.example")],
+                 "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 80)}
+        communicator = ApplicationCommunicator(application, scope)
+        await communicator.send_input({"type": "http.request", "body": b"{}", "more_body": False})
+        status = (await communicator.receive_output(30))["status"]
+        return status, json.loads((await communicator.receive_output(30))["body"])
+
+    status, body = async_to_sync(call)()
+    assert status == 400 and body["error"]["code"] == "invalid_host"
+
+
 def test_the_security_redirect_still_applies_to_inference_endpoints(application):
     with override_settings(SECURE_SSL_REDIRECT=True):
         handler = ApiHandler()  # the security checks read their settings once, as the site's do

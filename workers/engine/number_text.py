@@ -55,7 +55,8 @@ class Divisibility:
     Two remainders are one state when the same digits, and only those, complete each to a
     multiple. With ``divisor = p · 2**a · 5**b`` (``p`` prime to 10) and ``c = max(a, b)``: a
     remainder ``r`` followed by ``k`` more digits spelling ``v`` is a multiple when ``v ≡ -r · 10**k``.
-    For ``k < c`` that names one ``v`` or none, which is ``r``'s mark for ``k``; for ``k >= c``,
+    For ``k < c``, the ``v`` below ``10**k`` that do are the smallest of them and those a multiple
+    of ``divisor`` above it, or none: that smallest one (or none) is ``r``'s mark for ``k``; for ``k >= c``,
     ``10**k`` is 0 modulo ``2**a · 5**b`` and invertible modulo ``p``, so the ``v`` that complete
     ``r`` are those of every remainder with the same value modulo ``p``, and only theirs. So a
     state is a remainder's marks for ``k < c`` and its value modulo ``p``."""
@@ -97,7 +98,10 @@ class NumberText:
                 raise RegexError("multipleOf must be a number greater than 0")
             self.places = max(0, -multiple.as_tuple().exponent)
             divisor = int(multiple.scaleb(self.places))
-            if (divisor > MAX_DIVISOR or _prime_to_ten(divisor)[0] * (self.places + 2) > MAX_STATES_PER_PATTERN_STATE
+            if divisor > MAX_DIVISOR:
+                raise RegexError(f"multipleOf {_plain(multiple)} has more digits than this engine follows (its "
+                                 f"digits read as a whole number must be at most {MAX_DIVISOR:,})")
+            if (_prime_to_ten(divisor)[0] * (self.places + 2) > MAX_STATES_PER_PATTERN_STATE
                     or divisibility(divisor).states * (self.places + 2) > MAX_STATES_PER_PATTERN_STATE):
                 raise RegexError(f"multipleOf {_plain(multiple)} has more digits than this engine follows (the "
                                  "remainders that tell its multiples apart, times its decimal places plus 2, must stay "
