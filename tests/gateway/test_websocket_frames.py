@@ -72,6 +72,13 @@ def test_a_failure_that_is_not_the_clients_gets_an_error_frame_and_the_connectio
     assert by_id["b"]["error"]["param"] == "endpoint"  # an unhashable endpoint: refused, not a crash
 
 
+def test_a_request_without_an_id_gets_one_its_frames_carry():
+    frames = converse([{**BODY}, {**BODY}], broken, 2)
+    ids = [frame["request_id"] for frame in frames]
+    assert all(isinstance(i, str) and len(i) == 32 for i in ids) and ids[0] != ids[1]  # one each
+    assert [frame["error"]["code"] for frame in frames] == ["internal_error", "internal_error"]
+
+
 def test_a_frame_of_another_type_is_refused_not_taken_for_a_request():
     [frame] = converse([{"type": "bogus", "request_id": "t", **BODY}], never_admitted, 1)
     assert frame["type"] == "error" and frame["request_id"] == "t" and frame["error"]["param"] == "type"
