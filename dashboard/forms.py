@@ -14,7 +14,8 @@ from accounts.models import SCOPES, Membership
 from billing.models import LIMIT_MAX, MONEY
 from billing.selectors import REPORT_DATES
 from models_catalog.models import CatalogModel, Deployment
-from models_catalog.services import INT_SETTINGS
+from models_catalog.selectors import deployment_name_taken
+from models_catalog.services import INT_SETTINGS, taken_message
 
 MAX_USAGE_DAYS = 366
 
@@ -171,6 +172,14 @@ class DeploymentForm(DeploymentSettingsForm):
     )
 
     field_order = ["model", "name", "kind"]
+
+    def clean_name(self):
+        # Checked here too (the service checks again when it saves), so a taken name shows beside
+        # the other fields' errors, not on the next submit.
+        name = self.cleaned_data["name"]
+        if deployment_name_taken(name=name):
+            raise forms.ValidationError(taken_message(name))
+        return name
 
 
 class ApiKeyForm(forms.Form):

@@ -32,6 +32,11 @@ def resolve_deployment(*, organization: Organization | None, name: str) -> Deplo
     return deployment
 
 
+def deployment_name_taken(*, name: str) -> bool:
+    """Whether a deployment has ``name`` already: names are one namespace, every organization's."""
+    return Deployment.objects.filter(name=name).exists()
+
+
 def deployments_of(*, organization: Organization) -> QuerySet[Deployment]:
     """The deployments ``organization`` owns (not the public ones)."""
     return Deployment.objects.filter(organization=organization).select_related("model").order_by("name")

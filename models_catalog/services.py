@@ -16,6 +16,7 @@ from inference_platform import read_cache
 
 from .errors import DeploymentNotFound, InvalidCatalogModel, InvalidDeployment, ModelImportError
 from .models import DEPLOYMENT_NAME_PATTERN, CatalogModel, Deployment
+from .selectors import deployment_name_taken
 from .weights import inspect_weights, models_root, path_under_models_root
 
 # Settings a caller may give a deployment, with the bounds the service enforces (the database
@@ -63,6 +64,10 @@ def reserved_replicas(deployment: Deployment) -> int:
     """The replicas a deployment can keep up however idle it is: its min_replicas, or, if it never
     scales to zero, every replica it may grow to."""
     return deployment.max_replicas if deployment.scale_to_zero_seconds == 0 else deployment.min_replicas
+
+
+def taken_message(name: str) -> str:
+    return f"The name '{name}' is taken: choose another."
 
 
 def _check_quota(deployment: Deployment, *, creating: bool, before: int = 0) -> None:
@@ -131,13 +136,13 @@ def create_deployment(
     deployment = Deployment(organization=organization, model=model, name=name, created_by=created_by, **cleaned)
     _check_consistency(deployment)
     _check_quota(deployment, creating=True)
-    if Deployment.objects.filter(name=name).exists():
-        raise InvalidDeployment("name", f"The name '{name}' is taken: choose another.")
+    if deployment_name_taken(name=name):
+        raise InvalidDeployment("name", taken_message(name))
     try:
         with transaction.atomic():
             deployment.save()
     except IntegrityError:  # a concurrent creation took the name
-        raise InvalidDeployment("name", f"The name '{name}' is taken: choose another.") from None
+        raise InvalidDeployment("name", taken_message(name)) from None
     return deployment
 
 

@@ -13,7 +13,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from billing.serializers import money
 from models_catalog.errors import InvalidDeployment
 from models_catalog.models import Deployment
-from models_catalog.selectors import can_manage_deployment
+from models_catalog.selectors import can_manage_deployment, deployment_name_taken
 from models_catalog.services import create_deployment, delete_deployment, update_deployment
 
 from .. import selectors, snippets
@@ -44,7 +44,7 @@ def deployment_rows(request):
 def _suggested_name(organization, model) -> str:
     base = slugify(f"{model.slug}-{organization.slug}")[:90].strip("-") or "deployment"
     name, n = base, 1
-    while Deployment.objects.filter(name=name).exists():
+    while deployment_name_taken(name=name):
         n += 1
         name = f"{base}-{n}"
     return name

@@ -71,6 +71,10 @@ def test_every_bad_field_is_reported_on_the_first_submit(ada, catalog):
     errors = response.context["form"].errors
     assert set(errors) == {"min_replicas", "queue_limit", "scale_to_zero_seconds"}, errors
     assert "at least one replica" in " ".join(errors["min_replicas"])
+    assert ada.post("/deploy/", {**FORM, "name": "mine"}).status_code == 302
+    response = ada.post("/deploy/", {**FORM, "name": "mine", "min_replicas": "3", "max_replicas": "1"})
+    errors = response.context["form"].errors  # a taken name, beside the others
+    assert errors["name"] == ["The name 'mine' is taken: choose another."] and "max_replicas" in errors
 
 
 def test_the_list_shows_own_and_public_deployments_only(ada, acme, globex, catalog):
