@@ -182,10 +182,15 @@ class UsdAmountField(serializers.CharField):
 
 class RequestSerializer(serializers.Serializer):
     """A request body: a field it does not know is a 400 naming it, not ignored (a misspelt
-    ``montly_limit`` must not answer 200 and leave the limit as it was)."""
+    ``montly_limit`` must not answer 200 and leave the limit as it was). ``echoed``: the read-only
+    fields of the matching GET's answer, taken and ignored, so that a client may send back what it
+    read with a change."""
+
+    echoed: tuple[str, ...] = ()
 
     def to_internal_value(self, data):
         if isinstance(data, dict):
+            data = {name: value for name, value in data.items() if name not in self.echoed}
             for name in data:
                 if name not in self.fields:
                     known = ", ".join(self.fields)
@@ -203,6 +208,8 @@ class TopUpRequestSerializer(RequestSerializer):
 class SpendLimitRequestSerializer(RequestSerializer):
     """``{"monthly_limit": "100.00"}``, ``{"balance_alert": "10.00"}``, ``{"spend_alert": "80.00"}``,
     or several; null removes one, and one left out stays as it is."""
+
+    echoed = ("object", "monthly_spend", "currency")
 
     monthly_limit = UsdAmountField(integers=False, allow_null=True, required=False,
                                    help_text='USD per calendar month (UTC) as a decimal string, e.g. "100.00", at most '

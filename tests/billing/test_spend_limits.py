@@ -114,6 +114,15 @@ def test_a_misspelt_field_is_400_naming_it_and_changes_nothing(client, acme):
     assert limit_of(organization) == Decimal("42")
 
 
+def test_what_a_get_answered_can_be_sent_back_with_a_change(client, acme):
+    organization, manager, reader = acme
+    read = client.get(LIMITS, headers=bearer(reader)).json()
+    assert {"object", "monthly_spend", "currency"} <= set(read)
+    response = put(client, {**read, "monthly_limit": "55.00"}, key=manager)
+    assert response.status_code == 200, response.content
+    assert limit_of(organization) == Decimal("55")
+
+
 def test_a_negative_amount_is_refused_as_negative(client, acme):
     organization, manager, _ = acme
     error = put(client, None, key=manager, raw='{"monthly_limit": "-5"}').json()["error"]
