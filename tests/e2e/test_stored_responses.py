@@ -187,8 +187,13 @@ def test_a_client_that_does_not_stream_and_leaves_has_its_response_stored_cancel
     from gateway.models import StoredResponse
 
     impatient = openai.OpenAI(base_url=f"{tenant.base_url}/v1", api_key=tenant.api_key, max_retries=0, timeout=3)
+    # A reply that cannot end before it is thousands of characters long: still being written when
+    # the client gives up, however short a story the model would tell.
+    long_story = {"format": {"type": "json_schema", "name": "story", "strict": True, "schema": {
+        "type": "object", "properties": {"story": {"type": "string", "minLength": 4000}}, "required": ["story"],
+        "additionalProperties": False}}}
     with pytest.raises(openai.APITimeoutError):
-        impatient.responses.create(model=DEPLOYMENT, input=STORY, max_output_tokens=1500)
+        impatient.responses.create(model=DEPLOYMENT, input=STORY, max_output_tokens=1500, text=long_story)
     # It never got the response's id (that comes with the answer): its organization's only one.
     row = wait_until(lambda: db_read(lambda: StoredResponse.objects.filter(
         organization_id=tenant.organization_id).first()), timeout=60, message="the response its client left")
