@@ -7,6 +7,8 @@ handler renders its own domain errors with :func:`error_response` and hands DRF'
 
 from __future__ import annotations
 
+import logging
+
 from rest_framework import exceptions as drf_exceptions
 from rest_framework.response import Response
 
@@ -17,6 +19,15 @@ def error_type(status: int) -> str:
     if status == 429:
         return "requests"
     return "invalid_request_error" if 400 <= status < 500 else "server_error"
+
+
+def logged_as_expected(response, *, code, message: str, logger: logging.Logger):
+    """``response``, a 5xx that is no failure of the platform's (load, or the platform as its
+    operator set it up), logged as a warning instead of Django's ERROR for every 5xx, which
+    alerting on errors would page for."""
+    logger.warning("%s %s: %s", response.status_code, code, message)
+    response._has_been_logged = True  # (what Django's request logging reads)
+    return response
 
 
 def error_response(status: int, message: str, *, type: str | None = None, param=None, code=None,

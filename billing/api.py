@@ -25,7 +25,7 @@ from rest_framework.authentication import SessionAuthentication
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from accounts.api_errors import drf_error_response, error_response
+from accounts.api_errors import drf_error_response, error_response, logged_as_expected
 from accounts.authentication import ApiKeyAuthentication, key_actor
 from accounts.middleware import SESSION_ORGANIZATION_KEY
 from accounts.models import ApiKey
@@ -49,10 +49,7 @@ def billing_exception_handler(exc, context):
     """BillingError and DRF's own errors, rendered in OpenAI's shape; anything else: a 500."""
     if isinstance(exc, BillingError):
         response = error_response(exc.status, exc.message, type=exc.type, param=exc.param, code=exc.code)
-        if exc.expected:
-            log.warning("%s %s: %s", exc.status, exc.code, exc.message)
-            response._has_been_logged = True  # (what Django's request logging reads)
-        return response
+        return logged_as_expected(response, code=exc.code, message=exc.message, logger=log) if exc.expected else response
     if isinstance(exc, drf_exceptions.APIException):
         return drf_error_response(exc, context)
     return None

@@ -11,8 +11,8 @@ class BillingError(Exception):
     type = "invalid_request_error"
     code: str | None = None
     default_message = "billing error"
-    # A 5xx that is the platform as its operator set it up, not a failure: logged as a warning,
-    # not as Django's ERROR for every 5xx, which alerting on errors would page for.
+    # A 5xx that is the platform as its operator set it up, not a failure: logged as a warning
+    # (``accounts.api_errors.logged_as_expected``).
     expected = False
 
     def __init__(self, message: str | None = None, *, code: str | None = None, param: str | None = None):

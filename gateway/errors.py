@@ -7,7 +7,7 @@ import re
 
 from django.http import JsonResponse
 
-from accounts.api_errors import error_type
+from accounts.api_errors import error_type, logged_as_expected
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,7 @@ class ApiError(Exception):
         for name, value in self.headers.items():
             response[name] = value
         if self.expected:
-            log.warning("%s %s: %s", self.status, self.code, self.message)
-            response._has_been_logged = True  # (what Django's request logging reads)
+            logged_as_expected(response, code=self.code, message=self.message, logger=log)
         return response
 
 

@@ -342,7 +342,6 @@ def _logit_bias(bias: Any) -> dict[str, float]:
     return clean
 
 
-
 def _response_format(value: Any) -> dict | None:
     """OpenAI's response_format: None for text; a JSON one is checked whole here (its schema
     compiled as the worker will), so that a schema the engine cannot follow is a 400 at once."""

@@ -19,7 +19,7 @@ from asgiref.sync import async_to_sync, sync_to_async
 
 from gateway.models import StoredResponse
 from tests.gateway.test_timeouts import cancel_marked
-from tests.gateway.test_unfinished_responses import STARTED, delta, finished, served, until  # noqa: F401
+from tests.gateway.test_unfinished_responses import STARTED, delta, finished, served  # noqa: F401
 from tests.project.test_api_handler import application  # noqa: F401
 
 pytestmark = pytest.mark.django_db
@@ -95,42 +95,50 @@ async def post_and_leave(app, path: str, key: str, body: dict, *, at_frame: int)
     return headers
 
 
-@pytest.mark.parametrize("at_frame", [0, 1], ids=["before-the-first-frame", "during-a-write"])
-def test_a_chat_client_that_leaves_has_its_request_cancelled(application, served, at_frame):  # noqa: F811
+def leave_and_wait(application, served, path: str, body: dict, at_frame: int, outcome):
+    """Stream ``body`` to ``path`` as a client that leaves at its ``at_frame``th frame, with a
+    worker that ends the request once it is cancelled; then wait for ``outcome(headers)`` (async:
+    None until it is there). The response's headers and the outcome."""
     name, key = served
     worker = worker_until_cancelled(name)
 
     async def scenario():
-        headers = await post_and_leave(application, "/v1/chat/completions", key,
-                                       {"model": name, "messages": [{"role": "user", "content": "Hi"}],
-                                        "stream": True}, at_frame=at_frame)
-        assert headers["content-type"] == "text/event-stream"
-        await until(lambda: cancel_marked(headers["x-request-id"]))
+        headers = await post_and_leave(application, path, key, {"model": name, **body, "stream": True},
+                                       at_frame=at_frame)
+        deadline = time.monotonic() + 20
+        while (found := await outcome(headers)) is None:
+            assert time.monotonic() < deadline, "timed out waiting for the outcome"
+            await asyncio.sleep(0.01)
+        return headers, found
 
-    async_to_sync(scenario)()
+    result = async_to_sync(scenario)()
     worker.join(timeout=20)
     assert not worker.is_alive()
+    return result
 
 
-@pytest.mark.parametrize("at_frame", [0, 1], ids=["before-the-first-frame", "during-a-write"])
+AT_FRAMES = pytest.mark.parametrize("at_frame", [0, 1], ids=["before-the-first-frame", "during-a-write"])
+
+
+@AT_FRAMES
+def test_a_chat_client_that_leaves_has_its_request_cancelled(application, served, at_frame):  # noqa: F811
+    async def cancelled(headers):
+        return True if cancel_marked(headers["x-request-id"]) else None
+
+    headers, _ = leave_and_wait(application, served, "/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": "Hi"}]}, at_frame, cancelled)
+    assert headers["content-type"] == "text/event-stream"
+
+
+@AT_FRAMES
 def test_a_responses_client_that_leaves_has_its_response_stored_as_cancelled(application, served, at_frame):  # noqa: F811
-    name, key = served
-    worker = worker_until_cancelled(name)
+    @sync_to_async
+    def stored(headers):
+        row = StoredResponse.objects.filter(pk=headers["x-request-id"]).first()
+        return json.loads(row.response) if row is not None else None
 
-    async def scenario():
-        headers = await post_and_leave(application, "/v1/responses", key,
-                                       {"model": name, "input": "Tell me a story.", "stream": True},
-                                       at_frame=at_frame)
-        response_id = headers["x-request-id"]
-        stored = sync_to_async(lambda: StoredResponse.objects.filter(pk=response_id).first())
-        deadline = time.monotonic() + 20
-        while (row := await stored()) is None:
-            assert time.monotonic() < deadline, "the response was never stored"
-            await asyncio.sleep(0.01)
-        return json.loads(row.response)
-
-    response = async_to_sync(scenario)()
-    worker.join(timeout=20)
+    _, response = leave_and_wait(application, served, "/v1/responses", {"input": "Tell me a story."}, at_frame,
+                                 stored)
     assert response["status"] == "cancelled"
     assert response["output"][0]["content"][0]["text"] == "Once"  # what the model wrote before it stopped
     assert response["usage"]["output_tokens"] == 1  # the worker's, what it billed
