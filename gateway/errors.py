@@ -45,13 +45,18 @@ def invalid(param: str | None, message: str, *, code: str | None = None) -> ApiE
     return ApiError(400, message, param=param, code=code or ("invalid_value" if param else None))
 
 
+def json_type(value) -> str:
+    """What a JSON value is, in words: for a message saying what was sent instead."""
+    return ("null" if value is None else "a boolean" if isinstance(value, bool) else "a number"
+            if isinstance(value, (int, float)) else "a string" if isinstance(value, str)
+            else "an object" if isinstance(value, dict) else "an array")
+
+
 def json_object(body) -> dict:
     """A request body, which must be a JSON object: anything else is a 400 saying what it is."""
     if isinstance(body, dict):
         return body
-    kind = ("null" if body is None else "a boolean" if isinstance(body, bool) else "a number"
-            if isinstance(body, (int, float)) else "a string" if isinstance(body, str) else "an array")
-    raise ApiError(400, f"The request body must be a JSON object, not {kind}.", code="invalid_type")
+    raise ApiError(400, f"The request body must be a JSON object, not {json_type(body)}.", code="invalid_type")
 
 
 def unexpected_error() -> ApiError:

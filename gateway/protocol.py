@@ -16,7 +16,7 @@ from typing import Any
 from workers.dispatch import response_format_problem
 
 from . import legacy_functions
-from .errors import ApiError, invalid, json_object, text_only
+from .errors import ApiError, invalid, json_object, json_type, text_only
 from .tools import ToolTurns, parse_tools
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -197,9 +197,12 @@ def _inputs(value: Any) -> list[str | list[int]]:
 
 def _request(kind: str, body: dict, sampling: dict, **content) -> InferenceRequest:
     model = body.get("model")
-    if not isinstance(model, str) or not model.strip():
+    if model is None or model == "" or isinstance(model, str) and not model.strip():
         raise invalid("model", "model is required: the name of a deployment (see GET /v1/models)",
                       code="missing_required_parameter" if model is None else None)
+    if not isinstance(model, str):
+        raise invalid("model", f"model must be a string (the name of a deployment, see GET /v1/models), "
+                               f"not {json_type(model)}")
     if len(model) > MAX_MODEL_NAME or not model.isprintable():
         raise invalid("model", "model must be a deployment name (see GET /v1/models)")
     stream = body.get("stream", False)
@@ -336,7 +339,9 @@ def _logit_bias(bias: Any) -> dict[str, float]:
     for key, value in bias.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 9):  # not "²"
             raise invalid("logit_bias", f"logit_bias key {key!r} is not a token id")
-        if not _is_number(value) or not -100 <= value <= 100:
+        if not _is_number(value):
+            raise invalid("logit_bias", f"logit_bias for token {key} must be a number, not {json_type(value)}")
+        if not -100 <= value <= 100:
             raise invalid("logit_bias", f"logit_bias for token {key} must be between -100 and 100")
         clean[key] = float(value)
     return clean

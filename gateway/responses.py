@@ -38,7 +38,8 @@ LOGPROBS = "message.output_text.logprobs"
 INCLUDES = {LOGPROBS, "reasoning.encrypted_content", "web_search_call.action.sources", "code_interpreter_call.outputs",
             "computer_call_output.output.image_url", "file_search_call.results", "message.input_image.image_url"}
 # Chat's names in errors, as this API calls them (a message is named by the item it came from).
-RENAMED = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+RENAMED = {"max_completion_tokens": "max_output_tokens", "response_format.json_schema": "text.format",
+           "response_format": "text.format"}
 MESSAGE = re.compile(r"messages\[(\d+)\]")
 # Chat's words for a call and its result, as this API calls them (items, not messages).
 TOOL_WORDS = ((re.compile(r"\.tool_calls(\[\d+\])?"), ""), *((re.compile(re.escape(chat)), words) for chat, words in (
@@ -113,8 +114,8 @@ def _previous(response_id: Any, history: Callable[[str], tuple[list[dict], str] 
         raise invalid(INHERITED, "previous_response_id must be the id of a stored response")
     found = history(response_id) if response_id.isprintable() else None
     if found is None:
-        raise ApiError(404, f"Previous response with id '{response_id[:80]}' not found.", param=INHERITED,
-                       code="previous_response_not_found")
+        raise invalid(INHERITED, f"Previous response with id '{response_id[:80]}' not found.",
+                      code="previous_response_not_found")
     items, status = found
     if status == "failed":  # what it wrote is no answer to build on, and leaving it out would hide that
         raise invalid(INHERITED, f"Previous response with id '{response_id[:80]}' failed, so it cannot be "
@@ -266,6 +267,10 @@ def _format(text: Any) -> Any:
         raise invalid("text", 'text must be {"format": {...}}')
     fmt = text.get("format")
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        for name in ("name", "schema"):  # chat's may go without its schema; this API's may not
+            if name not in fmt:
+                raise invalid(f"text.format.{name}", f"text.format.{name} is required for a json_schema format",
+                              code="missing_required_parameter")
         spec = {k: v for k, v in fmt.items() if k != "type"}
         return {"type": "json_schema", "json_schema": spec}
     return fmt

@@ -75,7 +75,7 @@ def test_an_unstored_or_deleted_response_cannot_be_read_or_continued(openai_clie
     with pytest.raises(openai.NotFoundError) as refused:
         openai_client.responses.retrieve(unstored.id)
     assert refused.value.body["code"] == "response_not_found"
-    with pytest.raises(openai.NotFoundError) as refused:
+    with pytest.raises(openai.BadRequestError) as refused:  # a 400, as OpenAI's
         openai_client.responses.create(model=DEPLOYMENT, input="Hi", previous_response_id=unstored.id)
     assert refused.value.body["param"] == "previous_response_id"
     assert refused.value.body["code"] == "previous_response_not_found"

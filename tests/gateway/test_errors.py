@@ -442,3 +442,37 @@ def test_the_database_down_is_a_503_to_retry_not_a_500(client, seeded, org_key, 
     response = post(client, CHAT, chat(), key=plaintext)
     assert_error(response, 503, code="service_unavailable")
     assert response["Retry-After"] == "2"
+
+
+@pytest.mark.parametrize("body, param, said", [
+    (chat(model=["smollm2-135m-instruct"]), "model", "model must be a string (the name of a deployment"),
+    (chat(model=""), "model", "model is required"),
+    (chat(logit_bias={"5": "5"}), "logit_bias", "logit_bias for token 5 must be a number, not a string"),
+])
+def test_a_value_of_the_wrong_type_is_called_what_it_is(body, param, said):
+    from gateway.errors import ApiError
+    from gateway.protocol import parse_chat
+
+    with pytest.raises(ApiError) as refused:
+        parse_chat(body)
+    assert (refused.value.status, refused.value.param) == (400, param)
+    assert said in refused.value.message, refused.value.message
+
+
+@pytest.mark.parametrize("fmt, param, said", [
+    # Chat's json_schema may go without a schema (any JSON value); the Responses API's may not.
+    ({"type": "json_schema", "name": "reply"}, "text.format.schema", "text.format.schema is required"),
+    ({"type": "json_schema", "schema": {"type": "object"}}, "text.format.name", "text.format.name is required"),
+    # Chat's checks, in this API's words: its format has no json_schema object.
+    ({"type": "json_schema", "name": "a reply", "schema": {}}, "text.format", "text.format.name must be 1 to 64"),
+    ({"type": "json_schema", "name": "r", "schema": {}, "examples": []}, "text.format", "text.format takes no"),
+])
+def test_a_responses_json_schema_format_is_checked_in_its_own_words(fmt, param, said):
+    from gateway.errors import ApiError
+    from gateway.responses import parse_response_request
+
+    with pytest.raises(ApiError) as refused:
+        parse_response_request({"model": "m", "input": "Hi", "text": {"format": fmt}}, can_store=True)
+    assert (refused.value.status, refused.value.param) == (400, param)
+    assert said in refused.value.message and "json_schema." not in refused.value.message, refused.value.message
+

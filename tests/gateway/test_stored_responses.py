@@ -155,13 +155,17 @@ def test_a_response_is_stored_unless_it_asks_not_to_be_or_none_are_kept(body, ca
     assert parsed.store is stored and parsed.settings["store"] is stored
 
 
-@pytest.mark.parametrize("previous, status", [(7, 400), ("", 400), ("resp_unknown", 404), ("resp_\x00", 404)])
-def test_a_previous_response_id_that_names_nothing_is_refused(previous, status):
+@pytest.mark.parametrize("previous, code", [(7, "invalid_value"), ("", "invalid_value"),
+                                            ("resp_unknown", "previous_response_not_found"),
+                                            ("resp_\x00", "previous_response_not_found")])
+def test_a_previous_response_id_that_names_nothing_is_refused(previous, code):
     looked_up = []
     with pytest.raises(ApiError) as refused:
         parse_response_request({"model": "m", "input": "Hi", "previous_response_id": previous},
                                history=lambda rid: looked_up.append(rid))
-    assert refused.value.status == status and refused.value.param == "previous_response_id"
+    # A 400 even for an id that names nothing, as OpenAI answers it (clients resend the whole
+    # conversation on that 400).
+    assert (refused.value.status, refused.value.param, refused.value.code) == (400, "previous_response_id", code)
     assert "\x00" not in "".join(looked_up)  # never sent to the database
 
 
