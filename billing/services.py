@@ -42,7 +42,7 @@ from .events import parse_usage_event
 from .models import (LIMIT_MAX, ApiKeySpendLimit, BillingAccount, LedgerEntry, RefusedUsageEvent, SpendLimit,
                      StripeEvent, TopUp, UsageRecord)
 from .pricing import COST_QUANTUM, Prices, is_billed, request_cost
-from .stripe_api import stripe_client
+from .stripe_api import card_topups_enabled, stripe_client
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +227,8 @@ def _record_usage(parsed) -> UsageRecord:
 
 
 def _entry_description(parsed) -> str:
-    return parsed.model + (f" on {parsed.deployment}" if parsed.deployment else "")
+    """The model, and the deployment that served it when it has a name of its own."""
+    return parsed.model + (f" on {parsed.deployment}" if parsed.deployment not in ("", parsed.model) else "")
 
 
 def _write_usage(parsed, prices: Prices, cost: Decimal) -> UsageRecord:
@@ -439,10 +440,9 @@ def check_quota(*, organization: Organization, api_key: ApiKey | None = None) ->
     in one query (``billing.totals``)."""
     figures = selectors.quota_figures(organization=organization, api_key=api_key)
     if figures.balance <= 0:
-        raise QuotaExceeded(
-            f"You exceeded your current quota: your credit balance is {figures.balance} USD. "
-            "Top up your credits in the dashboard to continue."
-        )
+        remedy = ("Top up your credits on the dashboard's billing page to continue." if card_topups_enabled() else
+                  "Card top-ups are not set up on this platform: ask its operator to credit your organization.")
+        raise QuotaExceeded(f"You exceeded your current quota: your credit balance is {figures.balance} USD. {remedy}")
     if figures.monthly_limit is not None and figures.monthly_spend >= figures.monthly_limit:
         raise QuotaExceeded(
             f"You reached your organization's monthly spend limit ({figures.monthly_limit} USD; spent "

@@ -32,6 +32,11 @@ def _client(secret_key: str, api_base: str | None) -> stripe.StripeClient:
     return stripe.StripeClient(secret_key, base_addresses=base_addresses, max_network_retries=2)
 
 
+def card_topups_enabled() -> bool:
+    """Whether users can top up by card: the billing page's form needs both keys."""
+    return bool(settings.STRIPE_SECRET_KEY and settings.STRIPE_PUBLISHABLE_KEY)
+
+
 def stripe_client() -> stripe.StripeClient:
     """A client for the configured account; raises PaymentsNotConfigured without a secret key."""
     if not settings.STRIPE_SECRET_KEY:

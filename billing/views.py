@@ -20,7 +20,7 @@ from . import selectors, serializers, services
 from .alert_mail import dollars
 from .errors import BillingError, InvalidParameter
 from .models import LedgerEntry
-from .stripe_api import InvalidWebhook, construct_webhook_event
+from .stripe_api import InvalidWebhook, card_topups_enabled, construct_webhook_event
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def _render_page(request: HttpRequest, organization, *, status: int = 200, **ext
             monthly_limit=limits["monthly_limit"],
             can_change_limit=selectors.may_change_spend_limit(user=request.user, organization=organization),
             entries=entries,
-            stripe_enabled=bool(settings.STRIPE_SECRET_KEY and settings.STRIPE_PUBLISHABLE_KEY),
+            stripe_enabled=card_topups_enabled(),
             stripe_publishable_key=settings.STRIPE_PUBLISHABLE_KEY,
             stripe_js_url=settings.STRIPE_JS_URL,
             topup_min=settings.TOPUP_MIN,

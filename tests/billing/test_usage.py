@@ -288,6 +288,17 @@ def test_zero_balance_raises_insufficient_quota(organization):
     assert caught.value.code == "insufficient_quota" and caught.value.status == 429
 
 
+@pytest.mark.parametrize("keys, remedy", [(("sk_test_x", "pk_test_x"), "Top up your credits on the dashboard's billing page"),
+                                          (("", ""), "ask its operator to credit your organization"),
+                                          (("sk_test_x", ""), "ask its operator to credit your organization")])
+def test_an_empty_balance_says_how_to_add_credit_here(organization, settings, keys, remedy):
+    settings.STRIPE_SECRET_KEY, settings.STRIPE_PUBLISHABLE_KEY = keys
+    services.add_adjustment(organization=organization, amount=-SIGNUP, description="use it all")
+    with pytest.raises(QuotaExceeded) as caught:
+        services.check_quota(organization=organization)
+    assert remedy in caught.value.message
+
+
 def test_usage_that_exhausts_the_credit_blocks_the_next_request(organization):
     make_catalog_model(slug="pricey", price_per_request=Decimal("5"))
     services.record_usage(event=usage_event(organization, model="pricey"))
@@ -341,3 +352,13 @@ def test_adjustments_with_a_reference_apply_once(organization, other_organizatio
         services.add_adjustment(organization=organization, amount=Decimal("1e40"), description="huge")
     with pytest.raises(InvalidParameter):
         services.add_adjustment(organization=organization, amount=2.5, description="float")
+
+
+@pytest.mark.parametrize("deployment, description", [("", "tiny-llama"), ("tiny-llama", "tiny-llama"),
+                                                     ("team-llama", "tiny-llama on team-llama")])
+def test_a_usage_charge_names_its_model_and_a_deployment_named_otherwise(organization, catalog_model,
+                                                                         deployment, description):
+    event = {**usage_event(organization), "deployment": deployment}
+    services.record_usage(event=event)
+    entry = LedgerEntry.objects.get(reference=event["request_id"])
+    assert entry.description == description
