@@ -20,9 +20,11 @@ cached_prompt_tokens   int >= 0        prompt tokens served from the prefix cach
                                        (<= prompt_tokens)
 completion_tokens      int >= 0        output tokens produced
 status                 str             "completed" | "cancelled" | "failed"
-queue_ms               int | None      time queued before the engine admitted it
-ttft_ms                int | None      time to first token
-latency_ms             int | None      total time, accepted to finished
+queue_ms               int | None      time from the gateway's admission until the engine
+                                       first scheduled it (the task's queue, a model's
+                                       load, a run whose worker died, the engine's queue)
+ttft_ms                int | None      time from admission to the first token
+latency_ms             int | None      total time, from admission to finished
 batch_size             float | None    tokens the engine sampled per step, on average over
                                        the steps that sampled one of this request's (>= 1)
 finished_at            str             ISO 8601 with a time zone, e.g.

@@ -234,6 +234,7 @@ class Call:
     headers: dict  # the rate-limit headers every response carries
     stages: Stages
     created: int = field(default_factory=lambda: int(time.time()))
+    admitted_at: float = field(default_factory=time.time)  # usage's timings count from here
     prompt_tokens: int = 0
     done: bool = False  # the worker's last event arrived
     cancelled: bool = False
@@ -262,6 +263,7 @@ class Call:
             # request, yet one charge.
             "billing_id": self.billing_id or self.request_id,
             "endpoint": self.endpoint,
+            "admitted_at": self.admitted_at,
             # A client that does not stream sees nothing until the end: a copy redelivered after
             # its worker died may then run again from the start (``inference.restarted``).
             "stream": self.request.stream,

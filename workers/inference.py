@@ -23,6 +23,7 @@ keeps whichever it records first).
 from __future__ import annotations
 
 import logging
+import time
 from datetime import datetime, timezone
 
 from channels.exceptions import ChannelFull
@@ -82,6 +83,7 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
             raise InvalidRequestError(f"prompt[{index // n}]: {str(exc).removeprefix('prompt: ')}",
                                       param=exc.param) from None
 
+    before_engine = _since_admission(payload)
     try:
         params = SamplingParams(**_engine_sampling(payload["sampling"]))
         answers.submit(submit)
@@ -111,11 +113,11 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
         outputs = answers.wait(STALL_TIMEOUT_S)
         finished = {"type": "inference.finished", "finish_reason": choices.finish_reason(outputs),
                     "error": choices.error(outputs), "usage": choices.usage(outputs, n=n),
-                    "timings": _timings_ms(choices.timings(outputs)),
+                    "timings": _timings_ms(choices.timings(outputs), before_engine),
                     "choices": [{"index": i, "finish_reason": out.finish_reason} for i, out in enumerate(outputs)]}
         try:
             billing_tried = True
-            event = _bill(payload, answers, cancels)
+            event = _bill(payload, answers, cancels, before_engine)
         finally:  # the client gets its end even if billing failed (that error is raised on)
             send_quietly(send, reply, finished)
     except TimeoutError:
@@ -133,7 +135,7 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
         raise
     finally:
         if not billing_tried:
-            event = _bill(payload, answers, cancels)
+            event = _bill(payload, answers, cancels, before_engine)
     return event
 
 
@@ -184,12 +186,12 @@ def _embedding(vector, dimensions: int | None) -> str:
     return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
 
 
-def _bill(payload: dict, answers: choices.Choices, cancels) -> dict:
+def _bill(payload: dict, answers: choices.Choices, cancels, before_engine: float = 0.0) -> dict:
     """The request is over (or failed on the way): stop it and emit its usage event."""
     cancels.unwatch(payload["request_id"])
     if not answers.ended:  # it failed on the way: stop generating for nobody
         answers.abort()
-    event = _usage_event(payload, answers)
+    event = _usage_event(payload, answers, before_engine)
     emit_usage(event)
     return event
 
@@ -294,12 +296,24 @@ def _prompt_logprobs(tokenizer, out, sampling: dict) -> list[dict] | None:
     return [first, *_logprobs(tokenizer, out.prompt_logprobs[1:], top)]
 
 
-def _timings_ms(timings) -> dict:
-    def ms(seconds):
-        return None if seconds is None else round(seconds * 1000, 3)
+def _since_admission(payload: dict) -> float:
+    """Seconds from the gateway's admission of the request to now, its engine's arrival: the task's
+    queue, a model's load, and a first run whose worker died. 0 for a payload without the time
+    (queued by an older gateway) or a clock behind the gateway's."""
+    admitted_at = payload.get("admitted_at")
+    return max(0.0, time.time() - admitted_at) if isinstance(admitted_at, (int, float)) else 0.0
+
+
+def _timings_ms(timings, before_engine: float) -> dict:
+    """The engine's timings, from the request's admission (``before_engine`` seconds before its
+    arrival): what its client waited."""
+    def ms(seconds, since_admission=True):
+        if seconds is None:
+            return None
+        return round((seconds + (before_engine if since_admission else 0.0)) * 1000, 3)
 
     return {"queue_ms": ms(timings.queue_time), "ttft_ms": ms(timings.time_to_first_token),
-            "tpot_ms": ms(timings.time_per_output_token), "latency_ms": ms(timings.e2e_latency)}
+            "tpot_ms": ms(timings.time_per_output_token, since_admission=False), "latency_ms": ms(timings.e2e_latency)}
 
 
 def _batch_size(outputs: list) -> float | None:
@@ -307,7 +321,7 @@ def _batch_size(outputs: list) -> float | None:
     return None if mean is None else round(mean, 3)
 
 
-def _usage_event(payload: dict, answers: choices.Choices) -> dict:
+def _usage_event(payload: dict, answers: choices.Choices, before_engine: float = 0.0) -> dict:
     """What billing records, at the prices the gateway admitted the request at (a payload from a
     gateway older than those has none: billing then applies the catalog's). Without every final
     output (the worker failed mid-stream), the tokens counted are the prompt and what was
@@ -316,7 +330,7 @@ def _usage_event(payload: dict, answers: choices.Choices) -> dict:
     outputs = answers.lasts
     whole = all(out is not None and out.finished for out in outputs)
     if whole:
-        usage, timings = choices.usage(outputs, n=answers.n), _timings_ms(choices.timings(outputs))
+        usage, timings = choices.usage(outputs, n=answers.n), _timings_ms(choices.timings(outputs), before_engine)
         status = STATUS_BY_FINISH.get(choices.finish_reason(outputs), "failed")
     else:
         usage = choices.usage(outputs, n=answers.n, prompt_tokens=answers.prompt_tokens)

@@ -165,19 +165,10 @@ def test_settings_changed_while_loading_are_loaded_next_not_dropped(monkeypatch)
 # --- billing before the last message ------------------------------------------------------------------
 
 
-def test_the_usage_event_leaves_before_the_last_message(monkeypatch):
-    """A worker killed between the two must have billed what the client received: the usage
-    event first, then inference.finished (which the progress record reads as 'billed')."""
-    from workers.engine.sequence import RequestOutput, RequestTimings
-
-    happened = []
-    final = RequestOutput(request_id="r", token_ids=[5, 6], text="hi", logprobs=None, finished=True,
-                          finish_reason="length", prompt_tokens=3, cached_prompt_tokens=0, completion_tokens=2,
-                          timings=RequestTimings(arrival_time=0.0, queue_time=0.001, time_to_first_token=0.01,
-                                                 e2e_latency=0.02, mean_batch_size=2.5))
-
+def finishing(final, happened: list):
+    """A host, relay and cancels whose engine takes the request and ends it with ``final``."""
     class Handle:
-        prompt_tokens = 3
+        prompt_tokens = final.prompt_tokens
 
         def abort(self):
             happened.append("abort")
@@ -202,13 +193,32 @@ def test_the_usage_event_leaves_before_the_last_message(monkeypatch):
         def unwatch(self, request_id):
             pass
 
-    payload = {"request_id": f"chatcmpl-{uuid.uuid4().hex}", "reply_channel": "reply", "deployment": SPEC,
-               "kind": "completion", "prompt": "Hi", "sampling": {"max_tokens": 2}, "organization_id": 1}
     relay = type("R", (), {"stream": lambda self, reply, to_message, ticket=None, client_streams=True, request_id=None: Finished()})()
+    return {"host": Host(Engine()), "relay": relay, "cancels": Cancels()}
+
+
+def final_output(**timings):
+    from workers.engine.sequence import RequestOutput, RequestTimings
+
+    return RequestOutput(request_id="r", token_ids=[5, 6], text="hi", logprobs=None, finished=True,
+                         finish_reason="length", prompt_tokens=3, cached_prompt_tokens=0, completion_tokens=2,
+                         timings=RequestTimings(**{"arrival_time": 0.0, "queue_time": 0.001, "time_to_first_token": 0.01,
+                                                   "e2e_latency": 0.02, "mean_batch_size": 2.5, **timings}))
+
+
+def completion_payload(**extra) -> dict:
+    return {"request_id": f"chatcmpl-{uuid.uuid4().hex}", "reply_channel": "reply", "deployment": SPEC,
+            "kind": "completion", "prompt": "Hi", "sampling": {"max_tokens": 2}, "organization_id": 1, **extra}
+
+
+def test_the_usage_event_leaves_before_the_last_message(monkeypatch):
+    """A worker killed between the two must have billed what the client received: the usage
+    event first, then inference.finished (which the progress record reads as 'billed')."""
+    happened = []
+    payload, parts = completion_payload(), finishing(final_output(), happened)
 
     def run():
-        return inference.run(payload, host=Host(Engine()), send=lambda reply, message: happened.append(message["type"]),
-                             relay=relay, cancels=Cancels())
+        return inference.run(payload, send=lambda reply, message: happened.append(message["type"]), **parts)
 
     monkeypatch.setattr(inference, "emit_usage", lambda event: happened.append(("usage", event)))
     event = run()
@@ -228,6 +238,24 @@ def test_the_usage_event_leaves_before_the_last_message(monkeypatch):
     with pytest.raises(ConnectionError):
         run()
     assert happened == ["inference.started", "emit attempt", "inference.finished"]
+
+
+@pytest.mark.parametrize("admitted, waited_s", [(-7.5, 7.5), (None, 0.0), (+60.0, 0.0)])
+def test_the_usage_events_timings_count_from_the_gateways_admission(monkeypatch, admitted, waited_s):
+    """What the client waited: the task's queue and a first run whose worker died (7.5 s here)
+    come before the engine's own timings; a gateway of before (no time) or a clock behind the
+    gateway's add nothing. The time per output token is the engine's alone."""
+    import time
+
+    sent = []
+    payload = completion_payload(**({} if admitted is None else {"admitted_at": time.time() + admitted}))
+    monkeypatch.setattr(inference, "emit_usage", lambda event: None)
+    final = final_output(time_per_output_token=0.004)
+    event = inference.run(payload, send=lambda reply, message: sent.append(message), **finishing(final, []))
+    for name, engine_ms in (("queue_ms", 1), ("ttft_ms", 10), ("latency_ms", 20)):
+        assert event[name] == pytest.approx(engine_ms + waited_s * 1000, abs=250), name
+        assert sent[-1]["timings"][name] == event[name]
+    assert sent[-1]["timings"]["tpot_ms"] == 4.0
 
 
 def test_the_usage_event_carries_the_prices_the_gateway_admitted_the_request_at():
