@@ -288,11 +288,14 @@ class RefusedUsageEvent(models.Model):
 
 
 class OrganizationBalance(models.Model):
-    """The sum of an organization's ledger entries, in micro-dollars."""
+    """The sum of an organization's ledger entries, in micro-dollars; and what its usage cost
+    beyond its charges, below a micro-dollar (``billing.pricing.charge``), in units of
+    10**-EXACT_PLACES USD: taken by its next charge."""
 
     organization = models.OneToOneField("accounts.Organization", on_delete=models.CASCADE, primary_key=True,
                                         related_name="+")
     micros = models.BigIntegerField(default=0)
+    carry = models.BigIntegerField(db_default=0)  # a database default: the totals are raw upserts
 
     def __str__(self) -> str:
         return f"{self.organization_id}: {self.micros} micro-USD"

@@ -1,10 +1,16 @@
 """The one place a request's cost is computed.
 
 Prices are USD per million tokens (input, cached input, output) plus a flat price per request,
-all :class:`~decimal.Decimal`. The cost is exact Decimal arithmetic, quantized once at the end to
-:data:`COST_QUANTUM` (one micro-dollar, 0.000001 USD) with ROUND_HALF_UP; nothing here ever touches
-a float, and a float given as a price or a token count is refused (TypeError) rather than
-silently rounded.
+all :class:`~decimal.Decimal`. A request's cost is exact Decimal arithmetic (:func:`exact_cost`:
+at most :data:`EXACT_PLACES` decimal places); nothing here ever touches a float, and a float given
+as a price or a token count is refused (TypeError) rather than silently rounded.
+
+Money moves in whole micro-dollars (:data:`COST_QUANTUM`, 0.000001 USD), and a request may cost
+less than one: an embedding of a few tokens at 0.02 USD per million costs a tenth of one. Rounding
+each request on its own would make such requests free, or double their price. Instead an
+organization carries the fraction of a micro-dollar its requests cost beyond their charges to its
+next request (:func:`charge`): its charges add up to its usage's exact cost, rounded down, at every
+moment. A million such embeddings cost 0.1 USD, as they would billed all at once.
 
 Which requests are billed (``status``):
 
@@ -20,16 +26,18 @@ Which requests are billed (``status``):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from decimal import ROUND_HALF_UP, Decimal, localcontext
+from decimal import ROUND_FLOOR, ROUND_HALF_UP, Decimal, localcontext
 from typing import Any
 
-#: Costs are rounded to a micro-dollar (6 decimal places), half up.
+#: Charges are whole micro-dollars (6 decimal places).
 COST_QUANTUM = Decimal("0.000001")
 COST_DECIMAL_PLACES = 6
 #: A price as a usage record stores it: 10 decimal places, below 10**10 USD (``billing.models.PRICE``).
 PRICE_DECIMAL_PLACES = 10
 PRICE_MAX_DIGITS = 20
 TOKENS_PER_PRICE_UNIT = Decimal(1_000_000)
+#: The decimal places of an exact cost: a price's, over a million tokens.
+EXACT_PLACES = PRICE_DECIMAL_PLACES + 6
 
 STATUS_COMPLETED = "completed"
 STATUS_CANCELLED = "cancelled"
@@ -71,7 +79,7 @@ class Prices:
 
     @classmethod
     def of(cls, catalog_model) -> "Prices":
-        """The prices of a ``models_catalog.models.CatalogModel``."""
+        """The prices of a ``models_catalog.models.CatalogModel``, or those a ``UsageRecord`` applied."""
         return cls(
             input_per_mtok=catalog_model.price_input_per_mtok,
             cached_input_per_mtok=catalog_model.price_cached_input_per_mtok,
@@ -102,7 +110,21 @@ def request_cost(
     completion_tokens: int,
     status: str = STATUS_COMPLETED,
 ) -> Decimal:
-    """The cost in USD of one request, quantized to :data:`COST_QUANTUM` (ROUND_HALF_UP).
+    """The cost in USD of one request on its own, to the nearest micro-dollar (half up): an
+    estimate of its charge, which carries its fraction of a micro-dollar (:func:`charge`)."""
+    return exact_cost(prices=prices, prompt_tokens=prompt_tokens, cached_prompt_tokens=cached_prompt_tokens,
+                      completion_tokens=completion_tokens, status=status).quantize(COST_QUANTUM, rounding=ROUND_HALF_UP)
+
+
+def exact_cost(
+    *,
+    prices: Prices,
+    prompt_tokens: int,
+    cached_prompt_tokens: int,
+    completion_tokens: int,
+    status: str = STATUS_COMPLETED,
+) -> Decimal:
+    """The exact cost in USD of one request, with at most :data:`EXACT_PLACES` decimal places.
 
     ``prompt_tokens`` counts every prompt token, cached ones included; ``cached_prompt_tokens`` of
     them (served from the prefix cache) are billed at the cached input price, the rest at the input
@@ -122,10 +144,10 @@ def request_cost(
         raise ValueError(f"status must be one of {', '.join(STATUSES)}, not {status!r}")
 
     if not is_billed(status=status, completion_tokens=completion_tokens):
-        return Decimal(0).quantize(COST_QUANTUM)
+        return Decimal(0)
 
-    # A private context with ample precision: every step before the final quantize is exact
-    # (products of integers and prices, then a division by a power of ten).
+    # A private context with ample precision: every step is exact (products of integers and
+    # prices, then a division by a power of ten).
     with localcontext() as ctx:
         ctx.prec = 60
         token_cost = (
@@ -133,4 +155,18 @@ def request_cost(
             + cached_prompt_tokens * prices.cached_input_per_mtok
             + completion_tokens * prices.output_per_mtok
         ) / TOKENS_PER_PRICE_UNIT
-        return (token_cost + prices.per_request).quantize(COST_QUANTUM, rounding=ROUND_HALF_UP)
+        return token_cost + prices.per_request
+
+
+def charge(*, cost: Decimal, carry: Decimal) -> tuple[Decimal, Decimal]:
+    """What to charge, in whole micro-dollars, for an exact ``cost`` after ``carry`` (what the
+    organization's earlier requests cost beyond their charges), and the carry after it.
+
+    The charge is the total rounded down, never below zero; the carry keeps the rest, so charges
+    plus carry always equal the exact costs. It stays under a micro-dollar either way: a record
+    replaced by a cheaper one may leave it negative, which the next charges take back."""
+    with localcontext() as ctx:
+        ctx.prec = 60
+        total = carry + cost
+        charged = max(total.quantize(COST_QUANTUM, rounding=ROUND_FLOOR), Decimal(0).quantize(COST_QUANTUM))
+        return charged, total - charged

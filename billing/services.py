@@ -41,7 +41,7 @@ from .errors import (
 from .events import parse_usage_event
 from .models import (LIMIT_MAX, ApiKeySpendLimit, BillingAccount, LedgerEntry, RefusedUsageEvent, SpendLimit,
                      StripeEvent, TopUp, UsageRecord)
-from .pricing import COST_QUANTUM, Prices, is_billed, request_cost
+from .pricing import COST_QUANTUM, Prices, charge, exact_cost, is_billed
 from .stripe_api import card_topups_enabled, stripe_client
 
 logger = logging.getLogger(__name__)
@@ -53,18 +53,19 @@ CENTS = Decimal("0.01")
 
 
 def _write_entry(*, organization_id: int, kind: str, amount: Decimal, reference: str = "",
-                 description: str = "") -> LedgerEntry:
-    """Write a ledger entry and add it to the organization's balance, in the caller's transaction."""
+                 description: str = "", carry: Decimal | None = None) -> LedgerEntry:
+    """Write a ledger entry and add it to the organization's balance, in the caller's transaction
+    (a usage charge's with the carry it leaves)."""
     entry = LedgerEntry.objects.create(organization_id=organization_id, kind=kind, amount=amount,
                                        reference=reference, description=description)
-    _add_to_balance(organization_id=organization_id, amount=amount)
+    _add_to_balance(organization_id=organization_id, amount=amount, carry=carry)
     return entry
 
 
-def _add_to_balance(*, organization_id: int, amount: Decimal) -> None:
+def _add_to_balance(*, organization_id: int, amount: Decimal, carry: Decimal | None = None) -> None:
     """Add to the running balance in the caller's transaction; once it commits, the
     organization's low-balance alert looks at the new balance."""
-    totals.add_to_balance(organization_id=organization_id, amount=amount)
+    totals.add_to_balance(organization_id=organization_id, amount=amount, carry=carry)
     if amount:
         balance_alerts.after_commit(organization_id=organization_id)
 
@@ -171,7 +172,7 @@ def record_usage(*, event: Mapping[str, Any]) -> UsageRecord:
     a race between two billing workers) rolls its transaction back and returns the existing record
     without charging again. The prices applied, copied onto the record, are the event's (the
     catalog's when the request was admitted), or for an event without them the catalog model's now.
-    Eight statements in all, the transaction's included: this runs once per request.
+    Nine statements in all, the transaction's included: this runs once per request.
 
     Raises InvalidUsageEvent (malformed, unknown organization, a key of another organization) or
     UnknownModel (an event without prices for a model no longer in the catalog): permanent errors,
@@ -201,15 +202,15 @@ def _catalog_prices(parsed) -> Prices:
     return Prices.of(catalog_model)
 
 
+def _exact_cost(usage, prices: Prices) -> Decimal:
+    """The exact cost of a usage event or record (``billing.pricing.exact_cost``)."""
+    return exact_cost(prices=prices, prompt_tokens=usage.prompt_tokens, cached_prompt_tokens=usage.cached_prompt_tokens,
+                      completion_tokens=usage.completion_tokens, status=usage.status)
+
+
 def _record_usage(parsed) -> UsageRecord:
     prices = parsed.prices if parsed.prices is not None else _catalog_prices(parsed)
-    cost = request_cost(
-        prices=prices,
-        prompt_tokens=parsed.prompt_tokens,
-        cached_prompt_tokens=parsed.cached_prompt_tokens,
-        completion_tokens=parsed.completion_tokens,
-        status=parsed.status,
-    )
+    cost = _exact_cost(parsed, prices)
     for attempt in range(2):
         try:
             return _write_usage(parsed, prices, cost)
@@ -231,10 +232,13 @@ def _entry_description(parsed) -> str:
     return parsed.model + (f" on {parsed.deployment}" if parsed.deployment not in ("", parsed.model) else "")
 
 
-def _write_usage(parsed, prices: Prices, cost: Decimal) -> UsageRecord:
-    """The record, its charge and the totals, in one transaction; IntegrityError if any fails."""
+def _write_usage(parsed, prices: Prices, exact: Decimal) -> UsageRecord:
+    """The record, its charge and the totals, in one transaction; IntegrityError if any fails.
+    The balance's row is taken first: the lock order reconcile relies on, and its carry decides
+    the charge (``billing.pricing.charge``)."""
     api_key_id, deployment_id = _usage_references(parsed)
     with transaction.atomic():
+        cost, carry = charge(cost=exact, carry=totals.take_carry(organization_id=parsed.organization_id))
         record = UsageRecord.objects.create(
             request_id=parsed.request_id,
             organization_id=parsed.organization_id,
@@ -259,12 +263,11 @@ def _write_usage(parsed, prices: Prices, cost: Decimal) -> UsageRecord:
             created_at=parsed.finished_at,
         )
         # The usage record is unique by request id, so its charge is written once with it.
-        # Either way the balance's row is taken first: the lock order reconcile relies on.
         if cost > 0:
             _write_entry(organization_id=parsed.organization_id, kind=LedgerEntry.Kind.USAGE, amount=-cost,
-                         reference=parsed.request_id, description=_entry_description(parsed))
+                         reference=parsed.request_id, description=_entry_description(parsed), carry=carry)
         else:
-            totals.add_to_balance(organization_id=parsed.organization_id, amount=Decimal(0))
+            totals.add_to_balance(organization_id=parsed.organization_id, amount=Decimal(0), carry=carry)
         billed = is_billed(status=parsed.status, completion_tokens=parsed.completion_tokens)
         totals.add_usage(organization_id=parsed.organization_id, api_key_id=api_key_id,
                          created_at=record.created_at, cost=cost,
@@ -274,19 +277,21 @@ def _write_usage(parsed, prices: Prices, cost: Decimal) -> UsageRecord:
     return record
 
 
-def _complete(existing: UsageRecord, parsed, prices: Prices, cost: Decimal) -> UsageRecord:
+def _complete(existing: UsageRecord, parsed, prices: Prices, exact: Decimal) -> UsageRecord:
     """A request recorded as cancelled or failed ran again under its id and completed (a batch's
     line, run again after its runner stopped mid-answer: the event says ``rerun``): the record
     becomes the completed run's and its charge that run's cost, so the client pays for the one
     answer it got, once. A completed record is never changed. (An API request's id is its run's
     alone: a recovery's "failed, free" record of it stands, as the client was told.)"""
     with transaction.atomic():
-        totals.add_to_balance(organization_id=existing.organization_id, amount=Decimal(0))  # the lock order
+        carry = totals.take_carry(organization_id=existing.organization_id)  # the lock order
         record = UsageRecord.objects.select_for_update().get(pk=existing.pk)
         if record.status == UsageRecord.Status.COMPLETED:
             return record
         was_billed = is_billed(status=record.status, completion_tokens=record.completion_tokens)
         old_cost, old_tokens = record.cost, record.prompt_tokens + record.completion_tokens if was_billed else 0
+        # Charges plus carry stay the exact costs: the old run's exact cost leaves, its charge comes back.
+        cost, carry = charge(cost=exact, carry=carry + old_cost - _exact_cost(record, Prices.of(record)))
         for name in ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "status", "queue_ms",
                      "ttft_ms", "latency_ms"):
             setattr(record, name, getattr(parsed, name))
@@ -299,13 +304,14 @@ def _complete(existing: UsageRecord, parsed, prices: Prices, cost: Decimal) -> U
                                                                reference=record.request_id).first()
         if entry is None and cost > 0:
             _write_entry(organization_id=record.organization_id, kind=LedgerEntry.Kind.USAGE, amount=-cost,
-                         reference=record.request_id, description=_entry_description(parsed))
-        elif entry is not None:  # a usage entry is never zero: one that would be goes
-            if cost > 0:
-                LedgerEntry.objects.filter(pk=entry.pk).update(amount=-cost)
-            else:
-                LedgerEntry.objects.filter(pk=entry.pk).delete()
-            _add_to_balance(organization_id=record.organization_id, amount=old_cost - cost)
+                         reference=record.request_id, description=_entry_description(parsed), carry=carry)
+        else:
+            if entry is not None:  # a usage entry is never zero: one that would be goes
+                if cost > 0:
+                    LedgerEntry.objects.filter(pk=entry.pk).update(amount=-cost)
+                else:
+                    LedgerEntry.objects.filter(pk=entry.pk).delete()
+            _add_to_balance(organization_id=record.organization_id, amount=old_cost - cost, carry=carry)
         totals.add_usage(organization_id=record.organization_id, api_key_id=record.api_key_id,
                          created_at=record.created_at, cost=cost - old_cost,
                          tokens=parsed.prompt_tokens + parsed.completion_tokens - old_tokens, requests=0)

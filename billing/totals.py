@@ -18,7 +18,7 @@ from django.db.models import Count, F, Q, Sum, Value
 from django.db.models.functions import Round, TruncMonth
 
 from .models import ApiKeyTotals, LedgerEntry, MonthlySpend, OrganizationBalance, UsageRecord
-from .pricing import COST_QUANTUM, STATUS_COMPLETED
+from .pricing import COST_QUANTUM, EXACT_PLACES, STATUS_COMPLETED
 
 
 def micros(amount: Decimal) -> int:
@@ -39,24 +39,45 @@ def month_of(moment: datetime) -> date:
     return moment.astimezone(timezone.utc).date().replace(day=1)
 
 
-def _add(model, key: dict, **amounts: int) -> None:
-    """Add ``amounts`` to the row of ``model`` that ``key`` names (created at zero if missing)."""
+def _add(model, key: dict, *, assign: dict | None = None, returning: str | None = None, **amounts: int):
+    """Add ``amounts`` to the row of ``model`` that ``key`` names (created at zero if missing), and
+    set the columns of ``assign``. Returns the ``returning`` column's value after it, if named."""
     quote = connection.ops.quote_name
     table = quote(model._meta.db_table)
-    columns = {quote(model._meta.get_field(name).column): value for name, value in {**key, **amounts}.items()}
-    key_columns = list(columns)[:len(key)]
-    increments = ", ".join(f"{c} = {table}.{c} + excluded.{c}" for c in list(columns)[len(key):])
+    values = {**key, **amounts, **(assign or {})}
+    column = {name: quote(model._meta.get_field(name).column) for name in [*values, *filter(None, [returning])]}
+    updates = [f"{column[c]} = {table}.{column[c]} + excluded.{column[c]}" for c in amounts]
+    updates += [f"{column[c]} = excluded.{column[c]}" for c in assign or {}]
     with connection.cursor() as cursor:
         cursor.execute(
-            f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join(['%s'] * len(columns))}) "
-            f"ON CONFLICT ({', '.join(key_columns)}) DO UPDATE SET {increments}",
-            list(columns.values()),
+            f"INSERT INTO {table} ({', '.join(column[c] for c in values)}) VALUES ({', '.join(['%s'] * len(values))}) "
+            f"ON CONFLICT ({', '.join(column[c] for c in key)}) DO UPDATE SET {', '.join(updates)}"
+            + (f" RETURNING {column[returning]}" if returning else ""),
+            list(values.values()),
         )
+        return cursor.fetchone()[0] if returning else None
 
 
-def add_to_balance(*, organization_id: int, amount: Decimal) -> None:
-    """A ledger entry of ``amount`` was written for the organization (in this transaction)."""
-    _add(OrganizationBalance, {"organization": organization_id}, micros=micros(amount))
+def add_to_balance(*, organization_id: int, amount: Decimal, carry: Decimal | None = None) -> None:
+    """A ledger entry of ``amount`` was written for the organization (in this transaction); with
+    ``carry``, a charge leaves that carry (``take_carry``)."""
+    assign = None if carry is None else {"carry": _carry_units(carry)}
+    _add(OrganizationBalance, {"organization": organization_id}, assign=assign, micros=micros(amount))
+
+
+def take_carry(*, organization_id: int) -> Decimal:
+    """Lock the organization's balance row (made if need be) until this transaction ends, and read
+    its carry (USD): what its usage cost beyond its charges (``billing.pricing.charge``). The
+    charge gives the new one to ``add_to_balance``."""
+    units = _add(OrganizationBalance, {"organization": organization_id}, returning="carry", micros=0)
+    return Decimal(units).scaleb(-EXACT_PLACES)
+
+
+def _carry_units(carry: Decimal) -> int:
+    units = carry.scaleb(EXACT_PLACES)
+    if units != units.to_integral_value():
+        raise ValueError(f"a carry of {carry} USD is finer than an exact cost")
+    return int(units)
 
 
 def add_usage(*, organization_id: int, api_key_id: int | None, created_at: datetime, cost: Decimal,

@@ -26,3 +26,14 @@ def wait_until(predicate, *, timeout: float, interval: float = 0.1, message: str
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g}s waiting for {message}")
         time.sleep(interval)
+
+
+def assert_billed_as_priced(record) -> None:
+    """A usage record cost something at its prices, and was charged that, give or take the
+    fraction of a micro-dollar its organization carries from request to request."""
+    from billing.pricing import COST_QUANTUM, Prices, exact_cost
+
+    exact = exact_cost(prices=Prices.of(record), prompt_tokens=record.prompt_tokens,
+                       cached_prompt_tokens=record.cached_prompt_tokens, completion_tokens=record.completion_tokens,
+                       status=record.status)
+    assert exact > 0 and abs(record.cost - exact) < COST_QUANTUM, (record.cost, exact)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from decimal import Decimal
+from decimal import ROUND_FLOOR, Decimal
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from billing.pricing import COST_QUANTUM, FREE, Prices, request_cost
+from billing.pricing import COST_QUANTUM, FREE, Prices, charge, exact_cost, request_cost
 
 SAMPLE = Prices(
     input_per_mtok=Decimal("0.15"),
@@ -123,3 +123,33 @@ def test_cost_equals_the_rational_formula_rounded_half_up(prompt, cached_share, 
     rounded = int(micro) + (1 if micro - int(micro) >= Fraction(1, 2) else 0)
     assert request_cost(prices=p, prompt_tokens=prompt, cached_prompt_tokens=cached,
                         completion_tokens=completion) == Decimal(rounded) / 10**6
+
+
+@given(costs=st.lists(st.decimals(min_value=0, max_value=Decimal("0.00003"), places=16), max_size=60),
+       carry=st.decimals(min_value=Decimal("-0.0000009999999999"), max_value=Decimal("0.0000009999999999"), places=16))
+def test_charges_and_the_carry_always_add_up_to_the_exact_costs(costs, carry):
+    """Whole micro-dollars, never below zero, and the rest carried: after any run of requests
+    what was charged is the exact total (with the carry it started from), rounded down."""
+    start, charged = carry, Decimal(0)
+    for cost in costs:
+        amount, carry = charge(cost=cost, carry=carry)
+        assert amount >= 0 and amount == amount.quantize(COST_QUANTUM)
+        assert -COST_QUANTUM < carry < COST_QUANTUM
+        charged += amount
+    assert charged + carry == start + sum(costs, Decimal(0))
+    if start >= 0:
+        assert charged == (start + sum(costs, Decimal(0))).quantize(COST_QUANTUM, rounding=ROUND_FLOOR)
+
+
+def test_requests_cheaper_than_a_micro_dollar_are_charged_together():
+    """Ten embeddings of two tokens at 0.05 USD per million cost a micro-dollar between them:
+    rounded one by one they would cost nothing (or, at three tokens, twice their price)."""
+    prices = Prices(Decimal("0.05"), Decimal(0), Decimal(0), Decimal(0))
+    one = exact_cost(prices=prices, prompt_tokens=2, cached_prompt_tokens=0, completion_tokens=0)
+    assert one == Decimal("0.0000001") and request_cost(prices=prices, prompt_tokens=2, cached_prompt_tokens=0,
+                                                        completion_tokens=0) == 0
+    carry, amounts = Decimal(0), []
+    for _ in range(10):
+        amount, carry = charge(cost=one, carry=carry)
+        amounts.append(amount)
+    assert amounts == [0] * 9 + [COST_QUANTUM] and carry == 0

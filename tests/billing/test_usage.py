@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import threading
 from datetime import datetime, timedelta, timezone
-from decimal import Decimal
+from decimal import ROUND_FLOOR, Decimal
 
 import pytest
 from django.db import connection
 
 from billing import selectors, services, totals
 from billing.errors import InvalidParameter, InvalidUsageEvent, QuotaExceeded, UnknownModel
-from billing.models import LedgerEntry, UsageRecord
-from billing.pricing import Prices, request_cost
+from billing.models import LedgerEntry, OrganizationBalance, UsageRecord
+from billing.pricing import COST_QUANTUM, EXACT_PLACES, Prices, exact_cost, request_cost
 from models_catalog.models import CatalogModel
 from tests.billing.conftest import make_catalog_model, make_key, make_organization, usage_event
 
@@ -21,6 +21,11 @@ pytestmark = pytest.mark.django_db
 
 SAMPLE_COST = Decimal("0.000535")  # 1000 prompt (200 cached), 500 completion at the sample prices
 SIGNUP = Decimal("5.000000")
+
+
+def carry_of(organization) -> Decimal:
+    """What the organization's usage cost beyond its charges (USD), as stored."""
+    return Decimal(OrganizationBalance.objects.get(organization=organization).carry).scaleb(-EXACT_PLACES)
 
 
 def test_a_new_organization_gets_the_signup_credit_once(organization):
@@ -75,6 +80,37 @@ def test_a_completed_run_replaces_a_cancelled_record_of_its_id_and_nothing_repla
     assert selectors.balance(organization=organization) == SIGNUP - SAMPLE_COST
 
 
+def test_requests_cheaper_than_a_micro_dollar_are_charged_together(organization):
+    """25 embeddings of three tokens at 0.05 USD per million cost 3.75 micro-dollars: 3 charged,
+    0.75 carried to the next request. Rounded one by one (0.15 each) they would cost nothing."""
+    make_catalog_model(slug="embedder", price_input_per_mtok=Decimal("0.05"), price_cached_input_per_mtok=0,
+                       price_output_per_mtok=0, price_per_request=0)
+    for _ in range(25):
+        services.record_usage(event=usage_event(organization, model="embedder", prompt_tokens=3,
+                                                cached_prompt_tokens=0, completion_tokens=0))
+    costs = list(UsageRecord.objects.values_list("cost", flat=True))
+    assert sum(costs) == Decimal("0.000003") and set(costs) == {0, Decimal("0.000001")}
+    assert selectors.balance(organization=organization) == SIGNUP - Decimal("0.000003")
+    assert carry_of(organization) == Decimal("0.00000075")
+    assert LedgerEntry.objects.filter(kind="usage").count() == 3  # a usage entry is never zero
+    stored, from_rows = totals.reconcile(organization_id=organization.pk, fix=False)
+    assert stored == from_rows
+
+
+def test_a_replaced_record_keeps_charges_and_carry_at_the_exact_costs(organization):
+    """A cut run's charge is given back and the whole run's charged, through the same carry."""
+    make_catalog_model(slug="cheap", price_input_per_mtok=Decimal("0.3"), price_cached_input_per_mtok=0,
+                       price_output_per_mtok=Decimal("0.7"), price_per_request=0)
+    tokens = {"model": "cheap", "prompt_tokens": 3, "cached_prompt_tokens": 0}
+    cut = usage_event(organization, status="cancelled", completion_tokens=1, **tokens)  # 1.6 micro-dollars
+    services.record_usage(event=usage_event(organization, completion_tokens=0, **tokens))  # 0.9
+    services.record_usage(event=cut)
+    services.record_usage(event=dict(cut, status="completed", completion_tokens=4, rerun=True))  # 3.7
+    charged = sum(UsageRecord.objects.values_list("cost", flat=True))
+    assert charged == Decimal("0.000004") and carry_of(organization) == Decimal("0.0000006")
+    assert selectors.balance(organization=organization) == SIGNUP - charged
+
+
 @pytest.mark.parametrize("cut_tokens", [0, 7])
 def test_a_rerun_that_costs_nothing_leaves_no_usage_entry(organization, catalog_model, cut_tokens):
     """A usage entry is never zero: a free completed rerun (a cheap model's few tokens, rounded to
@@ -100,19 +136,20 @@ def test_the_same_event_twice_bills_once(organization, catalog_model):
     assert selectors.balance(organization=organization) == SIGNUP - SAMPLE_COST
 
 
-def test_an_event_is_recorded_in_eight_statements_and_a_redelivery_in_six(organization, catalog_model,
+def test_an_event_is_recorded_in_nine_statements_and_a_redelivery_in_seven(organization, catalog_model,
                                                                          django_assert_max_num_queries):
-    """Every request ends in one of these: validate (one query), then the record, its charge and
-    the three totals in one transaction. A redelivery rolls back at the record and reads the first."""
+    """Every request ends in one of these: validate (one query), then the balance's row taken (its
+    carry read), the record, its charge and the three totals in one transaction. A redelivery
+    rolls back at the record and reads the first."""
     from models_catalog.services import create_deployment
 
     api_key, _ = make_key(organization)
     deployment = create_deployment(organization=organization, model=catalog_model, name="counted")
     services.record_usage(event=usage_event(organization, api_key=api_key))  # the catalog model's read cached
     event = usage_event(organization, api_key=api_key, deployment=deployment)
-    with django_assert_max_num_queries(8):  # in a test's transaction BEGIN/COMMIT are a savepoint's
+    with django_assert_max_num_queries(9):  # in a test's transaction BEGIN/COMMIT are a savepoint's
         first = services.record_usage(event=event)
-    with django_assert_max_num_queries(6):  # its savepoint is rolled back and released
+    with django_assert_max_num_queries(7):  # its savepoint is rolled back and released
         assert services.record_usage(event=event).pk == first.pk
     assert first.api_key == api_key and first.deployment == deployment
     assert LedgerEntry.objects.filter(kind="usage", reference=event["request_id"]).count() == 1
@@ -251,12 +288,14 @@ def test_fifty_concurrent_charges_leave_the_exact_balance():
                           api_key=keys[i % 3]) for i in range(50)]
     assert _run_concurrently(events) == []
     prices = Prices.of(CatalogModel.objects.get(slug="tiny-llama"))
-    expected = sum((request_cost(prices=prices, prompt_tokens=e["prompt_tokens"],
-                                 cached_prompt_tokens=e["cached_prompt_tokens"],
-                                 completion_tokens=e["completion_tokens"]) for e in events), Decimal(0))
+    exact = sum((exact_cost(prices=prices, prompt_tokens=e["prompt_tokens"], cached_prompt_tokens=e["cached_prompt_tokens"],
+                            completion_tokens=e["completion_tokens"]) for e in events), Decimal(0))
     assert UsageRecord.objects.count() == 50
     assert LedgerEntry.objects.filter(kind="usage").count() == 50
-    assert selectors.balance(organization=organization) == SIGNUP - expected
+    # Each charge read the carry the one before it left: together they are the exact cost, rounded down.
+    charged = exact.quantize(COST_QUANTUM, rounding=ROUND_FLOOR)
+    assert selectors.balance(organization=organization) == SIGNUP - charged
+    assert carry_of(organization) == exact - charged
     # The running totals the quota check reads add up to the rows, per key too.
     stored = totals.stored(organization_id=organization.pk)
     assert stored == totals.from_rows(organization_id=organization.pk) and len(stored.keys) == 2

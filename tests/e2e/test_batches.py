@@ -10,7 +10,7 @@ from decimal import Decimal
 import openai
 import pytest
 
-from tests.support import wait_until
+from tests.support import assert_billed_as_priced, wait_until
 
 from .conftest import DEPLOYMENT
 
@@ -76,7 +76,7 @@ def test_a_batch_answers_each_request_as_the_api_would_at_the_batch_price(openai
         assert record.endpoint == "/v1/batches"
         assert record.price_input_per_mtok == catalog.price_input_per_mtok * Decimal("0.5")
         assert record.price_output_per_mtok == catalog.price_output_per_mtok * Decimal("0.5")
-        assert record.cost > 0
+        assert_billed_as_priced(record)
     # Outside the key's per-minute limits: its windows hold the direct requests, none of the batch's.
     import redis
     from django.conf import settings
