@@ -102,18 +102,11 @@ def is_billed(*, status: str, completion_tokens: int) -> bool:
     return status == STATUS_COMPLETED or completion_tokens > 0
 
 
-def request_cost(
-    *,
-    prices: Prices,
-    prompt_tokens: int,
-    cached_prompt_tokens: int,
-    completion_tokens: int,
-    status: str = STATUS_COMPLETED,
-) -> Decimal:
-    """The cost in USD of one request on its own, to the nearest micro-dollar (half up): an
-    estimate of its charge, which carries its fraction of a micro-dollar (:func:`charge`)."""
-    return exact_cost(prices=prices, prompt_tokens=prompt_tokens, cached_prompt_tokens=cached_prompt_tokens,
-                      completion_tokens=completion_tokens, status=status).quantize(COST_QUANTUM, rounding=ROUND_HALF_UP)
+def request_cost(**usage) -> Decimal:
+    """The cost in USD of one request on its own (:func:`exact_cost`'s arguments), to the nearest
+    micro-dollar (half up): an estimate of its charge, which carries its fraction of a micro-dollar
+    (:func:`charge`)."""
+    return exact_cost(**usage).quantize(COST_QUANTUM, rounding=ROUND_HALF_UP)
 
 
 def exact_cost(
