@@ -172,7 +172,7 @@ def record_usage(*, event: Mapping[str, Any]) -> UsageRecord:
     a race between two billing workers) rolls its transaction back and returns the existing record
     without charging again. The prices applied, copied onto the record, are the event's (the
     catalog's when the request was admitted), or for an event without them the catalog model's now.
-    Nine statements in all, the transaction's included: this runs once per request.
+    Ten statements in all, the transaction's included: this runs once per request.
 
     Raises InvalidUsageEvent (malformed, unknown organization, a key of another organization) or
     UnknownModel (an event without prices for a model no longer in the catalog): permanent errors,

@@ -39,23 +39,21 @@ def month_of(moment: datetime) -> date:
     return moment.astimezone(timezone.utc).date().replace(day=1)
 
 
-def _add(model, key: dict, *, assign: dict | None = None, returning: str | None = None, **amounts: int):
+def _add(model, key: dict, *, assign: dict | None = None, **amounts: int) -> None:
     """Add ``amounts`` to the row of ``model`` that ``key`` names (created at zero if missing), and
-    set the columns of ``assign``. Returns the ``returning`` column's value after it, if named."""
+    set the columns of ``assign``."""
     quote = connection.ops.quote_name
     table = quote(model._meta.db_table)
     values = {**key, **amounts, **(assign or {})}
-    column = {name: quote(model._meta.get_field(name).column) for name in [*values, *filter(None, [returning])]}
+    column = {name: quote(model._meta.get_field(name).column) for name in values}
     updates = [f"{column[c]} = {table}.{column[c]} + excluded.{column[c]}" for c in amounts]
     updates += [f"{column[c]} = excluded.{column[c]}" for c in assign or {}]
     with connection.cursor() as cursor:
         cursor.execute(
             f"INSERT INTO {table} ({', '.join(column[c] for c in values)}) VALUES ({', '.join(['%s'] * len(values))}) "
-            f"ON CONFLICT ({', '.join(column[c] for c in key)}) DO UPDATE SET {', '.join(updates)}"
-            + (f" RETURNING {column[returning]}" if returning else ""),
+            f"ON CONFLICT ({', '.join(column[c] for c in key)}) DO UPDATE SET {', '.join(updates)}",
             list(values.values()),
         )
-        return cursor.fetchone()[0] if returning else None
 
 
 def add_to_balance(*, organization_id: int, amount: Decimal, carry: Decimal | None = None) -> None:
@@ -69,7 +67,8 @@ def take_carry(*, organization_id: int) -> Decimal:
     """Lock the organization's balance row (made if need be) until this transaction ends, and read
     its carry (USD): what its usage cost beyond its charges (``billing.pricing.charge``). The
     charge gives the new one to ``add_to_balance``."""
-    units = _add(OrganizationBalance, {"organization": organization_id}, returning="carry", micros=0)
+    _add(OrganizationBalance, {"organization": organization_id}, micros=0)  # the upsert locks the row
+    units = OrganizationBalance.objects.filter(organization_id=organization_id).values_list("carry", flat=True).get()
     return Decimal(units).scaleb(-EXACT_PLACES)
 
 
