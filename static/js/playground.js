@@ -191,7 +191,7 @@
     const node = addMessage("assistant", "");
     node.classList.add("streaming");
     const requestId = "pg-" + Math.random().toString(36).slice(2, 12);
-    current = { id: requestId, node, text: "", apiId: null, usage: null, stopped: false, deployment: select.value,
+    current = { id: requestId, node, text: "", apiId: null, usage: null, stopped: false, finishReason: null, deployment: select.value,
                 started: performance.now(), firstToken: null, left: false };
     live.set(requestId, current);
     node.dataset.requestId = requestId;
@@ -274,11 +274,16 @@
     fetchCost(reply, u, cached, costTag, 0, null);
   }
 
-  // A finished reply's chips: Stopped, its tokens, its time, and its cost's tag (returned, filled in
-  // once the cost is known); null when nothing was generated.
+  // A finished reply's chips: Stopped or Cut at max tokens, its tokens, its time, and its cost's tag
+  // (returned, filled in once the cost is known); null when nothing was generated.
   function chips(reply, seconds) {
     reply.node.querySelector(".meta").textContent = "";
     if (reply.stopped) tag(reply.node, "Stopped", { "data-stopped": "1", class: "tag tag-warn" });
+    // Without this chip, a reply ended by Max tokens reads as if the model had finished it.
+    if (reply.finishReason === "length") {
+      tag(reply.node, "Cut at max tokens", { "data-cut": "1", class: "tag tag-warn",
+                                             title: "The reply reached Max tokens: raise it under Parameters for a longer one." });
+    }
     const u = reply.usage;
     if (!u) {
       tag(reply.node, "Nothing generated");

@@ -189,6 +189,7 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     page.wait_for_selector(".msg.assistant[data-state=done]", timeout=120_000)
     reply = page.locator(".msg.assistant").nth(0).locator(".text").inner_text()
     assert isinstance(json.loads(reply), dict), reply
+    assert page.locator(".msg.assistant [data-cut]").count() == 0  # it ended on its own, not at Max tokens
     shot(page, "09b-playground-json")
     page.uncheck("#p-json")
 
@@ -546,7 +547,8 @@ def test_the_playground_bills_the_organization_on_screen_after_a_switch_in_anoth
 
 def test_the_playground_caps_max_tokens_at_the_selected_models_context(new_page, stack, db_call):
     """Max tokens goes up to the selected model's context, which the API refuses to exceed, and
-    follows the selection; a model whose context the catalog does not know keeps the field's cap."""
+    follows the selection; a model whose context the catalog does not know keeps the field's cap.
+    A reply Max tokens cut short says so."""
     page = new_page()
     account = sign_up(page, name="Max Tokens", organization=unique("Context"))
     tag = unique("ctx").lower()
@@ -582,4 +584,14 @@ def test_the_playground_caps_max_tokens_at_the_selected_models_context(new_page,
     assert page.get_attribute("#p-max-tokens", "max") == "8192" and not page.is_visible("#p-max-tokens-error")
     page.select_option("#deployment-select", f"{tag}-unknown")
     assert page.get_attribute("#p-max-tokens", "max") == "32768" and not page.is_visible("#p-max-tokens-help")
+
+    page.select_option("#deployment-select", DEPLOYMENT)
+    page.fill("#p-max-tokens", "3")  # far too few for the answer: the engine ends it with finish_reason "length"
+    page.fill("#chat-input", "Count from one to twenty in words.")
+    page.keyboard.press("Enter")
+    page.wait_for_selector(".msg.assistant[data-state=done] [data-cost]", timeout=120_000)
+    reply = page.locator(".msg.assistant").nth(0)
+    assert reply.locator("[data-cut]").inner_text() == "Cut at max tokens"
+    assert reply.locator("[data-stopped]").count() == 0
+    shot(page, "23-playground-cut")
     assert not page.js_errors, page.js_errors
