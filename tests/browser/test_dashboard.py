@@ -262,6 +262,14 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     page.wait_for_selector("text=The low-balance alert is now $2.50.")
     assert page.input_value("#balance-alert-amount") == "2.50" and page.locator("#balance-alert-remove").count() == 1
     shot(page, "11-billing")
+    # On a laptop the history spans the page: a charge's description (model on deployment) keeps to one line.
+    page.set_viewport_size(LAPTOP)
+    lines = page.eval_on_selector("#ledger tr[data-kind=usage] td:nth-child(3)", """cell => {
+        const text = document.createRange();
+        text.selectNodeContents(cell);
+        return new Set([...text.getClientRects()].map((line) => Math.round(line.top))).size; }""")
+    page.set_viewport_size(DESKTOP)
+    assert lines == 1, f"a charge's description takes {lines} lines at 1280 px"
 
     # --- usage: the requests with their tokens and cost --------------------------------------------------
     page.click("nav >> text=Usage")
