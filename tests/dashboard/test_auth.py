@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from html.parser import HTMLParser
 from decimal import Decimal
 
 from django.core import mail
@@ -133,3 +134,27 @@ def test_sign_ins_to_an_account_stop_after_repeated_failures_even_with_the_right
         assert client.post("/login/", {"username": user.email, "password": "a brand new pass 42"}).status_code == 302
     finally:
         login_throttle.clear(user.email)
+
+
+class _Focusable(HTMLParser):
+    """What Tab reaches in a page, in document order (the dashboard sets no tabindex)."""
+
+    def __init__(self):
+        super().__init__()
+        self.order: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "input" and attrs.get("type") != "hidden" or tag in ("button", "select", "textarea"):
+            self.order.append(attrs.get("id") or f"{tag}[type={attrs.get('type')}]")
+        elif tag == "a" and "href" in attrs:
+            self.order.append(attrs["href"])
+
+
+def test_the_login_form_tabs_from_the_email_to_the_password(client, db):
+    page = _Focusable()
+    page.feed(client.get("/login/").content.decode())
+    order = page.order
+    # Nothing between the two fields: the "Forgot your password?" link sat there, in the label's row.
+    assert order.index("id_password") == order.index("id_username") + 1, order
+    assert order.index("/password-reset/") > order.index("id_password"), order
