@@ -84,6 +84,18 @@ def membership_for(*, user: User, organization: Organization) -> Membership | No
     return Membership.objects.filter(user=user, organization=organization).first()
 
 
+def leave_refusal(*, membership: Membership) -> str | None:
+    """Why the holder of ``membership`` cannot leave its organization, or None when they can: the
+    last owner cannot (someone must own it). ``services.remove_member`` asks it under the
+    organization's lock; a page asks it to offer no Leave button that can only fail."""
+    if membership.role != Membership.Role.OWNER:
+        return None
+    others = Membership.objects.filter(organization_id=membership.organization_id, role=Membership.Role.OWNER)
+    if others.exclude(pk=membership.pk).exists():
+        return None
+    return "The last owner cannot leave the organization."
+
+
 def is_active_member(*, user_id: int, organization_id: int) -> bool:
     """Whether an active user still belongs to the organization (a session checked again)."""
     return Membership.objects.filter(user_id=user_id, user__is_active=True, organization_id=organization_id).exists()

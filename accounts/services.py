@@ -19,6 +19,7 @@ from inference_platform import read_cache
 from .errors import InvalidInput
 from .models import (CONTROL_CHARACTERS, KEY_PREFIX, KEY_PREFIX_LENGTH, NO_CONTROL_CHARACTERS, SCOPES, ApiKey,
                      Membership, Organization, User, hash_api_key)
+from .selectors import leave_refusal
 from .signals import organization_created
 
 # last_used_at is written at most this often per key.
@@ -117,10 +118,9 @@ def remove_member(*, organization: Organization, user: User) -> int:
         membership = Membership.objects.filter(organization=organization, user=user).first()
         if membership is None:
             return 0
-        if membership.role == Membership.Role.OWNER:
-            owners = Membership.objects.filter(organization=organization, role=Membership.Role.OWNER).count()
-            if owners <= 1:
-                raise InvalidInput("user", "The last owner cannot leave the organization.")
+        refusal = leave_refusal(membership=membership)
+        if refusal:
+            raise InvalidInput("user", refusal)
         revoked = revoke_keys_of(user_id=user.pk, organization_id=organization.pk)
         membership.delete()  # its pre_delete receiver finds nothing left to revoke
     return revoked

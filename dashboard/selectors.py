@@ -15,7 +15,7 @@ from django.db.models.functions import Coalesce, TruncHour, TruncMinute
 from django.utils import timezone as dj_timezone
 
 from accounts.models import ApiKey, Membership, Organization, User
-from accounts.selectors import api_keys_for_organization, organizations_for_user
+from accounts.selectors import api_keys_for_organization, leave_refusal, organizations_for_user
 from billing import selectors as billing_selectors
 from billing.models import UsageRecord
 from billing.pricing import STATUSES, Prices, request_cost
@@ -338,14 +338,19 @@ def reply_cost(*, organization: Organization, request_id: str, deployment: Deplo
 # --- members ------------------------------------------------------------------------------------------
 
 
-def members_page(*, organization: Organization) -> dict:
+def members_page(*, organization: Organization, user: User) -> dict:
+    """The organization's members and pending invitations, and why ``user`` cannot leave it (None
+    when they can)."""
     now = dj_timezone.now()
+    memberships = list(Membership.objects.filter(organization=organization).select_related("user")
+                       .order_by("created_at", "id"))
+    own = next((m for m in memberships if m.user_id == user.pk), None)
     return {
-        "memberships": list(Membership.objects.filter(organization=organization).select_related("user")
-                            .order_by("created_at", "id")),
+        "memberships": memberships,
         "invitations": list(Invitation.objects.filter(organization=organization, accepted_at__isnull=True,
                                                       revoked_at__isnull=True, expires_at__gt=now)
                             .select_related("invited_by")),
+        "leave_refusal": leave_refusal(membership=own) if own is not None else None,
     }
 
 

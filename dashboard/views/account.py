@@ -137,12 +137,12 @@ def members(request):
             else:
                 messages.success(request, f"Invitation sent to {invitation.email}.")
                 return redirect("members")
-    data = selectors.members_page(organization=organization)
+    data = selectors.members_page(organization=organization, user=request.user)
     # Not ``memberships``: that name is the organization switcher's (the context processor's).
     return render(request, "dashboard/members.html", {
         "members": data["memberships"], "invitations": data["invitations"],
         "invite_form": invite_form, "role_form": RoleForm(),
-        "can_manage": can_manage, "is_owner": request.role == "owner",
+        "can_manage": can_manage, "is_owner": request.role == "owner", "leave_refusal": data["leave_refusal"],
     }, status=403 if refused else 200)
 
 

@@ -1,11 +1,13 @@
-"""The members page: its organization switcher, revoking invitations, and a member's direct post
-of the invite form."""
+"""The members page: its organization switcher, revoking invitations, a member's direct post of
+the invite form, and a Leave button only for those who may leave."""
 
 from __future__ import annotations
 
+import pytest
 from django.test import Client
 
 from accounts.services import add_member, create_organization
+from dashboard import selectors
 from dashboard.models import Invitation
 from tests.dashboard.conftest import sign_up
 
@@ -71,3 +73,35 @@ def test_a_member_posting_the_invite_form_is_refused_with_a_message(acme):
     assert response.status_code == 403
     assert "Only owners and admins can invite people" in response.content.decode()
     assert not Invitation.objects.exists()
+
+
+def _leave_button(page: str, user) -> str:
+    """The member's own row's last cell: its Leave button, and why it is disabled when it is."""
+    row = page[page.index(f'<tr data-member="{user.email}">'):]
+    cell = row[row.index('<td class="right">'):]
+    return cell[:cell.index("</td>")]
+
+
+def test_the_sole_owner_is_shown_why_they_cannot_leave_instead_of_a_leave_button_that_fails(ada, acme):
+    user, org = acme
+    assert selectors.members_page(organization=org, user=user)["leave_refusal"] == \
+        "The last owner cannot leave the organization."
+    cell = _leave_button(ada.get("/settings/members/").content.decode(), user)
+    assert "disabled" in cell and "The last owner cannot leave the organization." in cell
+    assert "<form" not in cell  # nothing to post that can only fail
+
+
+@pytest.mark.parametrize("role", ["owner", "admin", "member"])
+def test_a_member_who_may_leave_gets_the_leave_button(acme, role):
+    owner, org = acme
+    user, _ = sign_up("Mel", "Mel's own")
+    add_member(organization=org, user=user, role=role)
+    client = Client()
+    client.force_login(user)
+    client.post("/organizations/switch/", {"organization": org.pk})
+
+    assert selectors.members_page(organization=org, user=user)["leave_refusal"] is None
+    cell = _leave_button(client.get("/settings/members/").content.decode(), user)
+    assert f'action="/settings/members/{user.pk}/remove/"' in cell and "disabled" not in cell
+    first_owners = selectors.members_page(organization=org, user=owner)["leave_refusal"]
+    assert (first_owners is None) == (role == "owner")  # a second owner lets the first one leave too
