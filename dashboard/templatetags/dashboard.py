@@ -76,35 +76,38 @@ def _decimal(value) -> Decimal | None:
         return None
 
 
+_CENT = Decimal("0.01")
+_MICRO = Decimal("0.000001")
+
+
 @register.filter
 def usd(value) -> str:
-    """$1,234.50 for amounts of a cent or more; small amounts keep their significant micro-dollars
-    ($0.000042). Exact Decimal formatting, never through float."""
+    """$1,234.50: a cent or more rounded to the cent; less shows as usd_exact does ($0.000040).
+    Exact Decimal formatting, never through float."""
     amount = _decimal(value)
     if amount is None:
         return "—"
+    if abs(amount) < _CENT:
+        return usd_exact(amount)
     sign = "-" if amount < 0 else ""
-    amount = abs(amount)
-    if amount == 0:
-        return "$0.00"
-    if amount >= Decimal("0.01"):
-        return f"{sign}${amount.quantize(Decimal('0.01'), rounding=ROUND_HALF_UP):,}"  # as billing rounds
-    text = format(amount.normalize(), "f")
-    return f"{sign}${text}"
+    return f"{sign}${abs(amount).quantize(_CENT, rounding=ROUND_HALF_UP):,}"  # as billing rounds
 
 
 @register.filter
 def usd_exact(value) -> str:
-    """Up to six decimals, trailing zeros trimmed past the cents: $5.00, $0.000042, $4.999958."""
+    """To the micro-dollar. Below a cent, all six decimals ($0.000040, $0.000031), so that a
+    column's small costs line up; zero and from a cent, trailing zeros trimmed past the cents
+    ($0.00, $5.00, $0.125, $4.999958)."""
     amount = _decimal(value)
     if amount is None:
         return "—"
+    amount = amount.quantize(_MICRO)
     sign = "-" if amount < 0 else ""
-    amount = abs(amount).quantize(Decimal("0.000001"))
-    text = format(amount, "f").rstrip("0")
-    whole, _, frac = text.partition(".")
-    frac = frac.ljust(2, "0")
-    return f"{sign}${int(whole):,}.{frac}"
+    amount = abs(amount)
+    if 0 < amount < _CENT:
+        return f"{sign}${amount:f}"
+    whole, _, frac = format(amount, "f").rstrip("0").partition(".")
+    return f"{sign}${int(whole):,}.{frac.ljust(2, '0')}"
 
 
 @register.filter

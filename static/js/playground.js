@@ -6,6 +6,23 @@
  */
 (function () {
   "use strict";
+  // ---- money: "0.000123" <-> 123n micro-dollars -------------------------------------------------
+  function micros(text) {
+    const [whole, frac = ""] = String(text).split(".");
+    return BigInt(whole || "0") * 1000000n + BigInt((frac + "000000").slice(0, 6));
+  }
+  // As the usd_exact template filter writes it: below a cent, all six decimals, so that small costs
+  // line up; zero and from a cent, trailing zeros trimmed past the cents.
+  function formatUsd(value) {
+    const negative = value < 0n;
+    if (negative) value = -value;
+    const whole = value / 1000000n;
+    let frac = (value % 1000000n).toString().padStart(6, "0");
+    if (value === 0n || value >= 10000n) frac = frac.replace(/0+$/, "").padEnd(2, "0");
+    return (negative ? "-$" : "$") + whole.toLocaleString("en-US") + "." + frac;
+  }
+  window.PlaygroundMoney = { micros, formatUsd };  // for tests/dashboard/test_money.py, run in Node
+
   const root = document.getElementById("playground");
   if (!root) return;
   const $ = (id) => document.getElementById(id);
@@ -26,20 +43,6 @@
   let sessionTokens = 0;
   let sessionMicros = 0n;
   const queue = [];        // frames waiting for the socket to open
-
-  // ---- money: "0.000123" <-> 123n micro-dollars -------------------------------------------------
-  function micros(text) {
-    const [whole, frac = ""] = String(text).split(".");
-    return BigInt(whole || "0") * 1000000n + BigInt((frac + "000000").slice(0, 6));
-  }
-  function formatUsd(value) {
-    const negative = value < 0n;
-    if (negative) value = -value;
-    const whole = value / 1000000n;
-    let frac = (value % 1000000n).toString().padStart(6, "0").replace(/0+$/, "");
-    if (frac.length < 2) frac = frac.padEnd(2, "0");
-    return (negative ? "-$" : "$") + whole.toLocaleString("en-US") + "." + frac;
-  }
 
   // ---- the connection -----------------------------------------------------------------------------
   function setConn(state, label) {

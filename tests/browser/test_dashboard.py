@@ -143,6 +143,8 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     page.wait_for_selector(".msg.assistant [data-cost][data-source=billed]", timeout=30_000)
     billed_cost = Decimal(first.locator("[data-cost]").get_attribute("data-cost"))
     assert billed_cost > 0
+    shown = first.locator("[data-cost]").inner_text()
+    assert re.fullmatch(r"\$0\.\d{6}", shown), shown  # under a cent: all six decimals, as the usage page writes it
     assert int(first.locator("[data-tokens]").get_attribute("data-tokens")) > 0
 
     # On a laptop, where this long a question fills the chat: it has to scroll to show the reply's chips.
