@@ -120,10 +120,12 @@ def test_another_organizations_key_never_reaches_a_stored_response(openai_client
     other = make_tenant()
     theirs = openai.OpenAI(base_url=f"{other.base_url}/v1", api_key=other.api_key, max_retries=0, timeout=120)
     for attempt in (lambda: theirs.responses.retrieve(mine.id), lambda: theirs.responses.delete(mine.id),
-                    lambda: list(theirs.responses.input_items.list(mine.id)),
-                    lambda: theirs.responses.create(model=DEPLOYMENT, input="Hi", previous_response_id=mine.id)):
+                    lambda: list(theirs.responses.input_items.list(mine.id))):
         with pytest.raises(openai.NotFoundError):
             attempt()
+    with pytest.raises(openai.BadRequestError) as refused:  # as for an id that names nothing
+        theirs.responses.create(model=DEPLOYMENT, input="Hi", previous_response_id=mine.id)
+    assert refused.value.body["code"] == "previous_response_not_found"
     assert openai_client.responses.retrieve(mine.id).output_text == mine.output_text  # not deleted by them
 
 
