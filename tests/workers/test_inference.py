@@ -240,6 +240,21 @@ def test_the_usage_event_leaves_before_the_last_message(monkeypatch):
     assert happened == ["inference.started", "emit attempt", "inference.finished"]
 
 
+def test_a_request_queued_longer_than_a_cancel_lasts_is_not_run(monkeypatch):
+    """Its client is gone (no gateway waits an hour for a worker) and its cancel mark may have
+    expired: it is dropped unrun and unbilled, whereas one queued a while still runs."""
+    import time
+
+    from workers.cancellation import MARK_TTL_S
+
+    for waited, runs in ((MARK_TTL_S + 60, False), (MARK_TTL_S - 60, True)):
+        billed, sent = [], []
+        monkeypatch.setattr(inference, "emit_usage", billed.append)
+        payload = completion_payload(admitted_at=time.time() - waited)
+        inference.run(payload, send=lambda reply, message: sent.append(message), **finishing(final_output(), []))
+        assert (len(billed), bool(sent)) == ((1, True) if runs else (0, False))
+
+
 @pytest.mark.parametrize("admitted, waited_s", [(-7.5, 7.5), (None, 0.0), (+60.0, 0.0)])
 def test_the_usage_events_timings_count_from_the_gateways_admission(monkeypatch, admitted, waited_s):
     """What the client waited: the task's queue and a first run whose worker died (7.5 s here)
