@@ -152,16 +152,16 @@ def _check_max_tokens(request: InferenceRequest, context_length: int | None) -> 
 
 
 def _admit(caller: Caller, spec: dict, queue_limit: int, request_id: str, *, batch: bool = False) -> ratelimit.Decision:
-    """Count the request against its rate limits, unless its deployment's queue is full (a full
-    queue turns requests away rather than let them wait past any use) or a limit is reached: one
-    script in Redis. The check and the enqueue are not atomic: a burst may overshoot the queue
-    limit by its own size. A batch's request counts against no limit of the caller's, and finds
-    the queue full at BATCH_QUEUE_PERCENT of its limit: the rest is the API's."""
+    """Count the request against its rate limits and among its deployment's waiting requests,
+    unless those are at the queue limit (a full queue turns requests away rather than let them
+    wait past any use) or a limit is reached: one script in Redis. A batch's request counts
+    against no limit of the caller's, and finds the queue full at BATCH_QUEUE_PERCENT of its
+    limit: the rest is the API's."""
     if batch:
         queue_limit = max(1, queue_limit * settings.BATCH_QUEUE_PERCENT // 100)
     decision = ratelimit.admit(key_id=caller.key_id, org_id=caller.org_id, request_id=request_id,
-                               queue_lists=dispatch.queue_lists(spec["name"]), queue_limit=queue_limit,
-                               windows=not batch)
+                               waiting=dispatch.waiting_key(spec["name"]), queue_limit=queue_limit,
+                               waiting_s=_longest_wait(), windows=not batch)
     if decision.queue_full:  # the platform's capacity, not the caller's limits
         raise ApiError(429, f"The deployment '{spec['name']}' has {queue_limit} requests waiting, its limit; "
                             "retry shortly.", code="queue_full", type="server_error",
@@ -169,6 +169,14 @@ def _admit(caller: Caller, spec: dict, queue_limit: int, request_id: str, *, bat
     if not decision.allowed:
         raise _rate_limited(caller, decision)
     return decision
+
+
+def _longest_wait() -> float:
+    """Seconds a gateway may wait for a request's first token: for a worker (a cold start's
+    wait, then busy replicas), for the model's load, then for the token. A waiting request
+    older than this is one whose gateway died: it counts toward the queue limit no more."""
+    return (max(settings.GATEWAY_QUEUE_TIMEOUT, settings.FLEET_COLD_START_TIMEOUT) + settings.GATEWAY_START_TIMEOUT
+            + 2 * settings.GATEWAY_STALL_TIMEOUT)
 
 
 def _rate_limited(caller: Caller, decision: ratelimit.Decision) -> ApiError:
@@ -222,6 +230,10 @@ def ended_badly(event: dict, *, cancelled: bool) -> ApiError | None:
     return None
 
 
+# A worker's events after which the request no longer waits: its first token, its end.
+NO_LONGER_WAITING = frozenset({"inference.delta", "inference.finished", "inference.error"})
+
+
 @dataclass
 class Call:
     """A dispatched request: ``start()`` waits until a worker has taken it, ``events()`` relays the rest."""
@@ -246,6 +258,7 @@ class Call:
     cold_start: bool = False  # no replica was ready: the wait for a worker is the model's load
     prices: dict | None = None  # the route's at admission, for billing (None: the catalog's when billed)
     billing_id: str | None = None  # what billing records it under (None: ``request_id``)
+    waiting: bool = True  # among its deployment's waiting requests (``ratelimit.leave_queue``)
     endpoint: str = ""  # the API it came through, for usage reports
 
     def payload(self) -> dict:
@@ -272,10 +285,20 @@ class Call:
     async def _receive(self, timeout: float) -> dict:
         try:
             async with asyncio.timeout(timeout):  # not wait_for: no task per token
-                return await get_channel_layer().receive(self.reply_channel)
+                event = await get_channel_layer().receive(self.reply_channel)
         except REDIS_FAILURES as exc:  # the layer already tried a fresh connection: Redis is down
             await self.cancel()  # if Redis takes it: the worker must not generate (and bill) for nobody
             raise unavailable(exc) from None
+        if self.waiting and event["type"] in NO_LONGER_WAITING:
+            await self._leave_queue()
+        return event
+
+    async def _leave_queue(self) -> None:
+        self.waiting = False
+        try:
+            await ratelimit.leave_queue(dispatch.waiting_key(self.spec["name"]), self.request_id)
+        except REDIS_FAILURES as exc:  # it leaves by itself after the longest wait
+            log.warning("%s still counts among the waiting requests: %s", self.request_id, exc)
 
     async def start(self) -> None:
         """Wait for a worker to accept and the engine to admit the request; raise ApiError if not."""
@@ -358,6 +381,8 @@ class Call:
 
     async def cancel(self) -> None:
         """Abort the request wherever it is (queued or running); the worker bills what it produced."""
+        if self.waiting:
+            await self._leave_queue()
         if not self.done and not self.cancelled:
             self.cancelled = True  # before the publish: the abort it causes may come back first
             if not await _send_cancel(self.request_id):

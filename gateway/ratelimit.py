@@ -4,9 +4,12 @@ Every gateway process shares one count: a sliding window (a sorted set of timest
 updated by one Lua script, so a key gets exactly its limit in any 60 seconds, never more and not
 80% of it. Tokens are added when a request finishes, with its real counts.
 
-The same script first checks the deployment's queue (the lists its waiting requests are on
-against its queue limit): a full queue refuses the request before any window counts it, and the
-admission costs one round trip to Redis instead of two.
+The same script first checks the deployment's waiting requests (``workers.dispatch.waiting_key``:
+those admitted that have not had their first token) against its queue limit: a full queue refuses
+the request before any window counts it, an admitted one joins them in the same step (so a burst
+never overshoots the limit), and the admission costs one round trip to Redis instead of two. A
+request leaves them at its first token, its end, or when its gateway gives up on it
+(``leave_queue``); one whose gateway died is let go after the longest wait there is.
 """
 
 from __future__ import annotations
@@ -45,13 +48,18 @@ end
 
 _ADMIT = _TOKEN_WINDOW + """
 local now, window = tonumber(ARGV[1]), tonumber(ARGV[2])
-local queue_limit = tonumber(ARGV[8])
-if queue_limit >= 0 then  -- KEYS[7..]: the deployment's queue lists
-  local waiting = 0
-  for i = 7, #KEYS do waiting = waiting + redis.call('LLEN', KEYS[i]) end
+local queue_limit, waiting_ms = tonumber(ARGV[8]), tonumber(ARGV[10])
+local function join()  -- KEYS[7]: the deployment's waiting requests
+  if queue_limit < 0 then return end
+  redis.call('ZADD', KEYS[7], now, ARGV[7])
+  redis.call('PEXPIRE', KEYS[7], waiting_ms)
+end
+if queue_limit >= 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', now - waiting_ms)
+  local waiting = redis.call('ZCARD', KEYS[7])
   if waiting >= queue_limit then return {-1, waiting} end
 end
-if ARGV[9] == '0' then return {1, 0} end  -- outside the windows (a batch's request)
+if ARGV[9] == '0' then join(); return {1, 0} end  -- outside the windows (a batch's request)
 local cutoff = now - window
 local out = {1, 0}
 for i = 1, 2 do  -- request windows: one member per request
@@ -88,6 +96,7 @@ if out[1] == 1 then
     redis.call('ZADD', KEYS[i], now, ARGV[7])
     redis.call('PEXPIRE', KEYS[i], window)
   end
+  join()
 end
 return out
 """
@@ -171,18 +180,21 @@ def _admission_script():
         return _admit_script
 
 
-def admit(*, key_id, org_id, request_id: str, limits: Limits | None = None, queue_lists: list[str] = (),
-          queue_limit: int | None = None, windows: bool = True, now_ms: int | None = None) -> Decision:
-    """Count this request if its deployment's queue is below ``queue_limit`` (the requests waiting
-    on ``queue_lists``; None: not checked) and every window has room; otherwise refuse it,
-    counting nothing. ``windows=False``: the queue only (nothing counted, no headers). Blocking: it
-    runs in the request's admission thread, with the database checks."""
+def admit(*, key_id, org_id, request_id: str, limits: Limits | None = None, waiting: str | None = None,
+          queue_limit: int | None = None, waiting_s: float = 600.0, windows: bool = True,
+          now_ms: int | None = None) -> Decision:
+    """Count this request if its deployment's waiting requests (the sorted set ``waiting``, of
+    requests admitted less than ``waiting_s`` ago; None: not checked) are fewer than
+    ``queue_limit`` and every window has room, and then add it to them; otherwise refuse it,
+    counting nothing. ``windows=False``: the queue only (no window counts it, no headers).
+    Blocking: it runs in the request's admission thread, with the database checks."""
     limits = limits or Limits.from_settings()
     now = int(time.time() * 1000) if now_ms is None else now_ms
+    checked = waiting is not None and queue_limit is not None
     out = _admission_script()(
-        keys=[*_keys(key_id, org_id), *queue_lists],
+        keys=[*_keys(key_id, org_id), waiting or "rl:unused"],
         args=[now, WINDOW_MS, limits.key_rpm, limits.org_rpm, limits.key_tpm, limits.org_tpm, request_id,
-              -1 if queue_limit is None else queue_limit, 1 if windows else 0],
+              queue_limit if checked else -1, 1 if windows else 0, int(waiting_s * 1000)],
     )
     if int(out[0]) == -1:
         return Decision(False, 1000, {}, queue_full=True)
@@ -233,6 +245,11 @@ async def record_tokens(*, key_id, org_id, request_id: str, tokens: int, now_ms:
     now = int(time.time() * 1000) if now_ms is None else now_ms
     await _record_scripts[loop](keys=[key_set, key_sum, org_set, org_sum],
                                 args=[now, WINDOW_MS, f"{request_id}:{int(tokens)}", int(tokens)])
+
+
+async def leave_queue(waiting: str, request_id: str) -> None:
+    """The request had its first token, ended, or was given up on: it waits no more."""
+    await client().zrem(waiting, request_id)
 
 
 def duration(ms: int) -> str:

@@ -96,6 +96,13 @@ def serving_key(name: str) -> str:
     return f"fleet:serving:{name}"
 
 
+def waiting_key(name: str) -> str:
+    """The requests admitted to the deployment that have not had their first token yet (a sorted
+    set of request ids by admission time, ``gateway.ratelimit``): what its queue limit counts,
+    wherever they wait (its queue, a worker that took more than its engine runs, a model's load)."""
+    return f"queue:waiting:{name}"
+
+
 async def served(client: aioredis.Redis, name: str) -> bool:
     return bool(await client.exists(serving_key(name)))
 

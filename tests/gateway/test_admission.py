@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
@@ -197,22 +198,29 @@ def test_server_timing_round_trips():
 
 @pytest.fixture
 def waiting_requests(settings):
-    """Put n stand-in messages on a deployment's queue (as requests no worker took yet)."""
-    from inference_platform.celery import deployment_queue
-    from workers import fleet
+    """Count n stand-in requests among a deployment's waiting ones (admitted, no first token yet)."""
+    from workers import dispatch, fleet
 
     filled = []
 
-    def fill(name, n):
-        queue = deployment_queue(name)
-        fleet.client().delete(queue)
+    def fill(name, n, *, admitted_ms=None):
+        key = dispatch.waiting_key(name)
+        fleet.client().delete(key)
+        now = int(time.time() * 1000) if admitted_ms is None else admitted_ms
         if n:
-            fleet.client().rpush(queue, *[f"waiting-{i}" for i in range(n)])
-        filled.append(queue)
+            fleet.client().zadd(key, {f"waiting-{i}": now for i in range(n)})
+        filled.append(key)
+        return key
 
     yield fill
-    for queue in filled:
-        fleet.client().delete(queue)
+    for key in filled:
+        fleet.client().delete(key)
+
+
+def waiting_ids(key) -> set[str]:
+    from workers import fleet
+
+    return set(fleet.client().zrange(key, 0, -1))  # a client that decodes
 
 
 @pytest.mark.django_db
@@ -245,13 +253,61 @@ def test_the_queue_limit_counts_the_requests_waiting_and_a_refusal_counts_nowher
     org, key, _ = org_key()
     caller = calls.Caller(api_key=key, organization=org)
     spec = {"name": "smollm2-135m-instruct"}
-    waiting_requests("smollm2-135m-instruct", 2)
+    waiting = waiting_requests("smollm2-135m-instruct", 2)
     assert calls._admit(caller, spec, 3, "req-one-place-left").allowed
     with pytest.raises(ApiError) as refused:
-        calls._admit(caller, spec, 2, "req-queue-full")
+        calls._admit(caller, spec, 3, "req-queue-full")  # the one admitted took the last place
     assert refused.value.status == 429 and refused.value.code == "queue_full"
     windows = redis.Redis.from_url(settings.REDIS_URL)
     assert [m.decode() for m in windows.zrange(f"rl:key:{key.pk}:req", 0, -1)] == ["req-one-place-left"]
+    assert waiting_ids(waiting) == {"waiting-0", "waiting-1", "req-one-place-left"}
+
+
+@pytest.mark.django_db
+def test_a_burst_gets_exactly_the_queue_limit_and_a_wait_too_old_to_be_real_counts_no_more(
+        seeded, org_key, waiting_requests):
+    """Admission and joining the waiting requests are one step: a burst never overshoots the
+    limit. A waiting request admitted longer ago than any gateway waits (its gateway died before
+    it could let it go) is let go."""
+    from gateway import calls
+    from gateway.errors import ApiError
+
+    org, key, _ = org_key()
+    caller = calls.Caller(api_key=key, organization=org)
+    spec = {"name": "smollm2-135m-instruct"}
+    long_ago = int((time.time() - calls._longest_wait() - 5) * 1000)
+    waiting = waiting_requests("smollm2-135m-instruct", 3, admitted_ms=long_ago)
+    admitted = [calls._admit(caller, spec, 3, f"req-burst-{i}").allowed for i in range(3)]
+    with pytest.raises(ApiError) as refused:
+        calls._admit(caller, spec, 3, "req-burst-3")
+    assert admitted == [True] * 3 and refused.value.code == "queue_full"
+    assert waiting_ids(waiting) == {f"req-burst-{i}" for i in range(3)}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("event, leaves", [("inference.started", False), ("inference.delta", True),
+                                           ("inference.error", True), (None, True)])
+def test_a_request_waits_until_its_first_token_its_end_or_its_cancel(seeded, org_key, waiting_requests, monkeypatch,
+                                                                     event, leaves):
+    """A request a worker took but has not started (its engine full, its model loading) still
+    waits; its first token, an error or its gateway giving up on it (None: a cancel) end that."""
+    from gateway import calls
+
+    org, key, _ = org_key()
+    waiting = waiting_requests("smollm2-135m-instruct", 0)
+    call = calls.Call(caller=calls.Caller(api_key=key, organization=org), request=None,
+                      spec={"name": "smollm2-135m-instruct"}, request_id="req-waits", reply_channel="reply",
+                      headers={}, stages=calls.Stages())
+    assert calls._admit(call.caller, call.spec, 5, call.request_id).allowed
+
+    class Layer:
+        async def receive(self, channel):
+            return {"type": event}
+
+    monkeypatch.setattr(calls, "get_channel_layer", lambda: Layer())
+    monkeypatch.setattr(calls, "_send_cancel", lambda request_id: asyncio.sleep(0, True))
+    asyncio.run(call._receive(1) if event else call.cancel())
+    assert ("req-waits" in waiting_ids(waiting)) is not leaves
 
 
 @pytest.mark.django_db
