@@ -161,7 +161,7 @@ def _admit(caller: Caller, spec: dict, queue_limit: int, request_id: str, *, bat
         queue_limit = max(1, queue_limit * settings.BATCH_QUEUE_PERCENT // 100)
     decision = ratelimit.admit(key_id=caller.key_id, org_id=caller.org_id, request_id=request_id,
                                waiting=dispatch.waiting_key(spec["name"]), queue_limit=queue_limit,
-                               waiting_s=_longest_wait(), windows=not batch)
+                               waiting_s=dispatch.longest_wait(), windows=not batch)
     if decision.queue_full:  # the platform's capacity, not the caller's limits
         raise ApiError(429, f"The deployment '{spec['name']}' has {queue_limit} requests waiting, its limit; "
                             "retry shortly.", code="queue_full", type="server_error",
@@ -169,14 +169,6 @@ def _admit(caller: Caller, spec: dict, queue_limit: int, request_id: str, *, bat
     if not decision.allowed:
         raise _rate_limited(caller, decision)
     return decision
-
-
-def _longest_wait() -> float:
-    """Seconds a gateway may wait for a request's first token: for a worker (a cold start's
-    wait, then busy replicas), for the model's load, then for the token. A waiting request
-    older than this is one whose gateway died: it counts toward the queue limit no more."""
-    return (max(settings.GATEWAY_QUEUE_TIMEOUT, settings.FLEET_COLD_START_TIMEOUT) + settings.GATEWAY_START_TIMEOUT
-            + 2 * settings.GATEWAY_STALL_TIMEOUT)
 
 
 def _rate_limited(caller: Caller, decision: ratelimit.Decision) -> ApiError:

@@ -7,6 +7,7 @@ the deployment's own Celery queue to whichever worker serves it.
 from __future__ import annotations
 
 import redis.asyncio as aioredis
+from django.conf import settings
 
 from inference_platform.celery import app, deployment_queue
 
@@ -101,6 +102,14 @@ def waiting_key(name: str) -> str:
     set of request ids by admission time, ``gateway.ratelimit``): what its queue limit counts,
     wherever they wait (its queue, a worker that took more than its engine runs, a model's load)."""
     return f"queue:waiting:{name}"
+
+
+def longest_wait() -> float:
+    """Seconds a gateway may wait for a request's first token: for a worker (a cold start's
+    wait, then busy replicas), for the model's load, then for the token. A waiting request
+    admitted longer ago is one whose gateway died without letting it go: it waits no more."""
+    return (max(settings.GATEWAY_QUEUE_TIMEOUT, settings.FLEET_COLD_START_TIMEOUT) + settings.GATEWAY_START_TIMEOUT
+            + 2 * settings.GATEWAY_STALL_TIMEOUT)
 
 
 async def served(client: aioredis.Redis, name: str) -> bool:

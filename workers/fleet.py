@@ -19,6 +19,7 @@ import base64
 import json
 import logging
 import threading
+import time
 from datetime import datetime, timezone
 
 import redis
@@ -27,7 +28,7 @@ from django.conf import settings
 from inference_platform.celery import app, deployment_queue
 
 from .cancellation import MARK_TTL_S, mark_key
-from .dispatch import serving_key
+from .dispatch import longest_wait, serving_key, waiting_key
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,19 @@ def queue_depths(names) -> dict[str, int]:
     lengths = pipe.execute()
     steps = len(PRIORITY_STEPS)
     return {name: sum(lengths[i * steps:(i + 1) * steps]) for i, name in enumerate(names)}
+
+
+def waiting_counts(names) -> dict[str, int]:
+    """Requests someone waits for (admitted, no first token yet: ``dispatch.waiting_key``) per
+    deployment. Its queue may hold more: messages of requests given up on, which a worker skips."""
+    names = list(names)
+    if not names:
+        return {}
+    since = int((time.time() - longest_wait()) * 1000)
+    pipe = client().pipeline(transaction=False)
+    for name in names:
+        pipe.zcount(waiting_key(name), since, "+inf")
+    return dict(zip(names, (int(count) for count in pipe.execute())))
 
 
 # ------------------------------------------------------------------------------ remote control

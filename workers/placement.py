@@ -83,6 +83,12 @@ def _tick_once(*, now: datetime | None) -> TickReport:
     for worker in workers.values():
         for name, hosted in (worker.engine_stats or {}).items():
             engine_waiting[name] += int((hosted.get("engine") or {}).get("waiting") or 0)
+    # Demand: what waits on the queue and in the engines, but no more than the requests someone
+    # still waits for (a queue keeps the messages of those given up on until a worker skips them:
+    # they must not load a model for nobody).
+    awaited = fleet.waiting_counts(live_names)
+    demand = {name: min(depths.get(name, 0) + engine_waiting.get(name, 0), awaited.get(name, 0))
+              for name in live_names}
 
     # Replicas whose deployment was deleted: tell waiting clients, stop consuming, unload when done.
     for replica in [r for r in replicas if r.deployment_id is None]:
@@ -107,15 +113,13 @@ def _tick_once(*, now: datetime | None) -> TickReport:
         order = [d for d in order if d.status in (Status.STOPPED, Status.FAILED)]
     for deployment in order:
         mine = by_deployment.get(deployment.pk, [])
-        depth = depths.get(deployment.name, 0) + engine_waiting.get(deployment.name, 0)
         try:
-            _place_deployment(deployment, mine, depth, queued=depths.get(deployment.name, 0), workers=workers,
+            _place_deployment(deployment, mine, demand[deployment.name], queued=depths.get(deployment.name, 0), workers=workers,
                               used=used, now=now, report=report)
         except Exception:  # one deployment's trouble must not stop the fleet's pass
             log.exception("placing %s failed; the next pass tries again", deployment.name)
     if report.waiting_for_capacity:
-        waiting = {name for name, count in depths.items() if count} | {n for n, c in engine_waiting.items() if c}
-        _evict_idle(report, busy=waiting, now=now)
+        _evict_idle(report, busy={name for name, count in demand.items() if count}, now=now)
     return report
 
 

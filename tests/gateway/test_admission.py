@@ -271,11 +271,12 @@ def test_a_burst_gets_exactly_the_queue_limit_and_a_wait_too_old_to_be_real_coun
     it could let it go) is let go."""
     from gateway import calls
     from gateway.errors import ApiError
+    from workers import dispatch
 
     org, key, _ = org_key()
     caller = calls.Caller(api_key=key, organization=org)
     spec = {"name": "smollm2-135m-instruct"}
-    long_ago = int((time.time() - calls._longest_wait() - 5) * 1000)
+    long_ago = int((time.time() - dispatch.longest_wait() - 5) * 1000)
     waiting = waiting_requests("smollm2-135m-instruct", 3, admitted_ms=long_ago)
     admitted = [calls._admit(caller, spec, 3, f"req-burst-{i}").allowed for i in range(3)]
     with pytest.raises(ApiError) as refused:

@@ -4,6 +4,7 @@ through the services (as a worker process would), real Redis for queue depths an
 
 from __future__ import annotations
 
+import time
 import uuid
 from datetime import timedelta
 
@@ -68,18 +69,22 @@ def deploy(model, **settings) -> Deployment:
 
 @pytest.fixture
 def queued():
-    """Put requests on a deployment's queue (real Celery messages); emptied afterwards."""
+    """Put requests on a deployment's queue (real Celery messages) and among its waiting requests,
+    as admission does (``awaited=False``: requests given up on, whose messages are still queued);
+    emptied afterwards."""
     names = []
 
-    def put(deployment: Deployment, count: int = 1, reply: str = "") -> None:
+    def put(deployment: Deployment, count: int = 1, reply: str = "", awaited: bool = True) -> None:
         names.append(deployment.name)
         for _ in range(count):
-            dispatch.enqueue({"request_id": f"req-{uuid.uuid4().hex}", "reply_channel": reply,
-                              "deployment": {"name": deployment.name}})
+            request_id = f"req-{uuid.uuid4().hex}"
+            dispatch.enqueue({"request_id": request_id, "reply_channel": reply, "deployment": {"name": deployment.name}})
+            if awaited:
+                fleet.client().zadd(dispatch.waiting_key(deployment.name), {request_id: int(time.time() * 1000)})
 
     yield put
     for name in names:
-        fleet.client().delete(*fleet.queue_lists(f"deployment.{name}"))
+        fleet.client().delete(*fleet.queue_lists(f"deployment.{name}"), dispatch.waiting_key(name))
 
 
 def test_a_new_deployment_is_placed_once_and_goes_loading_then_ready(model):
@@ -115,6 +120,9 @@ def test_an_idle_replica_scales_to_zero_and_a_waiting_request_cold_starts_it(mod
     placement._tick_once(now=None)
     assert replicas(deployment) == []  # nobody asks: it stays at zero
 
+    queued(deployment, 2, awaited=False)  # their clients gave up: nobody to load the model for
+    placement._tick_once(now=None)
+    assert replicas(deployment) == []
     queued(deployment)
     placement._tick_once(now=None)
     assert replicas(deployment) == [(worker.hostname, "loading", "demand")]
