@@ -221,8 +221,7 @@ class DeploymentDetailView(ManageAPIView):
         changes = _body(request)
         if not changes:
             raise ApiProblem(400, "Give at least one setting to change.", code="invalid_value")
-        deployment = services.update_deployment(deployment=deployment, **_settings(changes))
-        _retry_if_failed(deployment, "its settings changed")
+        deployment = services.change_deployment_settings(deployment=deployment, **_settings(changes))
         return Response(serializers.deployment(deployment))
 
     @extend_schema(responses={200: serializers.DeletedSerializer, **_ERRORS})
@@ -230,12 +229,6 @@ class DeploymentDetailView(ManageAPIView):
         deployment = writable_deployment(caller_of(request), name)
         services.delete_deployment(deployment=deployment)
         return Response({"object": "deployment.deleted", "id": name, "deleted": True})
-
-
-def _retry_if_failed(deployment: Deployment, why: str) -> None:
-    if deployment.status == Deployment.Status.FAILED:
-        services.set_deployment_status(deployment=deployment, status=Deployment.Status.PENDING,
-                                       reason=f"{why}: trying again")
 
 
 class DeploymentScaleView(ManageAPIView):
@@ -249,7 +242,7 @@ class DeploymentScaleView(ManageAPIView):
         if not changes:
             raise ApiProblem(400, "Give min_replicas and/or max_replicas.", code="invalid_value")
         deployment = services.update_deployment(deployment=deployment, **changes)
-        _retry_if_failed(deployment, "it was scaled")
+        services.retry_if_failed(deployment=deployment, why="it was scaled")
         return Response(serializers.deployment(deployment))
 
 
@@ -266,7 +259,5 @@ class DeploymentStartView(ManageAPIView):
     @extend_schema(request=None, responses={200: serializers.DeploymentSerializer, **_ERRORS})
     def post(self, request, name: str):
         deployment = writable_deployment(caller_of(request), name)
-        if deployment.status in (Deployment.Status.STOPPED, Deployment.Status.FAILED):
-            services.set_deployment_status(deployment=deployment, status=Deployment.Status.PENDING,
-                                           reason="started through the API")
+        services.start_deployment(deployment=deployment, reason="started through the API")
         return Response(serializers.deployment(deployment))

@@ -165,9 +165,40 @@ def update_deployment(*, deployment: Deployment, **changes) -> Deployment:
         _check_consistency(locked)
         _check_quota(locked, creating=False, before=before)
         locked.save(update_fields=[*cleaned, "updated_at"])
-    for field in [*cleaned, "updated_at"]:
+    # The status too, as read under the lock: what a retry (``retry_if_failed``) goes by.
+    for field in [*cleaned, "updated_at", "status", "status_reason"]:
         setattr(deployment, field, getattr(locked, field))
     return deployment
+
+
+def change_deployment_settings(*, deployment: Deployment, **changes) -> Deployment:
+    """A user's change of the settings (the API's PATCH, the dashboard's settings): ``update_deployment``,
+    and a failed deployment is tried again with them."""
+    with transaction.atomic():  # the placement loop, woken on commit, sees the retry too
+        update_deployment(deployment=deployment, **changes)
+        retry_if_failed(deployment=deployment, why="its settings changed")
+    return deployment
+
+
+def retry_if_failed(*, deployment: Deployment, why: str) -> bool:
+    """A failed deployment whose settings changed is tried again: back to pending, the placement
+    loop loads it. Whether it was (not over a stop made meanwhile)."""
+    if deployment.status != Deployment.Status.FAILED:
+        return False
+    return set_deployment_status(deployment=deployment, status=Deployment.Status.PENDING,
+                                 reason=f"{why}: trying again", unless_stopped=True)
+
+
+# The statuses ``start_deployment`` brings back.
+STARTABLE = (Deployment.Status.STOPPED, Deployment.Status.FAILED)
+
+
+def start_deployment(*, deployment: Deployment, reason: str) -> bool:
+    """Serves a stopped deployment again, or tries a failed one again: back to pending, the
+    placement loop loads it. Whether it did (one serving or coming up already is left alone)."""
+    if deployment.status not in STARTABLE:
+        return False
+    return set_deployment_status(deployment=deployment, status=Deployment.Status.PENDING, reason=reason)
 
 
 def set_deployment_status(*, deployment: Deployment, status: str, reason: str = "",
