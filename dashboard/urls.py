@@ -44,6 +44,7 @@ urlpatterns = [
     path("deployments/<str:name>/metrics.json", deployments.deployment_metrics, name="deployment-metrics"),
     path("deployments/<str:name>/status/", deployments.deployment_status, name="deployment-status"),
     path("deployments/<str:name>/settings/", deployments.deployment_settings, name="deployment-settings"),
+    path("deployments/<str:name>/start/", deployments.deployment_start, name="deployment-start"),
     path("deployments/<str:name>/delete/", deployments.deployment_delete, name="deployment-delete"),
     # Using them
     path("playground/", playground.playground, name="playground"),

@@ -35,6 +35,7 @@ _ICONS = {
     "arrow-right": '<path d="M4 10h12M11.5 5.5 16 10l-4.5 4.5"/>',
     "send": '<path d="M3.5 10 16.5 4l-4 12.5-2.8-5.2z"/><path d="m9.7 11.3 6.8-7.3"/>',
     "stop": '<rect x="5.5" y="5.5" width="9" height="9" rx="1.5"/>',
+    "play": '<path d="M6.5 4.8v10.4l8.5-5.2z"/>',
     "logout": '<path d="M8 4H5a1 1 0 0 0-1 1v10a1 1 0 0 0 1 1h3"/><path d="M12 6.5 15.5 10 12 13.5M15.5 10H8"/>',
     "chevron": '<path d="m6 8 4 4 4-4"/>',
     "menu": '<path d="M3.5 6h13M3.5 10h13M3.5 14h13"/>',

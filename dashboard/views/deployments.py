@@ -14,7 +14,9 @@ from billing.serializers import money
 from models_catalog.errors import InvalidDeployment
 from models_catalog.models import Deployment
 from models_catalog.selectors import can_manage_deployment, deployment_name_taken
-from models_catalog.services import create_deployment, delete_deployment, update_deployment
+from models_catalog.services import (
+    STARTABLE, change_deployment_settings, create_deployment, delete_deployment, start_deployment,
+)
 
 from .. import selectors, snippets
 from ..forms import DeploymentForm, DeploymentSettingsForm
@@ -125,7 +127,7 @@ def _detail_page(request, deployment: Deployment, *, settings_form=None, status:
     urls = snippets.endpoints(request)
     return render(request, "deployments/detail.html", {
         "deployment": deployment, "owned": _owned(request, deployment),
-        "can_manage": _manageable(request, deployment),
+        "can_manage": _manageable(request, deployment), "can_start": deployment.status in STARTABLE,
         **_figures(request, deployment, window=request.GET.get("window", "1h")),
         "windows": list(selectors.WINDOWS),
         "settings_form": settings_form or DeploymentSettingsForm(
@@ -176,7 +178,8 @@ def deployment_settings(request, name: str):
     form = DeploymentSettingsForm(request.POST)
     if form.is_valid():
         try:
-            update_deployment(deployment=deployment, **form.settings())
+            # As the API's PATCH: a failed deployment is tried again with the new settings.
+            change_deployment_settings(deployment=deployment, **form.settings())
         except InvalidDeployment as exc:
             _field_error(form, exc)
         else:
@@ -185,6 +188,23 @@ def deployment_settings(request, name: str):
     # The page again with the form's errors; the template points the address back at the
     # deployment's page, so that reloading or choosing a window does not post again.
     return _detail_page(request, deployment, settings_form=form, status=400)
+
+
+@organization_required
+@require_POST
+def deployment_start(request, name: str):
+    """Start a stopped deployment, or try a failed one again (the API's POST .../start)."""
+    deployment = _changeable(request, name)
+    if not can_manage_deployment(user=request.user, deployment=deployment):
+        return _refused(request, deployment)
+    failed = deployment.status == Deployment.Status.FAILED
+    reason = "tried again from the dashboard" if failed else "started from the dashboard"
+    if start_deployment(deployment=deployment, reason=reason):
+        what = f"Trying {name} again" if failed else f"{name} is starting"
+        messages.success(request, f"{what}: workers are loading the model; requests wait until it is ready.")
+    else:  # started meanwhile, from another tab or the API
+        messages.info(request, f"{name} is {deployment.get_status_display().lower()} already: nothing to start.")
+    return redirect("deployment-detail", name=deployment.name)
 
 
 @organization_required

@@ -1,6 +1,7 @@
 """A deployment's page: a refused settings save is visible and leaves no broken address, the deploy
 form opens its Advanced section on an error there, the figure cards refresh with the charts, times
-are UTC and labelled, and money in metrics.json has the platform's precision."""
+are UTC and labelled, money in metrics.json has the platform's precision, and a failed or stopped
+deployment can be brought back."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from billing.pricing import COST_QUANTUM
 from models_catalog.models import Deployment
-from models_catalog.services import create_deployment
+from models_catalog.services import create_deployment, set_deployment_status
 from tests.dashboard.conftest import record
 from tests.dashboard.test_deployments import FORM
 from tests.support import REPO_ROOT
@@ -155,3 +156,61 @@ def test_chart_labels_are_utc_whatever_the_browsers_zone(zone):
     minute, hour, clock = json.loads(out.stdout)
     assert minute == "23:30" and clock == "23:30:05"
     assert hour.startswith("Mar 10") and hour.endswith("00:00")
+
+
+# --- a failed or stopped deployment comes back from its page ----------------------------------------
+
+
+def _status(name: str) -> tuple[str, str]:
+    deployment = Deployment.objects.get(name=name)
+    return deployment.status, deployment.status_reason
+
+
+@pytest.mark.parametrize("status, label", [("failed", "Retry"), ("stopped", "Start")])
+def test_a_failed_or_stopped_deployment_offers_to_bring_it_back(ada, tune_me, status, label):
+    set_deployment_status(deployment=tune_me, status=status, reason="out of memory")
+    page = ada.get("/deployments/tune-me/").content.decode()
+    form = page[page.index('id="start-form"'):].split("</form>")[0]
+    assert 'action="/deployments/tune-me/start/"' in page and f"{label}</button>" in form
+
+    response = ada.post("/deployments/tune-me/start/", follow=True)
+    assert response.redirect_chain == [("/deployments/tune-me/", 302)]
+    assert _status("tune-me")[0] == "pending"
+    assert "requests wait until it is ready" in response.content.decode()
+    assert 'id="start-form"' not in response.content.decode()  # nothing left to start
+
+
+@pytest.mark.parametrize("status", ["pending", "loading", "ready", "scaled_to_zero"])
+def test_a_serving_deployment_has_nothing_to_start(ada, tune_me, status):
+    set_deployment_status(deployment=tune_me, status=status, reason="as it was")
+    assert 'id="start-form"' not in ada.get("/deployments/tune-me/").content.decode()
+    # A start sent from a page that was out of date changes nothing.
+    page = ada.post("/deployments/tune-me/start/", follow=True).content.decode()
+    assert _status("tune-me") == (status, "as it was") and "nothing to start" in page
+
+
+def test_the_retry_says_where_it_came_from(ada, tune_me):
+    set_deployment_status(deployment=tune_me, status="failed", reason="out of memory")
+    ada.post("/deployments/tune-me/start/")
+    assert _status("tune-me") == ("pending", "tried again from the dashboard")
+    set_deployment_status(deployment=tune_me, status="stopped", reason="stopped through the API")
+    ada.post("/deployments/tune-me/start/")
+    assert _status("tune-me") == ("pending", "started from the dashboard")
+
+
+def test_saving_a_failed_deployments_settings_tries_it_again_as_the_apis_patch_does(ada, tune_me):
+    set_deployment_status(deployment=tune_me, status="failed", reason="out of memory")
+    response = ada.post("/deployments/tune-me/settings/", {**FORM, "max_batch_size": "4"})
+    assert response.status_code == 302
+    status, reason = _status("tune-me")
+    assert status == "pending" and "trying again" in reason
+    # A stopped one stays stopped: its page's Start brings it back.
+    set_deployment_status(deployment=tune_me, status="stopped", reason="stopped through the API")
+    ada.post("/deployments/tune-me/settings/", {**FORM, "max_batch_size": "8"})
+    assert _status("tune-me") == ("stopped", "stopped through the API")
+
+
+def test_a_refused_save_leaves_a_failed_deployment_failed(ada, tune_me):
+    set_deployment_status(deployment=tune_me, status="failed", reason="out of memory")
+    assert ada.post("/deployments/tune-me/settings/", {**FORM, "max_batch_size": "0"}).status_code == 400
+    assert _status("tune-me") == ("failed", "out of memory")

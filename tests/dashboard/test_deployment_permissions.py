@@ -10,7 +10,7 @@ import pytest
 
 from accounts.services import add_member, create_user
 from models_catalog.models import Deployment
-from models_catalog.services import create_deployment
+from models_catalog.services import create_deployment, set_deployment_status
 from tests.dashboard.conftest import PASSWORD
 from tests.dashboard.test_deployments import FORM
 
@@ -89,3 +89,33 @@ def test_the_member_sees_no_controls_on_the_owners_deployment(client, team):
 def test_the_admin_sees_the_controls_on_a_members_deployment(client, team):
     page = _as(client, team["admin"]).get("/deployments/member-dep/").content.decode()
     assert "Save settings" in page and 'id="delete-dialog"' in page
+
+
+def _failed(name: str) -> None:
+    set_deployment_status(deployment=Deployment.objects.get(name=name), status="failed", reason="out of memory")
+
+
+def test_a_member_cannot_retry_the_owners_failed_deployment_nor_sees_retry(client, team):
+    _failed("owner-dep")
+    member = _as(client, team["member"])
+    assert "/deployments/owner-dep/start/" not in member.get("/deployments/owner-dep/").content.decode()
+    response = member.post("/deployments/owner-dep/start/")
+    assert response.status_code == 403 and "Nothing was changed" in response.content.decode()
+    assert Deployment.objects.get(name="owner-dep").status == "failed"
+
+
+def test_a_member_retries_the_deployment_they_created(client, team):
+    _failed("member-dep")
+    member = _as(client, team["member"])
+    assert "/deployments/member-dep/start/" in member.get("/deployments/member-dep/").content.decode()
+    assert member.post("/deployments/member-dep/start/").status_code == 302
+    assert Deployment.objects.get(name="member-dep").status == "pending"
+
+
+@pytest.mark.parametrize("role", ["owner", "admin"])
+def test_owners_and_admins_retry_a_members_deployment(client, team, role):
+    _failed("member-dep")
+    manager = _as(client, team[role])
+    assert "/deployments/member-dep/start/" in manager.get("/deployments/member-dep/").content.decode()
+    assert manager.post("/deployments/member-dep/start/").status_code == 302
+    assert Deployment.objects.get(name="member-dep").status == "pending"

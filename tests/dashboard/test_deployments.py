@@ -101,7 +101,7 @@ def test_the_rows_carry_the_current_status(ada, acme, catalog):
 @pytest.mark.parametrize("method, path", [
     ("get", "/deployments/globex-secret/"), ("get", "/deployments/globex-secret/metrics.json"),
     ("get", "/deployments/globex-secret/status/"), ("post", "/deployments/globex-secret/settings/"),
-    ("post", "/deployments/globex-secret/delete/"),
+    ("post", "/deployments/globex-secret/start/"), ("post", "/deployments/globex-secret/delete/"),
 ])
 def test_another_organizations_deployment_is_not_found(ada, globex, catalog, method, path):
     model, _ = catalog
@@ -117,6 +117,10 @@ def test_public_deployments_are_read_only(ada, catalog):
     assert "Shared" in page and "Save settings" not in page
     assert ada.post(f"/deployments/{public.name}/settings/", FORM).status_code == 404
     assert ada.post(f"/deployments/{public.name}/delete/", {"confirm": public.name}).status_code == 404
+    set_deployment_status(deployment=public, status="failed", reason="out of memory")
+    page = ada.get(f"/deployments/{public.name}/").content.decode()
+    assert "/start/" not in page and ada.post(f"/deployments/{public.name}/start/").status_code == 404
+    assert Deployment.objects.get(name=public.name).status == "failed"
     assert Deployment.objects.filter(name=public.name).exists()
 
 
