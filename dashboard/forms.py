@@ -15,7 +15,7 @@ from billing.models import LIMIT_MAX, MONEY
 from billing.selectors import REPORT_DATES
 from models_catalog.models import CatalogModel, Deployment
 from models_catalog.selectors import deployment_name_taken
-from models_catalog.services import INT_SETTINGS, taken_message
+from models_catalog.services import ENGINE_SETTINGS, INT_SETTINGS, taken_message
 
 MAX_USAGE_DAYS = 366
 
@@ -148,6 +148,11 @@ class DeploymentSettingsForm(forms.Form):
             "dtype": data["dtype"],
             "quantization": data.get("quantization") or Deployment.Quantization.NONE,
         }
+
+    def reloading_fields(self) -> str:
+        """The labels of the fields whose change reloads the model (ENGINE_SETTINGS), for the hint."""
+        labels = [field.label for field in self if field.name in ENGINE_SETTINGS]
+        return f"{', '.join(labels[:-1])} or {labels[-1]}"
 
     @classmethod
     def initial_for(cls, deployment: Deployment) -> dict:

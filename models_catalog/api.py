@@ -221,7 +221,7 @@ class DeploymentDetailView(ManageAPIView):
         changes = _body(request)
         if not changes:
             raise ApiProblem(400, "Give at least one setting to change.", code="invalid_value")
-        deployment = services.change_deployment_settings(deployment=deployment, **_settings(changes))
+        deployment = services.change_deployment_settings(deployment=deployment, **_settings(changes)).deployment
         return Response(serializers.deployment(deployment))
 
     @extend_schema(responses={200: serializers.DeletedSerializer, **_ERRORS})

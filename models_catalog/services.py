@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
@@ -36,6 +37,10 @@ CHOICE_SETTINGS = {
 }
 BOOL_SETTINGS = {"is_public"}
 SETTINGS = set(INT_SETTINGS) | set(CHOICE_SETTINGS) | BOOL_SETTINGS
+# The settings a worker builds the deployment's engine with (``workers.dispatch.engine_spec``):
+# the placement loop replaces a replica loaded with other values, so changing one reloads the
+# model at once. The others apply to the replicas as they are.
+ENGINE_SETTINGS = frozenset({"batch_window_ms", "max_batch_size", "dtype", "quantization"})
 
 _NAME = re.compile(DEPLOYMENT_NAME_PATTERN)
 
@@ -149,6 +154,12 @@ def create_deployment(
 def update_deployment(*, deployment: Deployment, **changes) -> Deployment:
     """Changes settings (see create_deployment). The name and the model are fixed for life: the name
     is the deployment's queue, the model its workers' weights."""
+    _save_settings(deployment, changes)
+    return deployment
+
+
+def _save_settings(deployment: Deployment, changes: dict) -> set[str]:
+    """``update_deployment``'s write; the settings whose value it changed."""
     for fixed in ("name", "model", "organization"):
         if fixed in changes:
             raise InvalidDeployment(fixed, f"The {fixed} of a deployment cannot be changed: create a new one.")
@@ -160,6 +171,7 @@ def update_deployment(*, deployment: Deployment, **changes) -> Deployment:
         if locked is None:  # deleted meanwhile
             raise DeploymentNotFound(deployment.name)
         before = reserved_replicas(locked)
+        changed = {field for field, value in cleaned.items() if getattr(locked, field) != value}
         for field, value in cleaned.items():
             setattr(locked, field, value)
         _check_consistency(locked)
@@ -168,16 +180,36 @@ def update_deployment(*, deployment: Deployment, **changes) -> Deployment:
     # The status too, as read under the lock: what a retry (``retry_if_failed``) goes by.
     for field in [*cleaned, "updated_at", "status", "status_reason"]:
         setattr(deployment, field, getattr(locked, field))
-    return deployment
+    return changed
 
 
-def change_deployment_settings(*, deployment: Deployment, **changes) -> Deployment:
+LOADS_NOTHING = "nothing"  # no engine setting changed (nor a retry): its replicas go on as they are
+LOADS_NOW = "now"  # its replicas are replaced (or it is tried again): requests wait for the load
+LOADS_ON_REQUEST = "on_request"  # scaled to zero: the next request's cold start loads it with them
+LOADS_ON_START = "on_start"  # stopped: it loads with them once started
+
+
+@dataclass(frozen=True)
+class SettingsChange:
+    deployment: Deployment
+    loads: str  # when the model loads with the new settings: one of the LOADS_* above
+
+
+def change_deployment_settings(*, deployment: Deployment, **changes) -> SettingsChange:
     """A user's change of the settings (the API's PATCH, the dashboard's settings): ``update_deployment``,
-    and a failed deployment is tried again with them."""
+    and a failed deployment is tried again with them. Says when the model loads with them."""
     with transaction.atomic():  # the placement loop, woken on commit, sees the retry too
-        update_deployment(deployment=deployment, **changes)
-        retry_if_failed(deployment=deployment, why="its settings changed")
-    return deployment
+        changed = _save_settings(deployment, changes)
+        retried = retry_if_failed(deployment=deployment, why="its settings changed")
+    if not retried and not changed & ENGINE_SETTINGS:
+        loads = LOADS_NOTHING
+    elif deployment.status in STARTABLE:
+        loads = LOADS_ON_START
+    elif deployment.status == Deployment.Status.SCALED_TO_ZERO and deployment.min_replicas == 0:
+        loads = LOADS_ON_REQUEST
+    else:  # serving, coming up, or scaled to zero under a min_replicas the placement loop brings up now
+        loads = LOADS_NOW
+    return SettingsChange(deployment=deployment, loads=loads)
 
 
 def retry_if_failed(*, deployment: Deployment, why: str) -> bool:

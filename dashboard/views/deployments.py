@@ -15,7 +15,8 @@ from models_catalog.errors import InvalidDeployment
 from models_catalog.models import Deployment
 from models_catalog.selectors import can_manage_deployment, deployment_name_taken
 from models_catalog.services import (
-    STARTABLE, change_deployment_settings, create_deployment, delete_deployment, start_deployment,
+    LOADS_NOTHING, LOADS_NOW, LOADS_ON_REQUEST, LOADS_ON_START, STARTABLE, change_deployment_settings,
+    create_deployment, delete_deployment, start_deployment,
 )
 
 from .. import selectors, snippets
@@ -23,6 +24,14 @@ from ..forms import DeploymentForm, DeploymentSettingsForm
 from .common import is_htmx, organization_required
 
 RECENT_REQUESTS = 10  # rows of the page's "Latest requests"
+
+# What a saved settings change says, by when the model loads with it (change_deployment_settings).
+SETTINGS_SAVED = {
+    LOADS_NOTHING: "Settings saved.",
+    LOADS_NOW: "Settings saved. Workers are loading the model with them; requests wait until it is ready.",
+    LOADS_ON_REQUEST: "Settings saved. It is scaled to zero: the next request loads the model with them.",
+    LOADS_ON_START: "Settings saved. The model loads with them when the deployment is started.",
+}
 
 
 def _field_error(form, exc: InvalidDeployment) -> None:
@@ -179,11 +188,11 @@ def deployment_settings(request, name: str):
     if form.is_valid():
         try:
             # As the API's PATCH: a failed deployment is tried again with the new settings.
-            change_deployment_settings(deployment=deployment, **form.settings())
+            change = change_deployment_settings(deployment=deployment, **form.settings())
         except InvalidDeployment as exc:
             _field_error(form, exc)
         else:
-            messages.success(request, "Settings saved. Workers apply them the next time they load the model.")
+            messages.success(request, SETTINGS_SAVED[change.loads])
             return redirect("deployment-detail", name=deployment.name)
     # The page again with the form's errors; the template points the address back at the
     # deployment's page, so that reloading or choosing a window does not post again.

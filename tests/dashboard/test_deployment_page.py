@@ -1,7 +1,7 @@
 """A deployment's page: a refused settings save is visible and leaves no broken address, the deploy
 form opens its Advanced section on an error there, the figure cards refresh with the charts, times
-are UTC and labelled, money in metrics.json has the platform's precision, and a failed or stopped
-deployment can be brought back."""
+are UTC and labelled, money in metrics.json has the platform's precision, a failed or stopped
+deployment can be brought back, and a saved settings change says whether the model reloads."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from decimal import Decimal
 import pytest
 
 from billing.pricing import COST_QUANTUM
+from dashboard.forms import DeploymentSettingsForm
 from models_catalog.models import Deployment
-from models_catalog.services import create_deployment, set_deployment_status
+from models_catalog.services import ENGINE_SETTINGS, SETTINGS, create_deployment, set_deployment_status
 from tests.dashboard.conftest import record
 from tests.dashboard.test_deployments import FORM
 from tests.support import REPO_ROOT
@@ -214,3 +215,60 @@ def test_a_refused_save_leaves_a_failed_deployment_failed(ada, tune_me):
     set_deployment_status(deployment=tune_me, status="failed", reason="out of memory")
     assert ada.post("/deployments/tune-me/settings/", {**FORM, "max_batch_size": "0"}).status_code == 400
     assert _status("tune-me") == ("failed", "out of memory")
+
+
+# --- what a saved settings change says ---------------------------------------------------------------
+
+LOADING = "Settings saved. Workers are loading the model with them; requests wait until it is ready."
+
+
+def _save(client, name: str, **changes) -> str:
+    """Saves the deployment's settings as its page's form shows them, with ``changes``; the message."""
+    initial = DeploymentSettingsForm.initial_for(Deployment.objects.get(name=name))
+    data = {field: ("on" if value else "") if isinstance(value, bool) else str(value)
+            for field, value in {**initial, **changes}.items()}
+    response = client.post(f"/deployments/{name}/settings/", data, follow=True)
+    assert response.redirect_chain == [(f"/deployments/{name}/", 302)]
+    page = response.content.decode()
+    return page.split('<ul class="messages" role="status">')[1].split("</ul>")[0].split(">", 1)[1].split("</li>")[0]
+
+
+@pytest.mark.parametrize("changes", [{"batch_window_ms": 50}, {"max_batch_size": 4}, {"dtype": "float16"},
+                                     {"quantization": "fp8"}])
+def test_an_engine_setting_reloads_the_model_and_the_message_says_so(ada, tune_me, changes):
+    set_deployment_status(deployment=tune_me, status="ready")
+    assert _save(ada, "tune-me", **changes) == LOADING
+
+
+@pytest.mark.parametrize("changes", [{}, {"queue_limit": 10}, {"scale_to_zero_seconds": 60},
+                                     {"scale_to_zero": False}, {"min_replicas": 1, "max_replicas": 2}])
+def test_other_settings_apply_without_a_reload_and_the_message_says_only_saved(ada, tune_me, changes):
+    set_deployment_status(deployment=tune_me, status="ready")
+    assert _save(ada, "tune-me", **changes) == "Settings saved."
+
+
+def test_a_deployment_without_a_loaded_model_says_when_it_loads_with_them(ada, tune_me):
+    set_deployment_status(deployment=tune_me, status="scaled_to_zero", reason="idle for 300s")
+    assert _save(ada, "tune-me", max_batch_size=4) == \
+        "Settings saved. It is scaled to zero: the next request loads the model with them."
+    set_deployment_status(deployment=tune_me, status="stopped", reason="stopped through the API")
+    assert _save(ada, "tune-me", max_batch_size=8) == \
+        "Settings saved. The model loads with them when the deployment is started."
+    # A failed one is tried again, whatever changed: it loads now.
+    set_deployment_status(deployment=tune_me, status="failed", reason="out of memory")
+    assert _save(ada, "tune-me", queue_limit=10) == LOADING
+
+
+def test_the_settings_hint_names_the_fields_that_reload_the_model(ada, tune_me):
+    page = ada.get("/deployments/tune-me/").content.decode()
+    hint = page.split('id="settings-hint">')[1].split("</p>")[0]
+    assert hint.startswith("Changing Batch window (ms), Max batch size, Precision or Weights reloads the model")
+    assert "The other settings apply without a reload." in hint
+
+
+def test_the_settings_that_reload_are_those_the_workers_engine_is_built_with(tune_me):
+    """The message's rule (ENGINE_SETTINGS) and the placement loop's (a replica whose engine spec
+    differs is replaced) name the same settings."""
+    from workers.dispatch import engine_spec
+
+    assert set(engine_spec(tune_me)) & SETTINGS == ENGINE_SETTINGS
