@@ -174,8 +174,9 @@ def deployment_metrics(request, name: str):
 @organization_required
 @require_GET
 def deployment_status(request, name: str):
-    """The status badge alone, polled by htmx on the deployment's page."""
-    return render(request, "deployments/_status.html", {"deployment": _deployment(request, name), "poll": True})
+    """The status badge and, out of band, the reason line under the title: polled by htmx on the
+    deployment's page."""
+    return render(request, "deployments/_status_poll.html", {"deployment": _deployment(request, name)})
 
 
 @organization_required

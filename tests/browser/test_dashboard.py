@@ -115,11 +115,11 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     page.evaluate("window.__notReloaded = true")
     _serve(inference_worker, name)
 
-    def moved_to(status):
+    def moved_to(status, reason=""):
         from models_catalog.models import Deployment
         from models_catalog.services import set_deployment_status
 
-        set_deployment_status(deployment=Deployment.objects.get(name=name), status=status)
+        set_deployment_status(deployment=Deployment.objects.get(name=name), status=status, reason=reason)
 
     # The fleet's own moves are the fleet tests' (tests/workers/test_fleet.py); here, that the
     # page follows them: loading, then ready.
@@ -294,6 +294,15 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     assert page.inner_text("#m-requests") == "6"
     page.wait_for_timeout(400)
     shot(page, "13-deployment")
+    # Its status poll follows a reload without a page load: the badge, and the reason line under the
+    # title, which an empty reason clears.
+    page.evaluate("window.__notReloaded = true")
+    for status, reason in (("loading", "loading on the journey's worker"), ("ready", "")):
+        db_call(lambda: moved_to(status, reason))
+        page.wait_for_selector(f"#deployment-status [data-status={status}]", timeout=15_000)
+        page.wait_for_function("r => document.getElementById('deployment-reason').textContent === r",
+                               arg=f" · {reason}" if reason else "", timeout=5_000)
+    assert page.evaluate("window.__notReloaded") is True
     # On a laptop, the code tabs leave room for their Copy button on their line, and the Weights
     # options show whole in their half-width select.
     page.set_viewport_size(LAPTOP)

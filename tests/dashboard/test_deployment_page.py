@@ -1,7 +1,8 @@
 """A deployment's page: a refused settings save is visible and leaves no broken address, the deploy
 form opens its Advanced section on an error there, the figure cards refresh with the charts, times
 are UTC and labelled, money in metrics.json has the platform's precision, a failed or stopped
-deployment can be brought back, and a saved settings change says whether the model reloads."""
+deployment can be brought back, a saved settings change says whether the model reloads, and the
+status poll keeps the reason line under the title current."""
 
 from __future__ import annotations
 
@@ -157,6 +158,29 @@ def test_chart_labels_are_utc_whatever_the_browsers_zone(zone):
     minute, hour, clock = json.loads(out.stdout)
     assert minute == "23:30" and clock == "23:30:05"
     assert hour.startswith("Mar 10") and hour.endswith("00:00")
+
+
+# --- the status poll carries the reason line -------------------------------------------------------
+
+REASON = '<span id="deployment-reason"{}>{}</span>'
+
+
+def test_the_status_poll_updates_the_reason_line_under_the_title_too(ada, tune_me):
+    set_deployment_status(deployment=tune_me, status="scaled_to_zero", reason="idle for 20s")
+    page = ada.get("/deployments/tune-me/").content.decode()
+    assert REASON.format("", ' · <span class="muted">idle for 20s</span>') in page
+    assert 'hx-get="/deployments/tune-me/status/"' in page and "hx-swap-oob" not in page
+
+    # A cold start: the poll answers the badge, and the reason line out of band.
+    set_deployment_status(deployment=tune_me, status="loading", reason="loading on gpu-1 <a>")
+    poll = ada.get("/deployments/tune-me/status/", headers={"HX-Request": "true"}).content.decode()
+    assert 'data-status="loading"' in poll and 'id="deployment-status"' in poll
+    assert REASON.format(' hx-swap-oob="true"', ' · <span class="muted">loading on gpu-1 &lt;a&gt;</span>') in poll
+    # Ready, with no reason: the stale one is cleared, not kept.
+    set_deployment_status(deployment=tune_me, status="ready", reason="")
+    poll = ada.get("/deployments/tune-me/status/", headers={"HX-Request": "true"}).content.decode()
+    assert 'data-status="ready"' in poll and REASON.format(' hx-swap-oob="true"', "") in poll
+    assert "idle for" not in poll
 
 
 # --- a failed or stopped deployment comes back from its page ----------------------------------------
