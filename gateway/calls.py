@@ -366,10 +366,24 @@ class Call:
                 raise unavailable(exc) from None
             if not served:
                 await self.cancel()
-                raise ApiError(503, f"No worker took this request for '{name}': none is running it right now; "
-                                    "try again shortly.", code="model_unavailable") from None
+                why = await self._status_reason() or "none is running it right now"
+                raise ApiError(503, f"No worker took this request for '{name}': {why}; try again shortly.",
+                               code="model_unavailable") from None
             deadline = deadline or now + settings.GATEWAY_STALL_TIMEOUT
             wait = max(0.01, min(settings.GATEWAY_QUEUE_TIMEOUT, deadline - now))
+
+    async def _status_reason(self) -> str:
+        """What the placement loop says of the deployment (e.g. that it waits for a free slot), or
+        "" when it cannot be read: a 503 should say why nobody took the request."""
+        from models_catalog.selectors import status_reason
+
+        if self.spec.get("id") is None:
+            return ""
+        try:
+            return await admission.run(lambda: status_reason(deployment_id=self.spec["id"]))
+        except (DatabaseOperationalError, DatabaseInterfaceError) as exc:
+            log.warning("could not read why %s has no worker: %s", self.spec["name"], exc)
+            return ""
 
     async def cancel(self) -> None:
         """Abort the request wherever it is (queued or running); the worker bills what it produced."""

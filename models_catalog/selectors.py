@@ -32,6 +32,11 @@ def resolve_deployment(*, organization: Organization | None, name: str) -> Deplo
     return deployment
 
 
+def status_reason(*, deployment_id: int) -> str:
+    """Why the deployment is in its status, as the placement loop last said ("" if it said nothing)."""
+    return Deployment.objects.filter(pk=deployment_id).values_list("status_reason", flat=True).first() or ""
+
+
 def deployment_name_taken(*, name: str) -> bool:
     """Whether a deployment has ``name`` already: names are one namespace, every organization's."""
     return Deployment.objects.filter(name=name).exists()

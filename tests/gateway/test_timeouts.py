@@ -103,6 +103,25 @@ def test_a_deployment_no_worker_serves_is_503_after_its_first_wait(settings):
     assert call.cancelled and cancel_marked(call.request_id)
 
 
+def test_a_503_says_what_the_placement_loop_says_of_the_deployment(monkeypatch):
+    """Every slot held by replicas that may not go: retrying in a moment is not the whole story."""
+    from models_catalog import selectors
+
+    reasons = {7: "waiting for a worker with a free slot"}
+    monkeypatch.setattr(selectors, "status_reason", lambda *, deployment_id: reasons[deployment_id])
+
+    async def scenario():
+        call = new_call(await get_channel_layer().new_channel())
+        call.queue_timeout, call.spec = 0.3, {"id": 7, "name": "smol-full"}
+        with pytest.raises(ApiError) as refused:
+            await call.start()
+        return refused.value
+
+    error = asyncio.run(scenario())
+    assert (error.status, error.code) == (503, "model_unavailable")
+    assert "No worker took this request for 'smol-full': waiting for a worker with a free slot" in error.message
+
+
 def test_a_request_behind_busy_replicas_waits_while_a_worker_serves_its_deployment(settings):
     """A worker takes only what its engine can run, so a burst waits on the queue: past its first
     wait (GATEWAY_QUEUE_TIMEOUT) a request waits on while a live worker hosts the deployment, up to
