@@ -60,7 +60,10 @@ def settle_status(*, deployment: Deployment, idle_status: str | None = None, rea
     ready = [r for r in replicas if r.status == Replica.Status.READY]
     loading = [r for r in replicas if r.status == Replica.Status.LOADING]
     if ready:
-        return set_status(deployment=deployment, status=Status.READY)
+        # One replica per worker: fewer than the minimum placed means no other worker had a slot.
+        short = f"{len(replicas)} of its {deployment.min_replicas} replicas: no other worker has a free slot"
+        return set_status(deployment=deployment, status=Status.READY,
+                          reason=short if len(replicas) < deployment.min_replicas else "")
     if loading:
         return set_status(deployment=deployment, status=Status.LOADING,
                           reason=f"loading on {', '.join(r.worker.hostname for r in loading)}")

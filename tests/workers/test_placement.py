@@ -151,6 +151,20 @@ def test_a_busy_or_never_idle_replica_is_kept(model, queued):
     assert len(replicas(busy)) == 1
 
 
+def test_a_minimum_of_replicas_more_than_the_workers_is_said_not_met(model):
+    worker = register("only")
+    deployment = create_deployment(organization=None, model=model, name=f"d-{uuid.uuid4().hex[:6]}",
+                                   kind="dedicated", min_replicas=2, max_replicas=2)
+    placement._tick_once(now=None)
+    loaded(worker, deployment)
+    placement._tick_once(now=None)
+    assert status(deployment) == ("ready", "1 of its 2 replicas: no other worker has a free slot")
+    second = register("second")
+    placement._tick_once(now=None)
+    loaded(second, deployment)
+    assert status(deployment) == ("ready", "")
+
+
 def test_dedicated_deployments_keep_min_replicas_spread_over_workers(model):
     workers = [register(label) for label in ("a", "b", "c")]
     deployment = create_deployment(organization=None, model=model, name=f"d-{uuid.uuid4().hex[:6]}",
