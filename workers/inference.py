@@ -47,11 +47,10 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
     request_id, reply = payload["request_id"], payload["reply_channel"]
     if cancels.is_cancelled(request_id):
         return None  # the client gave up while the request was queued: nothing ran
-    if _since_admission(payload) > MARK_TTL_S:
+    if (queued := _since_admission(payload)) > MARK_TTL_S:
         # Queued longer than any gateway waits for a worker (a deployment placed an hour late):
         # its client is gone, and a cancel mark may have expired since. Run, it would be billed.
-        log.info("request %s waited %.0f s in its queue: its client is gone; not run", request_id,
-                 _since_admission(payload))
+        log.info("request %s waited %.0f s in its queue: its client is gone; not run", request_id, queued)
         return None
     if host.spec(payload["deployment"]["name"]) is None:
         # The model must be loaded first: tell the gateway to wait for the load, not the queue.
