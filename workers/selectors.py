@@ -99,8 +99,8 @@ def _round(value: float | None, digits: int = 2) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def deployment_figures(*, deployment: Deployment, now: datetime | None = None,
-                       alive: list[Worker] | None = None, depths: dict[str, int] | None = None) -> DeploymentFigures:
+def deployment_figures(*, deployment: Deployment, now: datetime | None = None, alive: list[Worker] | None = None,
+                       depths: dict[str, tuple[int, int]] | None = None) -> DeploymentFigures:
     """The deployment's figures over the last minute, summed over the alive workers hosting it."""
     now = now or timezone.now()
     if alive is None:
@@ -137,7 +137,7 @@ def deployment_figures(*, deployment: Deployment, now: datetime | None = None,
         replicas_ready=ready,
         replicas_loading=loading,
         workers=sorted(hosts),
-        queue_depth=None if depths is UNKNOWN_DEPTHS else int(depths.get(deployment.name, 0)) + waiting,
+        queue_depth=_queue_depth(depths, deployment.name, engine_waiting=waiting),
         in_flight=in_flight,
         requests_per_minute=_round(requests * 60.0 / window),
         tokens_per_second=_round(completion / window),
@@ -161,19 +161,30 @@ def all_deployment_figures(*, now: datetime | None = None) -> list[tuple[Deploym
     return [(d, deployment_figures(deployment=d, now=now, alive=alive, depths=depths)) for d in deployments]
 
 
-UNKNOWN_DEPTHS: dict[str, int] = {}  # Redis unreachable: the queue depths are not known
+UNKNOWN_DEPTHS: dict[str, tuple[int, int]] = {}  # Redis unreachable: the queue depths are not known
 
 
-def _queue_depths(names: list[str]) -> dict[str, int]:
-    """The deployments' queue depths, or ``UNKNOWN_DEPTHS`` while Redis can't be reached: the
-    figures from the database still count (a scrape during an incident is when they matter)."""
+def _queue_depths(names: list[str]) -> dict[str, tuple[int, int]]:
+    """Per deployment, the messages on its queue and the requests someone still waits for; or
+    ``UNKNOWN_DEPTHS`` while Redis can't be reached: the figures from the database still count (a
+    scrape during an incident is when they matter)."""
     from . import fleet
 
     try:
-        return fleet.queue_depths(names)
+        messages, awaited = fleet.queue_depths(names), fleet.waiting_counts(names)
     except (RedisError, OSError) as exc:
         log.warning("queue depths unknown, Redis unreachable: %s", exc)
         return UNKNOWN_DEPTHS
+    return {name: (messages.get(name, 0), awaited.get(name, 0)) for name in names}
+
+
+def _queue_depth(depths: dict[str, tuple[int, int]], name: str, *, engine_waiting: int) -> int | None:
+    """What waits on the queue and in the engines, but no more than the requests someone waits
+    for: a queue keeps the messages of requests given up on until a worker skips them."""
+    if depths is UNKNOWN_DEPTHS:
+        return None
+    messages, awaited = depths.get(name, (0, 0))
+    return min(messages + engine_waiting, awaited)
 
 
 def events(*, deployment: Deployment | None = None, kinds: list[str] | None = None, limit: int = 50) -> list[FleetEvent]:

@@ -3,6 +3,7 @@ list (operators only) and the Prometheus endpoint."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -55,7 +56,16 @@ def world():
     return {"key": key, "mine": mine, "theirs": theirs, "workers": workers, "owner": owner}
 
 
+def await_requests(name: str, count: int) -> None:
+    """``count`` admitted requests that wait for their first token, as the gateway records them."""
+    from workers import dispatch, fleet
+
+    now_ms = int(time.time() * 1000)
+    fleet.client().zadd(dispatch.waiting_key(name), {uuid.uuid4().hex: now_ms for _ in range(count)})
+
+
 def test_deployment_metrics_add_up_the_workers_last_minute(client, world):
+    await_requests(world["mine"].name, 5)
     body = client.get(f"/v1/deployments/{world['mine'].name}/metrics", headers=bearer(world["key"])).json()
     assert body["object"] == "deployment.metrics" and body["replicas_ready"] == 2
     assert body["requests_per_minute"] == 4.0 and body["tokens_per_second"] == 20.0  # 1200 tokens / 60 s
@@ -64,6 +74,18 @@ def test_deployment_metrics_add_up_the_workers_last_minute(client, world):
     assert body["queue_depth"] == 4  # nothing on the Redis queue, 2 waiting in each engine
     assert (body["cold_starts_total"], body["last_cold_start_seconds"]) == (1, 4.25)
     assert sorted(body["workers"]) == sorted(w.hostname for w in world["workers"])
+
+
+def test_the_queue_depth_leaves_out_messages_nobody_waits_for(client, world):
+    """A request given up on (a 503, a client gone) leaves its message on the queue until a worker
+    skips it: it is not a request waiting."""
+    from workers import fleet
+
+    name = world["mine"].name
+    fleet.client().lpush(fleet.deployment_queue(name), *["{}"] * 3)
+    await_requests(name, 1)
+    body = client.get(f"/v1/deployments/{name}/metrics", headers=bearer(world["key"])).json()
+    assert body["queue_depth"] == 1
 
 
 def test_a_public_deployments_metrics_leave_its_workers_out_for_tenants(client, world):
