@@ -45,6 +45,7 @@ urlpatterns = [
     path("deployments/<str:name>/status/", deployments.deployment_status, name="deployment-status"),
     path("deployments/<str:name>/settings/", deployments.deployment_settings, name="deployment-settings"),
     path("deployments/<str:name>/start/", deployments.deployment_start, name="deployment-start"),
+    path("deployments/<str:name>/stop/", deployments.deployment_stop, name="deployment-stop"),
     path("deployments/<str:name>/delete/", deployments.deployment_delete, name="deployment-delete"),
     # Using them
     path("playground/", playground.playground, name="playground"),

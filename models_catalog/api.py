@@ -250,8 +250,7 @@ class DeploymentStopView(ManageAPIView):
     @extend_schema(request=None, responses={200: serializers.DeploymentSerializer, **_ERRORS})
     def post(self, request, name: str):
         deployment = writable_deployment(caller_of(request), name)
-        services.set_deployment_status(deployment=deployment, status=Deployment.Status.STOPPED,
-                                       reason="stopped through the API")
+        services.stop_deployment(deployment=deployment, reason="stopped through the API")
         return Response(serializers.deployment(deployment))
 
 

@@ -233,6 +233,14 @@ def start_deployment(*, deployment: Deployment, reason: str) -> bool:
     return set_deployment_status(deployment=deployment, status=Deployment.Status.PENDING, reason=reason)
 
 
+def stop_deployment(*, deployment: Deployment, reason: str) -> bool:
+    """Stops serving it: the placement loop unloads it once its running requests are done, and
+    its waiting ones get a 503. Whether it did (a stopped one is left alone)."""
+    if deployment.status == Deployment.Status.STOPPED:
+        return False
+    return set_deployment_status(deployment=deployment, status=Deployment.Status.STOPPED, reason=reason)
+
+
 def set_deployment_status(*, deployment: Deployment, status: str, reason: str = "",
                           unless_stopped: bool = False) -> bool:
     """Sets the status; with ``unless_stopped``, not over a stop (checked in the same statement: a

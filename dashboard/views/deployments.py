@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import wraps
+
 from django.contrib import messages
 from django.http import Http404, JsonResponse
 from django.shortcuts import redirect, render
@@ -15,8 +17,8 @@ from models_catalog.errors import InvalidDeployment
 from models_catalog.models import Deployment
 from models_catalog.selectors import can_manage_deployment, deployment_name_taken
 from models_catalog.services import (
-    LOADS_NOTHING, LOADS_NOW, LOADS_ON_REQUEST, LOADS_ON_START, STARTABLE, change_deployment_settings,
-    create_deployment, delete_deployment, start_deployment,
+    LOADS_NOTHING, LOADS_NOW, LOADS_ON_REQUEST, LOADS_ON_START, change_deployment_settings,
+    create_deployment, delete_deployment, start_deployment, stop_deployment,
 )
 
 from .. import selectors, snippets
@@ -107,17 +109,20 @@ def _manageable(request, deployment: Deployment) -> bool:
     return _owned(request, deployment) and can_manage_deployment(user=request.user, deployment=deployment)
 
 
-def _changeable(request, name: str) -> Deployment:
-    """The deployment the user asks to change: a shared or another organization's one is not
-    found; one their role does not allow is left to ``_refused``."""
-    deployment = _deployment(request, name)
-    if not _owned(request, deployment):
-        raise Http404("No such deployment.")
-    return deployment
-
-
-def _refused(request, deployment: Deployment):
-    return render(request, "deployments/not_allowed.html", {"deployment": deployment}, status=403)
+def managed(view):
+    """A POST that changes one of the organization's own deployments: a shared or another
+    organization's one is not found; one the user's role does not allow gets the refusal page."""
+    @wraps(view)
+    @organization_required
+    @require_POST
+    def changing(request, name: str):
+        deployment = _deployment(request, name)
+        if not _owned(request, deployment):
+            raise Http404("No such deployment.")
+        if not can_manage_deployment(user=request.user, deployment=deployment):
+            return render(request, "deployments/not_allowed.html", {"deployment": deployment}, status=403)
+        return view(request, deployment)
+    return changing
 
 
 def _figures(request, deployment: Deployment, *, window: str) -> dict:
@@ -136,7 +141,7 @@ def _detail_page(request, deployment: Deployment, *, settings_form=None, status:
     urls = snippets.endpoints(request)
     return render(request, "deployments/detail.html", {
         "deployment": deployment, "owned": _owned(request, deployment),
-        "can_manage": _manageable(request, deployment), "can_start": deployment.status in STARTABLE,
+        "can_manage": _manageable(request, deployment),
         **_figures(request, deployment, window=request.GET.get("window", "1h")),
         "windows": list(selectors.WINDOWS),
         "settings_form": settings_form or DeploymentSettingsForm(
@@ -174,17 +179,15 @@ def deployment_metrics(request, name: str):
 @organization_required
 @require_GET
 def deployment_status(request, name: str):
-    """The status badge and, out of band, the reason line under the title: polled by htmx on the
-    deployment's page."""
-    return render(request, "deployments/_status_poll.html", {"deployment": _deployment(request, name)})
+    """The status badge and, out of band, the reason line under the title and the Start or Stop
+    button: polled by htmx on the deployment's page."""
+    deployment = _deployment(request, name)
+    return render(request, "deployments/_status_poll.html",
+                  {"deployment": deployment, "can_manage": _manageable(request, deployment)})
 
 
-@organization_required
-@require_POST
-def deployment_settings(request, name: str):
-    deployment = _changeable(request, name)
-    if not can_manage_deployment(user=request.user, deployment=deployment):
-        return _refused(request, deployment)
+@managed
+def deployment_settings(request, deployment: Deployment):
     form = DeploymentSettingsForm(request.POST)
     if form.is_valid():
         try:
@@ -200,13 +203,10 @@ def deployment_settings(request, name: str):
     return _detail_page(request, deployment, settings_form=form, status=400)
 
 
-@organization_required
-@require_POST
-def deployment_start(request, name: str):
+@managed
+def deployment_start(request, deployment: Deployment):
     """Start a stopped deployment, or try a failed one again (the API's POST .../start)."""
-    deployment = _changeable(request, name)
-    if not can_manage_deployment(user=request.user, deployment=deployment):
-        return _refused(request, deployment)
+    name = deployment.name
     failed = deployment.status == Deployment.Status.FAILED
     reason = "tried again from the dashboard" if failed else "started from the dashboard"
     if start_deployment(deployment=deployment, reason=reason):
@@ -217,12 +217,21 @@ def deployment_start(request, name: str):
     return redirect("deployment-detail", name=deployment.name)
 
 
-@organization_required
-@require_POST
-def deployment_delete(request, name: str):
-    deployment = _changeable(request, name)
-    if not can_manage_deployment(user=request.user, deployment=deployment):
-        return _refused(request, deployment)
+@managed
+def deployment_stop(request, deployment: Deployment):
+    """Stop serving it (the API's POST .../stop): running requests finish, waiting ones get a 503."""
+    name = deployment.name
+    if stop_deployment(deployment=deployment, reason="stopped from the dashboard"):
+        messages.success(request, f"{name} is stopping: requests already running finish, new ones get a 503 "
+                                  "until you start it again.")
+    else:  # stopped meanwhile, from another tab or the API
+        messages.info(request, f"{name} is stopped already.")
+    return redirect("deployment-detail", name=name)
+
+
+@managed
+def deployment_delete(request, deployment: Deployment):
+    name = deployment.name
     if request.POST.get("confirm") != deployment.name:
         messages.error(request, f"Type the deployment's name ({deployment.name}) to confirm the deletion.")
         return redirect("deployment-detail", name=deployment.name)

@@ -1,7 +1,7 @@
 """A deployment's page: a refused settings save is visible and leaves no broken address, the deploy
 form opens its Advanced section on an error there, the figure cards refresh with the charts, times
 are UTC and labelled, money in metrics.json has the platform's precision, a failed or stopped
-deployment can be brought back, a saved settings change says whether the model reloads, and the
+deployment can be brought back and a serving one stopped, a saved settings change says whether the model reloads, and the
 status poll keeps the reason line under the title current."""
 
 from __future__ import annotations
@@ -212,6 +212,35 @@ def test_a_serving_deployment_has_nothing_to_start(ada, tune_me, status):
     # A start sent from a page that was out of date changes nothing.
     page = ada.post("/deployments/tune-me/start/", follow=True).content.decode()
     assert _status("tune-me") == (status, "as it was") and "nothing to start" in page
+
+
+@pytest.mark.parametrize("status", ["pending", "loading", "ready", "scaled_to_zero"])
+def test_a_serving_deployment_can_be_stopped_and_started_again_from_its_page(ada, tune_me, status):
+    set_deployment_status(deployment=tune_me, status=status, reason="as it was")
+    page = ada.get("/deployments/tune-me/").content.decode()
+    assert 'id="stop-button"' in page and 'action="/deployments/tune-me/stop/"' in page
+
+    response = ada.post("/deployments/tune-me/stop/", follow=True)
+    assert response.redirect_chain == [("/deployments/tune-me/", 302)]
+    assert _status("tune-me") == ("stopped", "stopped from the dashboard")
+    page = response.content.decode()
+    assert "is stopping" in page and 'id="start-form"' in page and 'id="stop-button"' not in page
+    # A stop sent from a page that was out of date keeps the first stop's reason.
+    page = ada.post("/deployments/tune-me/stop/", follow=True).content.decode()
+    assert "stopped already" in page and _status("tune-me") == ("stopped", "stopped from the dashboard")
+
+
+def test_the_status_poll_swaps_start_and_stop_as_the_status_changes(ada, tune_me):
+    """The API or the placement loop may change the status while the page is open: the button
+    follows the badge, without a reload."""
+    set_deployment_status(deployment=tune_me, status="failed", reason="out of memory")
+    poll = ada.get("/deployments/tune-me/status/", headers={"HX-Request": "true"}).content.decode()
+    lifecycle = poll[poll.index('id="deployment-lifecycle"'):]
+    assert lifecycle.startswith('id="deployment-lifecycle" hx-swap-oob="true"')
+    assert 'id="start-form"' in lifecycle and "Retry</button>" in lifecycle and "stop-button" not in lifecycle
+    set_deployment_status(deployment=tune_me, status="ready", reason="")
+    poll = ada.get("/deployments/tune-me/status/", headers={"HX-Request": "true"}).content.decode()
+    assert 'id="stop-button"' in poll and 'id="start-form"' not in poll
 
 
 def test_the_retry_says_where_it_came_from(ada, tune_me):

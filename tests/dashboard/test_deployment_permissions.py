@@ -119,3 +119,15 @@ def test_owners_and_admins_retry_a_members_deployment(client, team, role):
     assert "/deployments/member-dep/start/" in manager.get("/deployments/member-dep/").content.decode()
     assert manager.post("/deployments/member-dep/start/").status_code == 302
     assert Deployment.objects.get(name="member-dep").status == "pending"
+
+
+def test_a_member_cannot_stop_the_owners_deployment_nor_sees_stop(client, team):
+    member = _as(client, team["member"])
+    page = member.get("/deployments/owner-dep/").content.decode()
+    assert "/deployments/owner-dep/stop/" not in page and 'id="stop-button"' not in page
+    response = member.post("/deployments/owner-dep/stop/")
+    assert response.status_code == 403 and "Nothing was changed" in response.content.decode()
+    assert Deployment.objects.get(name="owner-dep").status == "pending"
+    # Nor does the status poll bring the button in.
+    poll = member.get("/deployments/owner-dep/status/", headers={"HX-Request": "true"}).content.decode()
+    assert 'id="stop-button"' not in poll
