@@ -31,15 +31,24 @@ def signup(request):
     if request.user.is_authenticated and request.method == "GET" and not request.GET.get("invitation"):
         return redirect("home")
     token = request.POST.get("invitation") or request.GET.get("invitation") or ""
-    invitation = None
+    invitation = ended = None
     if token:
         try:
             invitation = services.invitation_for_token(raw_token=token)
         except InvalidInvitation as exc:
-            messages.error(request, exc.message)
-            token = ""
+            ended, token = exc.message, ""
     if invitation is None and not settings.SIGNUP_OPEN:  # the service refuses it too
+        if ended:
+            messages.error(request, ended)
         return render(request, "registration/signup.html", {"closed": services.SIGNUP_CLOSED}, status=403)
+    if request.method == "POST" and ended:
+        # Revoked, expired or used while the form was open: they asked to join, so nothing is
+        # created (no organization of their own behind their back); the form stays, without it.
+        form = SignUpForm({**request.POST.dict(), "invitation": ""})
+        form.is_valid()
+        form.add_error(None, f"{ended} Nothing was created; you may create an account with an organization of "
+                             "your own instead.")
+        return render(request, "registration/signup.html", {"form": form}, status=400)
     if request.method == "POST":
         form = SignUpForm(request.POST)
         if form.is_valid():
@@ -58,6 +67,8 @@ def signup(request):
                                           + (" with free credit to try it out." if not invitation else "."))
                 return redirect("home")
     else:
+        if ended:
+            messages.error(request, ended)
         form = SignUpForm(initial={"email": invitation.email if invitation else "", "invitation": token})
     return render(request, "registration/signup.html", {"form": form, "invitation": invitation})
 

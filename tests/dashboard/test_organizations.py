@@ -127,6 +127,27 @@ def test_the_last_owner_keeps_the_role_and_cannot_leave(ada, acme):
     assert Membership.objects.get(user=user, organization=org).role == "owner"
 
 
+def test_an_invitation_revoked_while_its_sign_up_form_is_open_creates_nothing(ada, acme):
+    """They asked to join: no account, and no organization of their own, behind their back."""
+    _invite(ada, "frank@example.com")
+    token = _link(mail.outbox[0]).rstrip("/").rsplit("/", 1)[1]
+    guest = Client()
+    assert "Create account and join" in guest.get(f"/signup/?invitation={token}").content.decode()
+    ada.post(f"/settings/invitations/{Invitation.objects.get().pk}/revoke/")
+
+    form = {"email": "frank@example.com", "password": PASSWORD, "name": "Frank", "invitation": token}
+    response = guest.post("/signup/", form)
+    page = response.content.decode()
+    assert response.status_code == 400 and "not valid any more" in page and "Nothing was created" in page
+    assert not User.objects.filter(email="frank@example.com").exists()
+    assert 'name="invitation" value="' + token not in page and 'value="frank@example.com"' in page
+    # Sent again, the form (without the invitation now) makes them an account of their own.
+    again = guest.post("/signup/", {**form, "invitation": ""})
+    assert again.status_code == 302
+    frank = User.objects.get(email="frank@example.com")
+    assert list(Membership.objects.filter(user=frank).values_list("role", flat=True)) == ["owner"]
+
+
 def test_owners_remove_members_and_revoke_invitations(ada, acme, globex):
     _, org = acme
     grace, _ = globex
