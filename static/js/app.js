@@ -75,10 +75,10 @@
     });
   });
 
-  // <form data-confirm="Are you sure?">: ask first.
+  // <form data-confirm="Are you sure?">, or a chosen <option data-confirm="...">: ask first.
   document.addEventListener("submit", (event) => {
-    const form = event.target.closest("form[data-confirm]");
-    if (form && !window.confirm(form.getAttribute("data-confirm"))) {
+    const asking = event.target.closest("form[data-confirm]") || event.target.querySelector("option:checked[data-confirm]");
+    if (asking && !window.confirm(asking.getAttribute("data-confirm"))) {
       event.preventDefault();
     }
   }, true);

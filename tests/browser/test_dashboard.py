@@ -473,6 +473,37 @@ def test_operator_pages_and_team_management(new_page, stack, inference_worker, d
     page.click("main aside button[type=submit]")
     page.wait_for_selector("#invitations-table tr[data-invitation='teammate@example.com']")
     shot(page, "20-members")
+    # A role changes with its Save button, not as the select changes (a keyboard user reading the
+    # options changes nothing), and making an owner asks first.
+    teammate = f"{unique('member')}@example.com"
+
+    def joined(role=None):
+        from accounts.models import Membership
+        from accounts.services import add_member, create_user
+
+        membership = Membership.objects.filter(user__email=teammate).first()
+        if membership is None:
+            add_member(organization=Membership.objects.get(user__email=email).organization,
+                       user=create_user(email=teammate, password=None), role="member")
+        return Membership.objects.get(user__email=teammate).role
+
+    db_call(joined)
+    page.reload()
+    role = page.locator(f"select[aria-label='Role of {teammate}']")
+    role.focus()
+    page.keyboard.press("ArrowUp")
+    role.select_option("owner")
+    # The page's dialogs are accepted (the fixture): this one is answered "Cancel".
+    page.evaluate("window.confirm = (question) => { window.__asked = question; return false; }")
+    page.click(f"button[aria-label='Save the role of {teammate}']")
+    assert "an owner of Platform Ops" in page.evaluate("window.__asked")
+    assert db_call(joined) == "member"  # neither the arrow nor the refused owner saved
+    assert not page.locator(f".messages >> text={teammate} is now").count()
+    role.select_option("admin")
+    page.click(f"button[aria-label='Save the role of {teammate}']")
+    page.wait_for_selector(f".messages >> text={teammate} is now admin")
+    assert db_call(joined) == "admin"
+    assert _fits_a_laptop(page, "#members-table") and _fits_a_laptop(page, "#invitations-table")
     # The switcher: a second organization, then back.
     page.click(".org-switcher summary")
     page.click(".org-menu >> text=New organization")
