@@ -320,7 +320,10 @@ class Call:
                 event = await self._receive(settings.GATEWAY_STALL_TIMEOUT)
             except asyncio.TimeoutError:
                 await self.cancel()
-                raise ApiError(504, "The model stopped producing tokens.", code="timeout") from None
+                stalled = f"no progress for {settings.GATEWAY_STALL_TIMEOUT:g} s"
+                raise ApiError(504, f"The model stopped producing tokens ({stalled}).", code="timeout") from None
+            if event["type"] == "inference.progress":  # a long prompt, computed chunk by chunk: not stalled
+                continue
             if event["type"] == "inference.error":
                 self.done = True
                 raise ApiError(event["status"], event["message"], param=event.get("param"), code=event.get("code"))

@@ -9,6 +9,7 @@ request samples with ``seed + j``: reproducible, and not ``n`` copies of one ans
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 # The request's end, in order of precedence: one failed answer fails the request (billed as
@@ -66,13 +67,28 @@ class Choices:
         for stream in self.streams:
             stream.open()
 
-    def wait(self, stall_timeout: float) -> list:
+    def wait(self, stall_timeout: float, *, report_every: float = 10.0) -> list:
         """Every answer's final output; ``TimeoutError`` once no answer made progress for
-        ``stall_timeout`` s (one queued in the engine behind its siblings has not stalled)."""
-        def progressed() -> float:
-            return max(stream.progressed for stream in self.streams)
+        ``stall_timeout`` s (one queued in the engine behind its siblings has not stalled).
+        A prompt computed chunk by chunk is progress too, though nothing comes out: checked
+        every ``report_every`` s, and then reported to the gateway (its own stall timer)."""
+        computed, moved = self._computed_tokens(), time.monotonic()
 
-        return [stream.wait(stall_timeout, progressed) for stream in self.streams]
+        def progressed() -> float:
+            nonlocal computed, moved
+            output = max(stream.progressed for stream in self.streams)
+            now = time.monotonic()
+            if (tokens := self._computed_tokens()) != computed:
+                computed, moved = tokens, now
+                reporting = [s for s in self.streams if not s.ended]
+                if reporting and now - output >= report_every:  # tokens flowing say it already
+                    reporting[0].report_progress()
+            return max(output, moved)
+
+        return [stream.wait(stall_timeout, progressed, poll=report_every) for stream in self.streams]
+
+    def _computed_tokens(self) -> int:
+        return sum(stream.computed_tokens for stream in self.streams)
 
     @property
     def ended(self) -> bool:

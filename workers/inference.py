@@ -116,7 +116,7 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
         _send_or_abort(send, reply, {"type": "inference.started", "prompt_tokens": answers.prompt_tokens,
                                      "worker": worker_name}, answers)
         answers.open()
-        outputs = answers.wait(STALL_TIMEOUT_S)
+        outputs = answers.wait(STALL_TIMEOUT_S, report_every=progress_report_s())
         finished = {"type": "inference.finished", "finish_reason": choices.finish_reason(outputs),
                     "error": choices.error(outputs), "usage": choices.usage(outputs, n=n),
                     "timings": _timings_ms(choices.timings(outputs), before_engine),
@@ -143,6 +143,14 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
         if not billing_tried:
             event = _bill(payload, answers, cancels, before_engine)
     return event
+
+
+def progress_report_s() -> float:
+    """How often a request that makes progress without output says so: often enough that the
+    gateway's stall timer (GATEWAY_STALL_TIMEOUT) hears of it a few times before it fires."""
+    from django.conf import settings
+
+    return min(10.0, settings.GATEWAY_STALL_TIMEOUT / 4)
 
 
 def _prompts(payload: dict) -> list | None:

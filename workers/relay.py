@@ -25,6 +25,8 @@ from channels.layers import get_channel_layer
 
 log = logging.getLogger(__name__)
 _OPEN = object()  # a stream's marker in the relay's queue: the gateway knows it started
+_PROGRESS = object()  # one that made progress without an output (a long prompt's chunks)
+PROGRESS_MESSAGE = {"type": "inference.progress"}
 
 
 class Superseded(Exception):
@@ -78,12 +80,24 @@ class Stream:
         """From now on outputs go out (nothing may overtake the start message the caller sent)."""
         self._relay.put(self, _OPEN)
 
-    def wait(self, stall_timeout: float, progressed: Callable[[], float] | None = None):
+    def report_progress(self) -> None:
+        """Tell the gateway the request moves, though it has no token to show (its prompt is
+        computed chunk by chunk): its stall timer starts again. In order with the outputs."""
+        self._relay.put(self, _PROGRESS)
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.handle.computed_tokens if self.handle is not None else 0
+
+    def wait(self, stall_timeout: float, progressed: Callable[[], float] | None = None, *,
+             poll: float | None = None):
         """Block until the final output was sent; return it. ``TimeoutError`` if no output came
         for ``stall_timeout`` s (since ``progressed()``, when given: the last progress of the
-        request this stream is part of); the send's error if the relay could not deliver."""
+        request this stream is part of, asked at least every ``poll`` s); the send's error if the
+        relay could not deliver."""
         progressed = progressed or (lambda: self.progressed)
-        while not self._done.wait(timeout=max(0.0, progressed() + stall_timeout - time.monotonic())):
+        while not self._done.wait(timeout=min(poll or stall_timeout,
+                                              max(0.0, progressed() + stall_timeout - time.monotonic()))):
             if time.monotonic() - progressed() >= stall_timeout:
                 raise TimeoutError(f"no output for {stall_timeout} s")
         if self.error is not None:
@@ -159,6 +173,10 @@ class StreamRelay:
         first_tokens: dict[str, None] = {}  # request ids, once each, in order
         self._drop_superseded(batch)
         for stream, item in batch:
+            if item is _PROGRESS:  # before the start, or after the end (maybe in this batch): nothing
+                if stream.opened and not stream.ended and not (stream.last is not None and stream.last.finished):
+                    outgoing.append((stream, PROGRESS_MESSAGE))
+                continue
             if item is _OPEN:
                 stream.opened = True
                 outputs, stream.backlog = stream.backlog, []

@@ -144,6 +144,38 @@ def test_abort_ends_the_request_and_frees_every_block(engine):
     assert engine.generate("Hello", GREEDY, timeout=60).finish_reason == "length"
 
 
+def test_a_long_prompt_shows_progress_chunk_by_chunk_before_its_first_output(model):
+    """The gateway's stall timer must not fire while a long prompt is computed (no output for
+    a while on a slow machine): its computed tokens grow with each chunk, readable from another
+    thread; an abort between chunks ends it before any token, so nothing was produced."""
+    with make_engine(model, max_batched_tokens=32) as eng:
+        seen = []  # the long prompt's computed tokens after each step (a decoding request's outputs)
+        watched = {}
+
+        def after_each_step(out):
+            long = watched.get("long")
+            if long is None or long.finished:
+                return
+            seen.append(long.computed_tokens)
+            if watched.get("abort_after_a_chunk") and long.computed_tokens > 0:
+                long.abort()
+
+        ticker = eng.submit("Count:", SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True),
+                            listener=after_each_step)
+        wait_until(lambda: eng.stats()["running"] == 1, what="the decoding request")
+        long = watched["long"] = eng.submit(" ".join(PROMPTS[:8]), SamplingParams(max_tokens=4, temperature=0))
+        first = next(iter(long))
+        chunks = [tokens for tokens in seen if 0 < tokens < long.prompt_tokens]
+        assert first.completion_tokens == 1 and long.prompt_tokens > 8 * 32
+        assert len(set(chunks)) >= 4 and chunks == sorted(chunks), seen  # chunk by chunk, growing
+
+        watched["abort_after_a_chunk"] = True
+        cut = watched["long"] = eng.submit(" ".join(PROMPTS[8:16]), SamplingParams(max_tokens=4, temperature=0))
+        last = cut.result(timeout=60)
+        assert last.finish_reason == "abort" and last.completion_tokens == 0 and cut.computed_tokens == 0
+        ticker.abort()
+
+
 def test_stop_string_across_tokens_stops_and_is_left_out(engine, model):
     tokenizer = model.tokenizer
     prompt = PROMPTS[4]

@@ -70,6 +70,35 @@ def test_a_stream_that_stalls_is_504(settings):
     assert call.cancelled and cancel_marked(call.request_id)
 
 
+def test_a_long_prompt_reporting_progress_is_not_a_stall(settings):
+    """Its worker reports each stretch of the prompt computed: the stall timer starts again, and
+    the client gets its answer though the first token came after more than the timeout."""
+    settings.GATEWAY_STALL_TIMEOUT = 0.5
+    finished = {"type": "inference.finished", "finish_reason": "stop", "error": None, "choices": [],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "cached_prompt_tokens": 0}}
+
+    async def scenario():
+        layer = get_channel_layer()
+        channel = await reply_channel_with({"type": "inference.started", "prompt_tokens": 3})
+        call = new_call(channel)
+        await call.start()
+
+        async def worker():  # progress every 0.2 s for 1.2 s, then the token and the end
+            for _ in range(6):
+                await asyncio.sleep(0.2)
+                await layer.send(channel, {"type": "inference.progress"})
+            await layer.send(channel, {"type": "inference.delta", "text": "Hi", "token_ids": [1]})
+            await layer.send(channel, finished)
+
+        sending = asyncio.create_task(worker())
+        received = [event["type"] async for event in call.events()]
+        await sending
+        return call, received
+
+    call, received = asyncio.run(scenario())
+    assert received == ["inference.delta", "inference.finished"] and not call.cancelled
+
+
 def test_the_wait_of_a_cold_start_is_reported_as_load_not_queue():
     """The fleet loads the model for a scaled-to-zero deployment before any worker takes the
     request: Server-Timing must say where the time went."""

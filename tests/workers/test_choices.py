@@ -98,3 +98,50 @@ def test_an_answer_waiting_behind_its_siblings_has_not_stalled():
     silent = choices.Choices(streams())
     with pytest.raises(TimeoutError):
         silent.wait(0.05)
+
+
+def test_a_prompt_computed_chunk_by_chunk_has_not_stalled_and_says_so():
+    """A long prompt on a slow machine yields nothing for a while: its computed tokens growing
+    is progress, reported (for the gateway's stall timer) while no output says it; once they
+    stop growing, it stalls."""
+    import threading
+    import time
+
+    import pytest
+
+    from workers.relay import _PROGRESS, Stream
+
+    class Relay:
+        def __init__(self):
+            self.items = []
+
+        def put(self, stream, item):
+            self.items.append(item)
+
+    relay = Relay()
+    stream = Stream(relay, "reply", lambda out: {})
+    stream.handle = SimpleNamespace(computed_tokens=0)
+    answers = choices.Choices([stream])
+    answers.handles = [stream.handle]
+    done = threading.Event()
+
+    def prefill():  # a chunk every 20 ms for 0.3 s, then the first token ends it
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:
+            stream.handle.computed_tokens += 32
+            done.wait(0.02)
+        stream.progressed = time.monotonic()
+        stream.end()
+
+    worker = threading.Thread(target=prefill)
+    worker.start()
+    try:
+        answers.wait(0.1, report_every=0.02)  # a stall timeout shorter than the prefill
+    finally:
+        worker.join()
+    assert relay.items.count(_PROGRESS) >= 3
+
+    stuck = Stream(relay, "reply", lambda out: {})
+    stuck.handle = SimpleNamespace(computed_tokens=64)  # part of its prompt, then nothing
+    with pytest.raises(TimeoutError):
+        choices.Choices([stuck]).wait(0.1, report_every=0.02)

@@ -174,12 +174,12 @@ def finishing(final, happened: list):
             happened.append("abort")
 
     class Finished:
-        handle, last, ended = None, final, True
+        handle, last, ended, computed_tokens = None, final, True, 0
 
         def open(self):
             pass
 
-        def wait(self, timeout, progressed=None):
+        def wait(self, timeout, progressed=None, *, poll=None):
             return final
 
     class Engine(StoppedEngine):
@@ -397,10 +397,12 @@ def test_n_answers_run_as_n_engine_requests_billed_as_one(monkeypatch):
             return Handle()
 
     class Answer(SimpleNamespace):
+        computed_tokens = 0
+
         def open(self):
             pass
 
-        def wait(self, timeout, progressed=None):
+        def wait(self, timeout, progressed=None, *, poll=None):
             return self.last
 
     class Cancels(NoCancels):
@@ -440,10 +442,12 @@ def test_a_relay_that_fails_answers_the_client_at_once_and_bills_what_ran(monkey
             return Handle()
 
     class Broken(SimpleNamespace):
+        computed_tokens = 0
+
         def open(self):
             pass
 
-        def wait(self, timeout, progressed=None):
+        def wait(self, timeout, progressed=None, *, poll=None):
             raise RuntimeError("the relay broke")
 
     class Cancels(NoCancels):

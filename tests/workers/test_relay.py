@@ -101,6 +101,34 @@ def test_nothing_leaves_before_the_stream_is_opened(engine, make_relay):
     assert sum(len(m["token_ids"]) for m in _receive_until_done(gateway, channel, 5)) == 5
 
 
+def test_progress_is_reported_in_order_between_the_start_and_the_end(make_relay):
+    """A report before the stream is opened would overtake the start the gateway waits for, and
+    one after the end would land in the next request's wait: neither leaves."""
+    from types import SimpleNamespace
+
+    from workers.relay import PROGRESS_MESSAGE
+
+    gateway = RedisChannelLayer(hosts=HOSTS, capacity=1000)
+    relay = make_relay()
+    channel = async_to_sync(gateway.new_channel)()
+    stream = relay.stream(channel, _delta)
+    stream.report_progress()  # not opened yet: dropped
+    stream.open()
+    stream.report_progress()
+    stream(SimpleNamespace(request_id="cmpl-1", token_ids=[7], text="Hi", completion_tokens=1, finished=True,
+                           prompt_logprobs=None))
+    stream.report_progress()  # ended: dropped
+    stream.wait(30)
+
+    async def received():
+        messages = [await asyncio.wait_for(gateway.receive(channel), 30) for _ in range(2)]
+        with pytest.raises(asyncio.TimeoutError):
+            messages.append(await asyncio.wait_for(gateway.receive(channel), 0.3))
+        return messages
+
+    assert [m["type"] for m in async_to_sync(received)()] == [PROGRESS_MESSAGE["type"], "inference.delta"]
+
+
 def test_a_gateway_that_stops_reading_has_its_request_aborted(engine, make_relay):
     gateway = RedisChannelLayer(hosts=HOSTS, capacity=2)
     relay = make_relay(capacity=2)

@@ -123,6 +123,12 @@ class RequestHandle:
     def abort(self) -> bool:
         return self._engine.abort(self.request_id)
 
+    @property
+    def computed_tokens(self) -> int:
+        """Its tokens in the KV cache so far: a long prompt, computed chunk by chunk, makes
+        progress before its first output. 0 once it ended; it may fall back (a preemption)."""
+        return self._engine.computed_tokens(self.request_id)
+
 
 @dataclass
 class _Unhanded:
@@ -427,6 +433,11 @@ class Engine:
         if not ids:
             raise InvalidRequestError("messages: the chat template rendered nothing", param="messages")
         return self.submit(ids, params, request_id=request_id, listener=listener)
+
+    def computed_tokens(self, request_id: str) -> int:
+        """See ``RequestHandle.computed_tokens`` (read from any thread: one int of the loop's)."""
+        live = self._live.get(request_id)
+        return 0 if live is None else live.seq.num_computed_tokens
 
     def abort(self, request_id: str) -> bool:
         """End a request now (finish_reason "abort"); False if it is not running."""
