@@ -35,6 +35,8 @@ ENGINE_GAUGES = {
     "device_memory_free": "Free memory on the engine's GPU, in bytes",
     "cuda_graph_capture_s": "Seconds the engine took to capture its CUDA graphs",
 }
+# A gauge's name must not end in _total, Prometheus's mark of a counter.
+GAUGE_NAMES = {"kv_blocks_total": "kv_blocks_capacity"}
 ENGINE_COUNTERS = {
     "steps": "Engine steps",
     "generated_tokens": "Tokens generated",
@@ -94,7 +96,8 @@ class FleetCollector:
         hosting = GaugeMetricFamily("inference_worker_replicas", "Deployments the worker hosts", labels=wl)
         memory = GaugeMetricFamily("inference_worker_device_memory_bytes", "GPU memory (RAM for a CPU worker)", labels=wl)
         el = ["worker", "deployment"]
-        gauges = {k: GaugeMetricFamily(f"inference_engine_{k}", doc, labels=el) for k, doc in ENGINE_GAUGES.items()}
+        gauges = {k: GaugeMetricFamily(f"inference_engine_{GAUGE_NAMES.get(k, k)}", doc, labels=el)
+                  for k, doc in ENGINE_GAUGES.items()}
         counters = {k: CounterMetricFamily(f"inference_engine_{k}", doc, labels=el) for k, doc in ENGINE_COUNTERS.items()}
         for worker in selectors.workers(include_gone=True):
             values = [worker.hostname, worker.device]

@@ -61,7 +61,8 @@ def settle_status(*, deployment: Deployment, idle_status: str | None = None, rea
     loading = [r for r in replicas if r.status == Replica.Status.LOADING]
     if ready:
         # One replica per worker: fewer than the minimum placed means no other worker had a slot.
-        short = f"{len(replicas)} of its {deployment.min_replicas} replicas: no other worker has a free slot"
+        short = (f"{len(replicas)} of its {deployment.min_replicas} replicas: each needs a worker of its own, and "
+                 "no other worker has a free slot")
         return set_status(deployment=deployment, status=Status.READY,
                           reason=short if len(replicas) < deployment.min_replicas else "")
     if loading:

@@ -47,7 +47,7 @@ def world():
                                       "requests": len(latencies), "failed": 0, "prompt_tokens": 100,
                                       "completion_tokens": 600, "latencies_ms": latencies, "ttft_ms": [20] * len(latencies),
                                       "steps": 100, "generated_tokens": 250,
-                                      "engine": {"waiting": 2, "running": 1, "kv_blocks_used": 10, "steps": 1000,
+                                      "engine": {"waiting": 2, "running": 1, "kv_blocks_used": 10, "kv_blocks_total": 64, "steps": 1000,
                                                  "kv_capacity_tokens": 40960},
                                   }})
         workers.append(worker)
@@ -152,6 +152,8 @@ def test_prometheus_metrics_with_the_token(client, world, settings):
     assert value("inference_engine_waiting", worker=world["workers"][1].hostname, deployment=name) == 2.0
     assert value("inference_engine_steps", worker=world["workers"][1].hostname, deployment=name) == 1000.0
     assert value("inference_engine_kv_capacity_tokens", worker=world["workers"][1].hostname, deployment=name) == 40960
+    assert value("inference_engine_kv_blocks_capacity", worker=world["workers"][1].hostname, deployment=name) == 64
+    assert not [f for f in families.values() if f.type == "gauge" and f.name.endswith("_total")]
 
 
 def test_prometheus_metrics_for_an_operator_without_a_token(client, world, settings):

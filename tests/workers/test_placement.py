@@ -158,7 +158,8 @@ def test_a_minimum_of_replicas_more_than_the_workers_is_said_not_met(model):
     placement._tick_once(now=None)
     loaded(worker, deployment)
     placement._tick_once(now=None)
-    assert status(deployment) == ("ready", "1 of its 2 replicas: no other worker has a free slot")
+    assert status(deployment) == ("ready", "1 of its 2 replicas: each needs a worker of its own, and no other "
+                                           "worker has a free slot")
     second = register("second")
     placement._tick_once(now=None)
     loaded(second, deployment)
