@@ -266,6 +266,8 @@ def _place_deployment(deployment: Deployment, mine: list[Replica], depth: int, *
             waiting = Status.SCALED_TO_ZERO if deployment.status == Status.SCALED_TO_ZERO else Status.PENDING
             services.settle_status(deployment=deployment, idle_status=waiting,
                                    reason="waiting for a worker with a free slot")
+        elif mine:  # serving: its reason says whether its minimum is met (raised beyond the workers, say)
+            services.settle_status(deployment=deployment)
     elif len(mine) > wanted:
         ready = [r for r in mine if r.status == Replica.Status.READY]
         idle = sorted((r for r in ready if r.in_flight == 0), key=lambda r: r.last_active_at or r.assigned_at)

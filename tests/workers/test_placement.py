@@ -166,6 +166,21 @@ def test_a_minimum_of_replicas_more_than_the_workers_is_said_not_met(model):
     assert status(deployment) == ("ready", "")
 
 
+def test_a_minimum_raised_on_a_ready_deployment_beyond_the_workers_is_said_not_met(model):
+    worker = register("only")
+    deployment = create_deployment(organization=None, model=model, name=f"d-{uuid.uuid4().hex[:6]}",
+                                   kind="dedicated", min_replicas=1, max_replicas=1)
+    placement._tick_once(now=None)
+    loaded(worker, deployment)
+    assert status(deployment) == ("ready", "")
+    update_deployment(deployment=deployment, min_replicas=3, max_replicas=3)
+    placement._tick_once(now=None)
+    assert status(deployment)[0] == "ready" and status(deployment)[1].startswith("1 of its 3 replicas")
+    update_deployment(deployment=deployment, min_replicas=1, max_replicas=1)
+    placement._tick_once(now=None)
+    assert status(deployment) == ("ready", "")
+
+
 def test_dedicated_deployments_keep_min_replicas_spread_over_workers(model):
     workers = [register(label) for label in ("a", "b", "c")]
     deployment = create_deployment(organization=None, model=model, name=f"d-{uuid.uuid4().hex[:6]}",
