@@ -3,6 +3,7 @@ reads only its rows (or the public deployments every organization may call)."""
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta, timezone
@@ -23,6 +24,8 @@ from models_catalog.models import CatalogModel, Deployment
 from models_catalog.selectors import deployments_of, deployments_visible_to
 
 from .models import Invitation
+
+log = logging.getLogger(__name__)
 
 _MONEY_ZERO = Value(Decimal(0), output_field=UsageRecord._meta.get_field("cost"))
 
@@ -414,13 +417,21 @@ def _answering(timeout: float) -> dict[str, dict]:
     return answering
 
 
-def fleet_workers(*, timeout: float = 1.0) -> list[dict]:
+def fleet_workers(*, timeout: float = 1.0) -> tuple[list[dict], str | None]:
     """Every worker the platform knows: those answering Celery's remote control now (what queues
     they consume, their pool, their task counts) merged with the fleet's heartbeats where a worker
     sends them (its device, last heartbeat, the replicas it hosts); a worker whose heartbeats
     stopped shows as gone. Each: name, state, device, deployments served, other queues, pid,
-    concurrency, tasks processed, uptime, last heartbeat, KV cache capacity in tokens."""
-    answering = _answering(timeout)
+    concurrency, tasks processed, uptime, last heartbeat, KV cache capacity in tokens. And why
+    no worker could be asked, if the broker failed (the heartbeats, in the database, still show)."""
+    from kombu.exceptions import OperationalError
+    from redis.exceptions import RedisError
+
+    try:
+        answering, broker_error = _answering(timeout), None
+    except (OperationalError, RedisError, OSError) as exc:  # a restarted or frozen Redis
+        log.warning("could not ask the workers through the broker: %s", exc)
+        answering, broker_error = {}, f"{type(exc).__name__}: {exc}"
     beats = _heartbeats()
     workers = []
     for name in sorted(set(answering) | set(beats)):
@@ -444,7 +455,7 @@ def fleet_workers(*, timeout: float = 1.0) -> list[dict]:
             "slots": beat["slots"] if beat else None,
             "kv_capacity_tokens": beat["kv_capacity_tokens"] if beat else None,
         })
-    return workers
+    return workers, broker_error
 
 
 def importable_weights(*, root: Path, limit: int = 50) -> list[str]:

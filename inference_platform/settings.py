@@ -137,7 +137,12 @@ CELERY_TASK_DEFAULT_QUEUE = "default"
 CELERY_DB_REUSE_MAX = 1_000_000
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # A redelivered (unacknowledged) task comes back after this long; keep it above the longest request.
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 3600, minimum=5)}
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 3600, minimum=5),
+    # A Redis that froze (or vanished without closing its connections) fails a publish or an
+    # inspect after this long instead of hanging it forever; consumers' BRPOPs wait 1 s at a time.
+    "socket_timeout": 10, "socket_connect_timeout": 5,
+}
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},

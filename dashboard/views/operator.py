@@ -29,7 +29,8 @@ def fleet(request):
 @require_GET
 def fleet_workers(request):
     """The workers table alone (htmx loads it after the page, then refreshes it)."""
-    return render(request, "operator/_workers.html", {"workers": selectors.fleet_workers(timeout=1.0)})
+    workers, broker_error = selectors.fleet_workers(timeout=1.0)
+    return render(request, "operator/_workers.html", {"workers": workers, "broker_error": broker_error})
 
 
 @staff_required

@@ -44,6 +44,32 @@ def test_the_workers_fragment_shows_each_workers_device_and_kv_capacity(client, 
     assert "NVIDIA H100 (80 GiB)" in row and "49,152 tokens" in row
 
 
+def test_the_workers_fragment_survives_a_broker_that_fails_and_shows_the_heartbeats(client, acme, monkeypatch):
+    """A connection that died with a restarted Redis (or a frozen one, after its socket timeout)
+    is a notice above the heartbeats, not a 500 every ten seconds."""
+    from django.utils import timezone
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from dashboard import selectors
+    from workers.models import Worker
+
+    def broken_pipe(timeout):
+        raise RedisConnectionError("Error 32 while writing to socket. Broken pipe.")
+
+    monkeypatch.setattr(selectors, "_answering", broken_pipe)
+    user, _ = acme
+    user.is_staff = True
+    user.save()
+    now = timezone.now()
+    Worker.objects.create(hostname="gpu1@rack1", instance="i9", device_kind="cuda", device_name="NVIDIA H100",
+                          started_at=now, last_heartbeat=now)
+    client.force_login(user)
+    response = client.get("/operator/fleet/_workers/")
+    page = response.content.decode()
+    assert response.status_code == 200 and 'id="broker-error"' in page and "Broken pipe" in page
+    assert 'data-worker="gpu1@rack1"' in page
+
+
 def test_the_workers_fragment_shows_what_each_serves_and_its_heartbeat(client, acme, catalog):
     """A worker's replicas (loading ones marked) and how long ago it beat; a silent one, gone."""
     from datetime import timedelta
