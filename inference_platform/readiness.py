@@ -47,6 +47,22 @@ def check_workers(broker_url: str, *, timeout: float = 1.0) -> dict:
     return {"ok": True, "workers": workers}
 
 
+def check_inference_workers() -> dict:
+    """The workers sending the fleet's heartbeats (inference workers; a billing worker answers a
+    ping but serves no model)."""
+    from django.db import DatabaseError
+
+    from workers.selectors import workers
+
+    try:
+        alive = sorted(w.hostname for w in workers(include_gone=False))
+    except DatabaseError as exc:
+        return {"ok": False, "error": one_line(exc)}
+    if not alive:
+        return {"ok": False, "workers": [], "error": "no inference worker sends heartbeats: requests get a 503"}
+    return {"ok": True, "workers": alive}
+
+
 def one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")

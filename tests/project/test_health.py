@@ -72,3 +72,21 @@ def test_database_check_reports_a_closed_port_with_a_real_driver_error():
     result = check_database(handler["default"])
     assert result["ok"] is False
     assert "OperationalError" in result["error"]
+
+
+def test_readyz_says_whether_an_inference_worker_is_alive_without_failing_on_none(client, celery_worker):
+    """A billing worker answers the ping; only the fleet's heartbeats say a model can be served."""
+    from django.utils import timezone
+
+    from workers.models import Worker
+
+    Worker.objects.all().delete()
+    body = client.get("/readyz").json()
+    assert body["down"] == [] and body["inference"]["ok"] is False and "503" in body["inference"]["error"]
+    now = timezone.now()
+    Worker.objects.create(hostname="gpu0@rack1", instance="i1", device_kind="cuda", started_at=now,
+                          last_heartbeat=now)
+    Worker.objects.create(hostname="gpu1@rack1", instance="i2", device_kind="cuda", started_at=now,
+                          last_heartbeat=now, status=Worker.Status.GONE)
+    body = client.get("/readyz").json()
+    assert body["inference"] == {"ok": True, "workers": ["gpu0@rack1"]}
