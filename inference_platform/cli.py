@@ -53,7 +53,9 @@ def setup_django():
     from django.conf import settings
 
     try:
-        settings.DATA_DIR.mkdir(parents=True, exist_ok=True)
+        # Its own user's only: it holds the SQLite database (password hashes, sessions, stored
+        # responses), the logs and the operator's key. A folder given that exists keeps its mode.
+        settings.DATA_DIR.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError as exc:
         raise Abort(f"cannot create the data folder {settings.DATA_DIR}: {exc.strerror} (set DATA_DIR to a "
                     "writable folder)") from None

@@ -113,7 +113,7 @@ def start_embedded_redis(socket_path: Path, *, data_dir: Path, deadline_s: float
         return None
     if len(str(socket_path)) > 100:
         raise StartError(f"the Redis socket path is too long for a unix socket: {socket_path} (set DATA_DIR shorter)")
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     socket_path.unlink(missing_ok=True)
     proc = spawn(
         [

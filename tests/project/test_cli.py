@@ -378,6 +378,12 @@ def test_a_data_folder_that_cannot_be_created_is_one_line(tmp_path):
     assert "cannot create the data folder" in result.stderr and "DATA_DIR" in result.stderr
 
 
+def test_a_new_data_folder_is_its_users_only(tmp_path):
+    """It will hold the SQLite database (password hashes, sessions), the logs and the keys."""
+    run_cli("createkey", env_overrides={"DATA_DIR": str(tmp_path / "fresh")})
+    assert (tmp_path / "fresh").stat().st_mode & 0o777 == 0o700
+
+
 def test_up_names_the_part_that_stopped():
     from inference_platform.processes import describe, spawn
 
