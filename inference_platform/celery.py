@@ -4,6 +4,7 @@ workers serving it consume."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -50,6 +51,24 @@ def _recycle_connections(task=None, **_) -> None:
             _keepers.add(me)
             return
     connections.close_all()
+
+
+class QuietRoutineTasks(logging.Filter):
+    """Leaves out the "received" and "succeeded" lines of the placement loop's tick, which runs
+    every couple of seconds on every worker of the default queue (tens of thousands of lines a
+    day each); its warnings and failures still show, as every other task's lines do."""
+
+    ROUTINE = ("workers.fleet_tick[",)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING:
+            return True
+        message = record.getMessage()
+        return not any(name in message for name in self.ROUTINE)
+
+
+for _name in ("celery.app.trace", "celery.worker.strategy"):  # where Celery writes those lines
+    logging.getLogger(_name).addFilter(QuietRoutineTasks())
 
 
 DEPLOYMENT_QUEUE_PREFIX = "deployment."
