@@ -40,6 +40,10 @@ CHAT_NO_OPS = {
     "store": (False,),
     "service_tier": ("auto", "default"),
     "modalities": (["text"],),
+    "verbosity": ("medium",),  # the default
+    "reasoning_effort": ("none",),  # the models here do not reason
+    "audio": (),  # null only, as any of these
+    "prediction": (),
 }
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "metadata",
                                "response_format", "tools", "tool_choice", "parallel_tool_calls"} | set(CHAT_NO_OPS)
@@ -387,9 +391,10 @@ def _no_ops(body: dict) -> None:
     for name, accepted in CHAT_NO_OPS.items():
         value = body.get(name)
         if value is not None and not any(value == ok and type(value) is type(ok) for ok in accepted):
-            shown = " or ".join(json.dumps(ok) for ok in accepted)
+            shown = "".join(f" or send {json.dumps(ok)}" for ok in accepted[:1]) + \
+                "".join(f" or {json.dumps(ok)}" for ok in accepted[1:])
             raise invalid(name, f"{name}={json.dumps(value)[:200]} is not supported by this platform; "
-                                f"leave it out or send {shown}", code="unsupported_value")
+                                f"leave it out{shown}", code="unsupported_value")
     metadata = body.get("metadata")
     if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):

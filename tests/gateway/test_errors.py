@@ -288,6 +288,7 @@ def test_openais_parameters_that_ask_for_nothing_are_accepted():
     request = parse_chat(chat(response_format={"type": "text"}, tools=[], tool_choice="none", parallel_tool_calls=False,
                               store=False, metadata={"team": "search"}, service_tier="auto", modalities=["text"],
                               prompt_cache_key="conversation-42", safety_identifier="user-hash",
+                              verbosity="medium", reasoning_effort="none", audio=None, prediction=None,
                               stream=True, stream_options={"include_usage": True, "include_obfuscation": False}))
     assert request.messages == [{"role": "user", "content": "Hi"}] and request.include_usage
     # Tools the model may not call: their definitions change nothing.
@@ -304,6 +305,11 @@ def test_an_unsupported_value_says_so_and_what_is_accepted(client, seeded, org_k
     response = post(client, CHAT, chat(service_tier="flex"), key=plaintext)
     error = response.json()["error"]
     assert error["code"] == "unsupported_value" and '"auto" or "default"' in error["message"], error
+    error = post(client, CHAT, chat(reasoning_effort="low"), key=plaintext).json()["error"]
+    assert (error["code"], error["param"]) == ("unsupported_value", "reasoning_effort")
+    assert error["message"].endswith('leave it out or send "none"'), error
+    error = post(client, CHAT, chat(audio={"voice": "alloy", "format": "mp3"}), key=plaintext).json()["error"]
+    assert error["code"] == "unsupported_value" and error["message"].endswith("leave it out"), error
     response = post(client, COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "x", "suffix": "y"}, key=plaintext)
     assert response.json()["error"]["code"] == "unsupported_value"
 
