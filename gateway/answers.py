@@ -33,6 +33,8 @@ class TextAnswer:
 
     def feed(self, event: dict) -> list[dict]:
         text, logprobs = echoed(event, self._prompt)
+        if not text and not logprobs:  # the stop token or EOS that ended it: nothing to show
+            return []
         chunk = formatting.chunk(self._ctx, index=self._index, text=text, logprobs=logprobs,
                                  text_offset=self._offset, include_usage=self._include_usage)
         self._offset += len(text)
@@ -55,13 +57,21 @@ async def stream_chunks(call, ctx: formatting.Context, include_usage: bool):
     opening = None if tools.calls_only(sampling) else ""
     for index in range(count):
         yield formatting.chunk(ctx, index=index, text=opening, first=True, include_usage=include_usage)
+    ended: set[int] = set()
     async for event in call.events():
         if event["type"] == "inference.delta":
-            for chunk in answers[event.get("index", 0)].feed(event):
+            index = event.get("index", 0)
+            for chunk in answers[index].feed(event):
                 yield chunk
+            # An answer that ended well says so at once, not when the last of its siblings ends
+            # (one aborted or failed ends the request: its end waits for the request's).
+            if event.get("finish_reason") in formatting.GOOD_ENDS:
+                ended.add(index)
+                for chunk in answers[index].end(formatting.openai_finish_reason(event["finish_reason"])):
+                    yield chunk
         elif event["type"] == "inference.finished":
             for index, reason in formatting.choice_ends(event):
-                for chunk in answers[index].end(reason):
+                for chunk in answers[index].end(reason) if index not in ended else ():
                     yield chunk
             if include_usage:
                 yield formatting.usage_chunk(ctx, event["usage"])

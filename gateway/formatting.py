@@ -162,6 +162,9 @@ def choice_ends(event: dict) -> list[tuple[int, str]]:
     return [(end["index"], openai_finish_reason(end["finish_reason"])) for end in ends]
 
 
+GOOD_ENDS = ("stop", "length")  # the engine's reasons of an answer that ended as asked
+
+
 def openai_finish_reason(reason: str) -> str:
     """The engine's reasons mapped onto OpenAI's vocabulary."""
-    return {"stop": "stop", "length": "length"}.get(reason, "stop")
+    return reason if reason in GOOD_ENDS else "stop"

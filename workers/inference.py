@@ -174,6 +174,8 @@ class _Delta:
         tokenizer, sampling = self.tokenizer, self.sampling
         delta = {"type": "inference.delta", "index": self.index, "text": out.text, "token_ids": out.token_ids,
                  "logprobs": _logprobs(tokenizer, out.logprobs, sampling)}
+        if out.finished:  # this answer's end, before its siblings' (the request's end waits for all)
+            delta["finish_reason"] = out.finish_reason
         if getattr(out, "embedding", None) is not None:
             delta["embedding"] = _embedding(out.embedding, sampling.get("dimensions"))
         if self.echoing:

@@ -77,6 +77,21 @@ def test_a_stream_carries_each_answer_under_its_index(kind):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
 
 
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_an_answer_that_ends_first_says_so_at_once_without_an_empty_chunk(kind):
+    """As OpenAI streams ``n`` answers: each one's end when it ends, not when the last ends; the
+    stop token that ended it shows nothing. An aborted one's end waits for the request's."""
+    events = [EVENTS[0], delta(0, "Red"), {**delta(0, ""), "finish_reason": "stop"}, delta(1, "Blue"),
+              {**delta(1, " sky"), "finish_reason": "length"}, finished("stop", "length")]
+    chunks = run(kind, events, stream=True)[:-1]
+    shown = [(c["choices"][0]["index"], c["choices"][0]["finish_reason"],
+              c["choices"][0]["delta"].get("content") if kind == "chat" else c["choices"][0]["text"])
+             for c in chunks]
+    end = None if kind == "chat" else ""
+    assert shown == [(0, None, ""), (1, None, "")] + [(0, None, "Red"), (0, "stop", end), (1, None, "Blue"), (1, None, " sky"),
+                             (1, "length", end)]
+
+
 def test_each_answer_reads_its_own_tool_calls():
     sampling = {"tools": [{"name": "f", "parameters": {"type": "object"}}], "tool_choice": "auto"}
     events = [EVENTS[0], delta(0, CALL[:20]), delta(1, "I cannot."), delta(0, CALL[20:]), finished("stop", "stop")]
