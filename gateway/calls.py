@@ -33,6 +33,7 @@ from inference_platform import read_cache
 from workers import capacity, dispatch
 
 from . import admission, ratelimit
+from . import pulse as gateway_pulse
 from .errors import ApiError
 from .protocol import InferenceRequest
 from .timing import Stages
@@ -252,6 +253,7 @@ class Call:
     billing_id: str | None = None  # what billing records it under (None: ``request_id``)
     waiting: bool = True  # among its deployment's waiting requests (``ratelimit.leave_queue``)
     endpoint: str = ""  # the API it came through, for usage reports
+    pulse: str | None = None  # this process's pulse key (``gateway.pulse``); None: a batch runner's
 
     def payload(self) -> dict:
         """The task's argument: what the worker runs, and where to send the events."""
@@ -272,6 +274,8 @@ class Call:
             # A client that does not stream sees nothing until the end: a copy redelivered after
             # its worker died may then run again from the start (``inference.restarted``).
             "stream": self.request.stream,
+            # Its worker cancels it if this process dies (a batch runner's line is run again).
+            "gateway_pulse": self.pulse,
         }
 
     async def _receive(self, timeout: float) -> dict:
@@ -436,7 +440,7 @@ def new_request_id(kind: str) -> str:
 
 
 def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], endpoint: str, request_id: str,
-          reply_channel: str, stages: Stages, batch: BatchLine | None) -> Call:
+          reply_channel: str, stages: Stages, batch: BatchLine | None, pulse: str | None = None) -> Call:
     """Admit and dispatch, blocking (one trip to a thread). Refusals come in the order clients see
     them: the key and the body (``identify``), the model (404; 503 when it is stopped), a max_tokens beyond its context, credit and spend limits (429
     insufficient_quota), a full deployment queue (429 queue_full), then rate limits (429), which
@@ -453,7 +457,7 @@ def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], endpoint: str
     stages.mark("admit")
     call = Call(caller=caller, request=request, spec=spec, request_id=request_id, reply_channel=reply_channel,
                 headers={**decision.headers, "x-request-id": request_id}, stages=stages, prices=prices,
-                endpoint=endpoint)
+                endpoint=endpoint, pulse=pulse)
     if batch is not None:
         call.prices, call.billing_id = _scaled(prices, batch.price_factor), batch.billing_id
         call.tokens_counted = True  # outside the caller's limits
@@ -489,7 +493,8 @@ async def _begin(kind: str, identify: Callable[[], tuple[Caller, InferenceReques
     try:
         try:
             endpoint = BATCH_ENDPOINT if batch is not None else endpoint or ENDPOINTS[kind]
-            call = await admission.run(_open, identify, endpoint, request_id, reply_channel, stages, batch)
+            pulse = None if batch is not None else await gateway_pulse.keep(reply_channel)
+            call = await admission.run(_open, identify, endpoint, request_id, reply_channel, stages, batch, pulse)
         except REDIS_FAILURES as exc:
             raise unavailable(exc) from None
         except (DatabaseOperationalError, DatabaseInterfaceError) as exc:

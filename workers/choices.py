@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import Callable
 
 # The request's end, in order of precedence: one failed answer fails the request (billed as
 # failed, for what it produced), and one aborted answer makes it aborted.
@@ -67,15 +68,19 @@ class Choices:
         for stream in self.streams:
             stream.open()
 
-    def wait(self, stall_timeout: float, *, report_every: float = 10.0) -> list:
+    def wait(self, stall_timeout: float, *, report_every: float = 5.0,
+             abandoned: Callable[[], bool] | None = None) -> list:
         """Every answer's final output; ``TimeoutError`` once no answer made progress for
         ``stall_timeout`` s (one queued in the engine behind its siblings has not stalled).
         A prompt computed chunk by chunk is progress too, though nothing comes out: checked
-        every ``report_every`` s, and then reported to the gateway (its own stall timer)."""
+        every ``report_every`` s, and then reported to the gateway (its own stall timer). So is
+        ``abandoned()`` (its gateway died): then the answers are aborted, as for a cancel."""
         computed, moved = self._computed_tokens(), time.monotonic()
 
         def progressed() -> float:
             nonlocal computed, moved
+            if abandoned is not None and not self.ended and abandoned():
+                self.abort()
             output = max(stream.progressed for stream in self.streams)
             now = time.monotonic()
             if (tokens := self._computed_tokens()) != computed:

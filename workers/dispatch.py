@@ -104,6 +104,19 @@ def waiting_key(name: str) -> str:
     return f"queue:waiting:{name}"
 
 
+# A gateway process's pulse (``gateway.pulse``): the workers running its requests check it
+# (``workers.pulse``), and cancel them once it has been gone a while: a gateway that died took its
+# clients' connections along, and its requests would run to their end for nobody, billed whole.
+PULSE_EVERY_S = 3.0
+PULSE_TTL_S = 9
+
+
+def pulse_key(reply_channel: str) -> str:
+    """The pulse of the gateway process a reply channel belongs to (its name up to the "!" is
+    the process's, ``channels_redis``'s ``new_channel``)."""
+    return f"gateway:pulse:{reply_channel.split('!', 1)[0]}"
+
+
 def longest_wait() -> float:
     """Seconds a gateway may wait for a request's first token: for a worker (a cold start's
     wait, then busy replicas), for the model's load, then for the token. A waiting request

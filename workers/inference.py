@@ -30,6 +30,7 @@ from channels.exceptions import ChannelFull
 
 from . import choices
 from .cancellation import MARK_TTL_S
+from .pulse import GatewayPulse
 from .relay import Superseded
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,11 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
         _send_or_abort(send, reply, {"type": "inference.started", "prompt_tokens": answers.prompt_tokens,
                                      "worker": worker_name}, answers)
         answers.open()
-        outputs = answers.wait(STALL_TIMEOUT_S, report_every=progress_report_s())
+        pulse = GatewayPulse(payload["gateway_pulse"]) if payload.get("gateway_pulse") else None
+        outputs = answers.wait(STALL_TIMEOUT_S, report_every=progress_report_s(),
+                               abandoned=pulse.gone if pulse is not None else None)
+        if pulse is not None and pulse.abandoned:
+            log.info("request %s: its gateway is gone; cancelled", request_id)
         finished = {"type": "inference.finished", "finish_reason": choices.finish_reason(outputs),
                     "error": choices.error(outputs), "usage": choices.usage(outputs, n=n),
                     "timings": _timings_ms(choices.timings(outputs), before_engine),
@@ -150,7 +155,7 @@ def progress_report_s() -> float:
     gateway's stall timer (GATEWAY_STALL_TIMEOUT) hears of it a few times before it fires."""
     from django.conf import settings
 
-    return min(10.0, settings.GATEWAY_STALL_TIMEOUT / 4)
+    return min(5.0, settings.GATEWAY_STALL_TIMEOUT / 4)
 
 
 def _prompts(payload: dict) -> list | None:

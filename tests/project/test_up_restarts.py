@@ -68,6 +68,50 @@ def test_a_killed_inference_worker_is_restarted_and_its_open_stream_ends_with_wo
         proc.wait(timeout=90)
 
 
+def test_a_request_whose_web_server_died_is_cancelled_not_run_to_its_end(tmp_path):
+    """Its client's connection died with the server: the worker notices the gateway's pulse is
+    gone, and bills what it produced, as a cancel, not the whole answer for nobody."""
+    proc, port, log = start_up(tmp_path)
+    try:
+        up = psutil.Process(proc.pid)
+        key = (tmp_path / "api-key.txt").read_text().strip()
+        body = {"model": "smollm2-135m-instruct", "stream": True, "max_tokens": 4000,
+                "messages": [{"role": "user", "content": "Tell me a long story."}],
+                "logit_bias": {"0": -100, "2": -100}}
+        received = 0
+        try:
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120,
+                              headers={"Authorization": f"Bearer {key}"}) as response:
+                request_id = response.headers["x-request-id"]
+                for line in response.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    received += 1
+                    if received == 3:  # the answer is reaching its client
+                        part(up, "uvicorn").kill()
+        except httpx.TransportError:
+            pass  # the connection died with the server
+        worker_log = tmp_path / "logs" / "worker.log"
+        wait_until(lambda: f"request {request_id}: its gateway is gone; cancelled" in worker_log.read_text(),
+                   timeout=120, message="the worker to cancel the request")
+        answer = wait_until(lambda: _answered(port, key), timeout=120, message="the restarted web server's answer")
+        assert answer.status_code == 200
+
+        def record():
+            csv = httpx.get(f"http://127.0.0.1:{port}/v1/usage/export.csv", timeout=30,
+                            headers={"Authorization": f"Bearer {key}"}).text
+            return next((line for line in csv.splitlines() if request_id in line), None)
+
+        line = wait_until(record, timeout=60, message="the request's usage record")
+        header = httpx.get(f"http://127.0.0.1:{port}/v1/usage/export.csv", timeout=30,
+                           headers={"Authorization": f"Bearer {key}"}).text.splitlines()[0].split(",")
+        fields = dict(zip(header, line.split(",")))
+        assert fields["status"] == "cancelled" and 1 <= int(fields["completion_tokens"]) < 4000, fields
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=90)
+
+
 def test_a_web_server_killed_outright_takes_its_worker_processes_along_and_is_restarted(tmp_path):
     proc, port, log = start_up(tmp_path, "--web-workers", "2")
     try:
