@@ -32,6 +32,7 @@ from .models import (
     UsageRecord,
 )
 from .pricing import COST_QUANTUM
+from .stripe_api import card_topups_enabled
 
 ZERO = Decimal(0).quantize(COST_QUANTUM)
 _MONEY_ZERO = Value(Decimal(0), output_field=UsageRecord._meta.get_field("cost"))
@@ -167,6 +168,28 @@ def quota_figures(*, organization: Organization, api_key: ApiKey | None = None,
 
 
 # --- the ledger -----------------------------------------------------------------------------------
+
+
+def quota_refusal(*, organization: Organization, api_key: ApiKey | None = None) -> str | None:
+    """Why a new request is refused, if it is: the organization's balance is zero or below, its
+    monthly spend limit is reached, or the key's amount or token limit is. The figures are the
+    running totals, current to the last committed charge, read in one query (``billing.totals``)."""
+    figures = quota_figures(organization=organization, api_key=api_key)
+    if figures.balance <= 0:
+        remedy = ("Top up your credits on the dashboard's billing page to continue." if card_topups_enabled() else
+                  "Card top-ups are not set up on this platform: ask its operator to credit your organization.")
+        return f"You exceeded your current quota: your credit balance is {figures.balance} USD. {remedy}"
+    if figures.monthly_limit is not None and figures.monthly_spend >= figures.monthly_limit:
+        return (f"You reached your organization's monthly spend limit ({figures.monthly_limit} USD; spent "
+                f"{figures.monthly_spend} USD this month). An owner or admin can raise or remove it on the billing "
+                "page or with PUT /v1/billing/limits.")
+    spend = figures.key_spend
+    if spend is not None:
+        if figures.key_amount_limit is not None and spend.cost >= figures.key_amount_limit:
+            return f"This API key reached its spend limit ({figures.key_amount_limit} USD; spent {spend.cost} USD)."
+        if figures.key_token_limit is not None and spend.tokens >= figures.key_token_limit:
+            return f"This API key reached its token limit ({figures.key_token_limit} tokens; used {spend.tokens})."
+    return None
 
 
 def ledger_page(*, organization: Organization, limit: int, after: int | None = None,

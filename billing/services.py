@@ -42,7 +42,7 @@ from .events import parse_usage_event
 from .models import (LIMIT_MAX, ApiKeySpendLimit, BillingAccount, LedgerEntry, RefusedUsageEvent, SpendLimit,
                      StripeEvent, TopUp, UsageRecord)
 from .pricing import COST_QUANTUM, Prices, charge, exact_cost, is_billed
-from .stripe_api import card_topups_enabled, stripe_client
+from .stripe_api import stripe_client
 
 logger = logging.getLogger(__name__)
 
@@ -440,31 +440,11 @@ def set_api_key_spend_limit(*, api_key: ApiKey, amount_limit: Decimal | None = N
 
 
 def check_quota(*, organization: Organization, api_key: ApiKey | None = None) -> None:
-    """Refuse a new request (QuotaExceeded, code ``insufficient_quota``) when the organization's
-    balance is zero or below, its monthly spend limit is reached, or the key's amount or token limit
-    is reached. The figures are the running totals, current to the last committed charge, read
-    in one query (``billing.totals``)."""
-    figures = selectors.quota_figures(organization=organization, api_key=api_key)
-    if figures.balance <= 0:
-        remedy = ("Top up your credits on the dashboard's billing page to continue." if card_topups_enabled() else
-                  "Card top-ups are not set up on this platform: ask its operator to credit your organization.")
-        raise QuotaExceeded(f"You exceeded your current quota: your credit balance is {figures.balance} USD. {remedy}")
-    if figures.monthly_limit is not None and figures.monthly_spend >= figures.monthly_limit:
-        raise QuotaExceeded(
-            f"You reached your organization's monthly spend limit ({figures.monthly_limit} USD; spent "
-            f"{figures.monthly_spend} USD this month). An owner or admin can raise or remove it on the billing "
-            "page or with PUT /v1/billing/limits."
-        )
-    spend = figures.key_spend
-    if spend is not None:
-        if figures.key_amount_limit is not None and spend.cost >= figures.key_amount_limit:
-            raise QuotaExceeded(
-                f"This API key reached its spend limit ({figures.key_amount_limit} USD; spent {spend.cost} USD)."
-            )
-        if figures.key_token_limit is not None and spend.tokens >= figures.key_token_limit:
-            raise QuotaExceeded(
-                f"This API key reached its token limit ({figures.key_token_limit} tokens; used {spend.tokens})."
-            )
+    """Refuse a new request (QuotaExceeded, code ``insufficient_quota``) for the reason
+    ``selectors.quota_refusal`` gives, if any."""
+    refusal = selectors.quota_refusal(organization=organization, api_key=api_key)
+    if refusal is not None:
+        raise QuotaExceeded(refusal)
 
 
 # --- Stripe top-ups ---------------------------------------------------------------------------------

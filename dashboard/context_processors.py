@@ -7,6 +7,7 @@ from collections import Counter
 from django.conf import settings
 
 from accounts.models import MANAGER_ROLES
+from billing.selectors import quota_refusal
 
 from .organizations import current_organization
 from .selectors import memberships_of
@@ -32,6 +33,8 @@ def dashboard(request) -> dict:
         "current_name_is_shared": organization is not None and names[_name_key(organization.name)] > 1,
         "can_manage_members": role in MANAGER_ROLES,
         "nav_section": _section(match.url_name if match else ""),
+        # Said on every page: the API and the playground refuse requests until it is resolved.
+        "quota_refusal": quota_refusal(organization=organization) if organization is not None else None,
     }
 
 
