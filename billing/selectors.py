@@ -368,9 +368,11 @@ EXPORT_COLUMNS = (
     "request_id", "created_at", "model", "deployment", "api_key_id", "status",
     "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "queue_ms", "ttft_ms", "latency_ms",
     "price_input_per_mtok", "price_cached_input_per_mtok", "price_output_per_mtok", "price_per_request", "cost",
-    "endpoint",  # last: a column added after the others, so that readers by position still work
+    # Columns added after the others go last, so that readers by position still work.
+    "endpoint", "api_key_name",
 )
-_EXPORT_FIELDS = tuple("deployment_name" if column == "deployment" else column for column in EXPORT_COLUMNS)
+_EXPORT_SOURCES = {"deployment": "deployment_name", "api_key_name": "api_key__name"}
+_EXPORT_FIELDS = tuple(_EXPORT_SOURCES.get(column, column) for column in EXPORT_COLUMNS)
 
 
 def usage_export_rows(*, organization: Organization, start: date, end: date, chunk_size: int = 2000) -> Iterator[tuple]:

@@ -170,6 +170,7 @@ def _assert_round_trip(rows: list[dict], organization) -> None:
         assert int(row["cached_prompt_tokens"]) == record.cached_prompt_tokens
         assert row["deployment"] == record.deployment_name and row["model"] == record.model
         assert row["api_key_id"] == (str(record.api_key_id) if record.api_key_id else "")
+        assert row["api_key_name"] == (record.api_key.name if record.api_key_id else "")
     assert sum(Decimal(row["cost"]) for row in rows) == sum(r.cost for r in records.values())
 
 
