@@ -98,7 +98,8 @@
       return;
     }
     if (toMicros(value) < toMicros(amount.min) || toMicros(value) > toMicros(amount.max)) {
-      say(`Choose an amount between $${amount.min} and $${amount.max}.`, "error");
+      const dollars = (text) => Number(text).toLocaleString("en-US", { style: "currency", currency: "USD" });
+      say(`Choose an amount between ${dollars(amount.min)} and ${dollars(amount.max)}.`, "error");
       return;
     }
     busy(true, "Processing…");
