@@ -52,10 +52,10 @@ def check_inference_workers() -> dict:
     ping but serves no model)."""
     from django.db import DatabaseError
 
-    from workers.selectors import workers
+    from workers.models import Worker
 
     try:
-        alive = sorted(w.hostname for w in workers(include_gone=False))
+        alive = sorted(Worker.objects.filter(status=Worker.Status.ALIVE).values_list("hostname", flat=True))
     except DatabaseError as exc:
         return {"ok": False, "error": one_line(exc)}
     if not alive:

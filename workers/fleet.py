@@ -113,6 +113,13 @@ def waiting_counts(names) -> dict[str, int]:
     return dict(zip(names, (int(count) for count in pipe.execute())))
 
 
+def awaited_depth(*, queued: int, engine_waiting: int, awaited: int) -> int:
+    """A deployment's waiting requests: what waits on its queue and in its engines, but no more
+    than the requests someone still waits for (``waiting_counts``): a queue keeps the messages of
+    requests given up on until a worker skips them, and they must not load a model for nobody."""
+    return min(queued + engine_waiting, awaited)
+
+
 # ------------------------------------------------------------------------------ remote control
 
 

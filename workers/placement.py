@@ -83,11 +83,9 @@ def _tick_once(*, now: datetime | None) -> TickReport:
     for worker in workers.values():
         for name, hosted in (worker.engine_stats or {}).items():
             engine_waiting[name] += int((hosted.get("engine") or {}).get("waiting") or 0)
-    # Demand: what waits on the queue and in the engines, but no more than the requests someone
-    # still waits for (a queue keeps the messages of those given up on until a worker skips them:
-    # they must not load a model for nobody).
     awaited = fleet.waiting_counts(live_names)
-    demand = {name: min(depths.get(name, 0) + engine_waiting.get(name, 0), awaited.get(name, 0))
+    demand = {name: fleet.awaited_depth(queued=depths.get(name, 0), engine_waiting=engine_waiting.get(name, 0),
+                                        awaited=awaited.get(name, 0))
               for name in live_names}
 
     # Replicas whose deployment was deleted: tell waiting clients, stop consuming, unload when done.

@@ -179,12 +179,12 @@ def _queue_depths(names: list[str]) -> dict[str, tuple[int, int]]:
 
 
 def _queue_depth(depths: dict[str, tuple[int, int]], name: str, *, engine_waiting: int) -> int | None:
-    """What waits on the queue and in the engines, but no more than the requests someone waits
-    for: a queue keeps the messages of requests given up on until a worker skips them."""
     if depths is UNKNOWN_DEPTHS:
         return None
+    from . import fleet
+
     messages, awaited = depths.get(name, (0, 0))
-    return min(messages + engine_waiting, awaited)
+    return fleet.awaited_depth(queued=messages, engine_waiting=engine_waiting, awaited=awaited)
 
 
 def events(*, deployment: Deployment | None = None, kinds: list[str] | None = None, limit: int = 50) -> list[FleetEvent]:
