@@ -283,7 +283,7 @@ class Call:
             async with asyncio.timeout(timeout):  # not wait_for: no task per token
                 event = await get_channel_layer().receive(self.reply_channel)
         except REDIS_FAILURES as exc:  # the layer already tried a fresh connection: Redis is down
-            await self.cancel()  # if Redis takes it: the worker must not generate (and bill) for nobody
+            await self.cancel(void=True)  # the worker must not generate (and bill) for nobody
             raise unavailable(exc) from None
         if self.waiting and event["type"] in NO_LONGER_WAITING:
             await self._leave_queue()
@@ -308,7 +308,7 @@ class Call:
             try:
                 event = await self._receive(settings.GATEWAY_START_TIMEOUT)
             except asyncio.TimeoutError:
-                await self.cancel()
+                await self.cancel(void=True)
                 raise ApiError(504, "The model did not start the request in time.", code="timeout") from None
         if event["type"] == "inference.error":
             self.done = True
@@ -323,7 +323,7 @@ class Call:
             try:
                 event = await self._receive(settings.GATEWAY_STALL_TIMEOUT)
             except asyncio.TimeoutError:
-                await self.cancel()
+                await self.cancel(void=True)
                 stalled = f"no progress for {settings.GATEWAY_STALL_TIMEOUT:g} s"
                 raise ApiError(504, f"The model stopped producing tokens ({stalled}).", code="timeout") from None
             if event["type"] == "inference.progress":  # a long prompt, computed chunk by chunk: not stalled
@@ -363,16 +363,16 @@ class Call:
                 pass
             now = loop.time()
             if deadline is not None and now >= deadline:
-                await self.cancel()
+                await self.cancel(void=True)
                 raise ApiError(503, f"'{name}' is busy: this request waited too long for a replica; try again "
                                     "shortly.", code="model_overloaded", expected=True) from None
             try:
                 served = await dispatch.served(ratelimit.client(), name)
             except REDIS_FAILURES as exc:
-                await self.cancel()
+                await self.cancel(void=True)
                 raise unavailable(exc) from None
             if not served:
-                await self.cancel()
+                await self.cancel(void=True)
                 why = await self._status_reason() or "none is running it right now"
                 raise ApiError(503, f"No worker took this request for '{name}': {why}; try again shortly.",
                                code="model_unavailable") from None
@@ -392,15 +392,17 @@ class Call:
             log.warning("could not read why %s has no worker: %s", self.spec["name"], exc)
             return ""
 
-    async def cancel(self) -> None:
-        """Abort the request wherever it is (queued or running); the worker bills what it produced."""
+    async def cancel(self, *, void: bool = False) -> None:
+        """Abort the request wherever it is (queued or running). The client's cancel bills what the
+        worker produced; a ``void`` one is the gateway giving up (a timeout, Redis failing) with an
+        error the client may retry, so a client that does not stream pays nothing for it. A cancel
+        Redis refuses is tried again in the background until it goes through or no longer matters."""
         if self.waiting:
             await self._leave_queue()
         if not self.done and not self.cancelled:
             self.cancelled = True  # before the publish: the abort it causes may come back first
-            if not await _send_cancel(self.request_id):
-                self.cancelled = False  # a later call may try again
-                return
+            if not await _send_cancel(self.request_id, void=void):
+                _cancel_later(self.request_id, void=void)
             # A client that leaves before the end still spent what it got: leaving just before the
             # last token must not dodge the token limits. (One that cancels and reads on is
             # counted here too, a few tokens short.)
@@ -417,16 +419,38 @@ class Call:
             log.warning("tokens of %s not counted against rate limits: %s", self.request_id, exc)
 
 
-async def _send_cancel(request_id: str) -> bool:
-    """Abort ``request_id`` wherever it is; False (logged) when Redis is failing: best effort. Its
-    client's pool checks a connection before handing it out, so that a request given up on with a
-    503 right after a Redis restart is still cancelled (and does not run, and get billed, anyway)."""
+async def _send_cancel(request_id: str, *, void: bool = False) -> bool:
+    """Abort ``request_id`` wherever it is; False (logged) when Redis is failing. Its client's
+    pool checks a connection before handing it out, so that a request given up on with a 503 right
+    after a Redis restart is still cancelled (and does not run, and get billed, anyway)."""
     try:
-        await dispatch.cancel(ratelimit.client(), request_id)
+        await dispatch.cancel(ratelimit.client(), request_id, void=void)
     except REDIS_FAILURES as exc:
-        log.warning("could not cancel %s: %s", request_id, exc)
+        log.warning("could not cancel %s yet: %s", request_id, exc)
         return False
     return True
+
+
+CANCEL_RETRY_S = 1.0
+_retrying: set[asyncio.Task] = set()  # the loop keeps only weak references to its tasks
+
+
+def _cancel_later(request_id: str, *, void: bool) -> None:
+    """Send a cancel Redis refused once it is back (every CANCEL_RETRY_S, for as long as a worker
+    may still run the request): else a worker that outlived the outage runs it to its end."""
+    async def retry():
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + settings.GATEWAY_STALL_TIMEOUT
+        while loop.time() < deadline:
+            await asyncio.sleep(CANCEL_RETRY_S)
+            if await _send_cancel(request_id, void=void):
+                log.info("cancelled %s once Redis was back", request_id)
+                return
+        log.warning("gave up cancelling %s: Redis stayed down", request_id)
+
+    task = asyncio.get_running_loop().create_task(retry())
+    _retrying.add(task)
+    task.add_done_callback(_retrying.discard)
 
 
 ID_PREFIXES = {"chat": "chatcmpl-", "completion": "cmpl-", "response": "resp_", "embedding": "embd-"}

@@ -16,6 +16,9 @@ from django.conf import settings
 
 CHANNEL = "inference:cancel"
 MARK_TTL_S = 3600
+# The mark of a cancel that is the gateway giving up (a timeout, Redis failing), not its client: a
+# client waiting for the whole answer got an error instead, and pays nothing (``workers.inference``).
+VOID = "void"
 log = logging.getLogger(__name__)
 
 
@@ -23,9 +26,9 @@ def mark_key(request_id: str) -> str:
     return f"inference:cancelled:{request_id}"
 
 
-def request_cancel(client: redis.Redis, request_id: str) -> None:
-    """Sync form for the gateway's thread or tests; the async form lives in the gateway."""
-    client.set(mark_key(request_id), "1", ex=MARK_TTL_S)
+def request_cancel(client: redis.Redis, request_id: str, *, void: bool = False) -> None:
+    """Sync form of ``workers.dispatch.cancel``, for a thread or tests."""
+    client.set(mark_key(request_id), VOID if void else "1", ex=MARK_TTL_S)
     client.publish(CHANNEL, request_id)
 
 
@@ -41,6 +44,10 @@ class CancelListener:
 
     def is_cancelled(self, request_id: str) -> bool:
         return bool(self._redis.exists(mark_key(request_id)))
+
+    def is_void(self, request_id: str) -> bool:
+        """Whether the request's cancel was the gateway giving up rather than its client."""
+        return self._redis.get(mark_key(request_id)) == VOID.encode()
 
     def watch(self, request_id: str, on_cancel: Callable[[], None]) -> None:
         with self._lock:

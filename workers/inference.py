@@ -23,6 +23,7 @@ keeps whichever it records first).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from datetime import datetime, timezone
 
@@ -36,6 +37,7 @@ from .relay import Superseded
 log = logging.getLogger(__name__)
 STALL_TIMEOUT_S = 300.0  # an engine that yields nothing for this long has failed the request
 STATUS_BY_FINISH = {"stop": "completed", "length": "completed", "abort": "cancelled", "error": "failed"}
+ANSWERED = ("stop", "length")  # the finish reasons of a request that ended as it should
 
 
 def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", ticket=None) -> dict | None:
@@ -108,7 +110,13 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
                                          code="internal_error"))
         return None
 
-    cancels.watch(request_id, answers.abort)
+    cancelled = threading.Event()  # a cancel came through Redis: the client's, or its gateway's
+
+    def on_cancel():
+        cancelled.set()
+        answers.abort()
+
+    cancels.watch(request_id, on_cancel)
     event, billing_tried = None, False
     try:
         if ticket is not None and ticket.superseded:  # handed on while this thread waited to run
@@ -128,7 +136,7 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
                     "choices": [{"index": i, "finish_reason": out.finish_reason} for i, out in enumerate(outputs)]}
         try:
             billing_tried = True
-            event = _bill(payload, answers, cancels, before_engine)
+            event = _bill(payload, answers, cancels, before_engine, cancelled=cancelled.is_set())
         finally:  # the client gets its end even if billing failed (that error is raised on)
             send_quietly(send, reply, finished)
     except TimeoutError:
@@ -146,7 +154,7 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
         raise
     finally:
         if not billing_tried:
-            event = _bill(payload, answers, cancels, before_engine)
+            event = _bill(payload, answers, cancels, before_engine, cancelled=cancelled.is_set())
     return event
 
 
@@ -207,14 +215,37 @@ def _embedding(vector, dimensions: int | None) -> str:
     return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
 
 
-def _bill(payload: dict, answers: choices.Choices, cancels, before_engine: float = 0.0) -> dict:
+def _bill(payload: dict, answers: choices.Choices, cancels, before_engine: float = 0.0, *,
+          cancelled: bool = False) -> dict:
     """The request is over (or failed on the way): stop it and emit its usage event."""
     cancels.unwatch(payload["request_id"])
     if not answers.ended:  # it failed on the way: stop generating for nobody
         answers.abort()
-    event = _usage_event(payload, answers, before_engine)
+    event = _usage_event(payload, answers, before_engine,
+                         delivered=_delivered(payload, answers, cancels, cancelled=cancelled))
     emit_usage(event)
     return event
+
+
+def _delivered(payload: dict, answers: choices.Choices, cancels, *, cancelled: bool) -> bool:
+    """Whether the client got the request's output, or gave it up itself: only then is the output
+    billed. A streaming client got its tokens as they came. One that waits for the whole answer
+    got nothing when the request ended any other way than as it should (stop or length) or by its
+    own cancel: the relay failed, the gateway gave up (a void cancel) or died, the worker stopped
+    serving the model, the engine failed. It got an error it may retry, and must not pay twice."""
+    if payload.get("stream", True):
+        return True
+    outputs = answers.lasts
+    if all(out is not None and out.finished for out in outputs) \
+            and choices.finish_reason(outputs) in ANSWERED:
+        return True
+    if not cancelled:
+        return False
+    try:
+        return not cancels.is_void(payload["request_id"])
+    except Exception as exc:  # Redis failing as well: the platform's trouble, not the client's
+        log.warning("could not tell who cancelled %s (%s); its output is not billed", payload["request_id"], exc)
+        return False
 
 
 def emit_usage(event: dict) -> None:
@@ -342,11 +373,13 @@ def _batch_size(outputs: list) -> float | None:
     return None if mean is None else round(mean, 3)
 
 
-def _usage_event(payload: dict, answers: choices.Choices, before_engine: float = 0.0) -> dict:
+def _usage_event(payload: dict, answers: choices.Choices, before_engine: float = 0.0, *,
+                 delivered: bool = True) -> dict:
     """What billing records, at the prices the gateway admitted the request at (a payload from a
     gateway older than those has none: billing then applies the catalog's). Without every final
     output (the worker failed mid-stream), the tokens counted are the prompt and what was
-    generated so far, and the request is marked failed."""
+    generated so far, and the request is marked failed. Output not ``delivered`` (see
+    ``_delivered``) counts no completion tokens, and the request is failed: it is free."""
     deployment = payload["deployment"]
     outputs = answers.lasts
     whole = all(out is not None and out.finished for out in outputs)
@@ -356,6 +389,8 @@ def _usage_event(payload: dict, answers: choices.Choices, before_engine: float =
     else:
         usage = choices.usage(outputs, n=answers.n, prompt_tokens=answers.prompt_tokens)
         timings, status = {"queue_ms": None, "ttft_ms": None, "latency_ms": None}, "failed"
+    if not delivered:
+        usage, status = {**usage, "completion_tokens": 0}, "failed"
     return {
         # Billing's idempotency key: a batch line's id, the same for each run of the line.
         "request_id": payload.get("billing_id") or payload["request_id"],

@@ -306,7 +306,7 @@ def test_a_request_waits_until_its_first_token_its_end_or_its_cancel(seeded, org
             return {"type": event}
 
     monkeypatch.setattr(calls, "get_channel_layer", lambda: Layer())
-    monkeypatch.setattr(calls, "_send_cancel", lambda request_id: asyncio.sleep(0, True))
+    monkeypatch.setattr(calls, "_send_cancel", lambda request_id, void=False: asyncio.sleep(0, True))
     asyncio.run(call._receive(1) if event else call.cancel())
     assert ("req-waits" in waiting_ids(waiting)) is not leaves
 

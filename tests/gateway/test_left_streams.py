@@ -123,7 +123,7 @@ AT_FRAMES = pytest.mark.parametrize("at_frame", [0, 1], ids=["before-the-first-f
 @AT_FRAMES
 def test_a_chat_client_that_leaves_has_its_request_cancelled(application, served, at_frame):  # noqa: F811
     async def cancelled(headers):
-        return True if cancel_marked(headers["x-request-id"]) else None
+        return True if cancel_marked(headers["x-request-id"], void=False) else None  # the client's: billed
 
     headers, _ = leave_and_wait(application, served, "/v1/chat/completions",
                                 {"messages": [{"role": "user", "content": "Hi"}]}, at_frame, cancelled)

@@ -15,7 +15,7 @@ from gateway.errors import ApiError
 from inference_platform.channel_layer import RedisChannelLayer
 from tests.gateway.test_timeouts import new_call
 from tests.project.restartable_redis import restartable_redis  # noqa: F401 (a fixture)
-from workers.cancellation import CHANNEL, mark_key
+from workers.cancellation import CHANNEL, VOID, mark_key
 
 STARTED = {"type": "inference.started", "prompt_tokens": 3}
 
@@ -96,3 +96,38 @@ def test_the_first_request_after_a_restart_counts_against_the_token_limits(serve
         return int(await ratelimit.client().get(key_sum) or 0)
 
     assert asyncio.run(scenario()) == 5
+
+
+def test_a_cancel_redis_refused_is_sent_once_it_is_back(server, monkeypatch):
+    """The gateway gave up on a request with a 503 while Redis was down: once Redis is back, its
+    cancel goes through (void: the client got an error it may retry), so a worker that kept the
+    request does not run it to its end, and bill it, for nobody."""
+    gateway = _layer(server.url)
+    monkeypatch.setattr(calls, "get_channel_layer", lambda: gateway)
+    monkeypatch.setattr(calls, "CANCEL_RETRY_S", 0.05)
+
+    async def scenario():
+        call = new_call(await gateway.new_channel())
+        await _layer(server.url).send(call.reply_channel, STARTED)
+        await call.start()
+        await asyncio.to_thread(server.kill)
+        with pytest.raises(ApiError) as caught:
+            async for _ in call.events():
+                pass
+        assert (caught.value.status, caught.value.code) == (503, "service_unavailable")
+        assert not await asyncio.to_thread(_marked, server.url, call.request_id)  # nowhere to put it yet
+        await asyncio.to_thread(server.start)  # empty: a worker's copy would run on
+        deadline = asyncio.get_running_loop().time() + 15
+        while not (mark := await asyncio.to_thread(_marked, server.url, call.request_id)):
+            assert asyncio.get_running_loop().time() < deadline, "the cancel never went through"
+            await asyncio.sleep(0.05)
+        return mark
+
+    assert asyncio.run(scenario()) == VOID.encode()
+
+
+def _marked(url: str, request_id: str) -> bytes | None:
+    try:
+        return redis.Redis.from_url(url, socket_timeout=1).get(mark_key(request_id))
+    except redis.RedisError:
+        return None

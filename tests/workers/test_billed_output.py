@@ -1,0 +1,116 @@
+"""A client that waits for the whole answer pays for its output only if it got it, or gave the
+request up itself. When the platform gives up instead (the gateway's timeout or a Redis failure,
+which cancel "void"; a worker that stops serving the model), the client got an error it may retry,
+and must not pay twice. A streaming client got its tokens as they came: it pays for them either way.
+
+The real worker path: the bundled model's engine, the relay over the channel layer to a reply
+channel read here, the cancel listener on Redis."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+import redis
+from asgiref.sync import async_to_sync
+from django.conf import settings
+
+from workers import inference
+from workers.cancellation import CancelListener, request_cancel
+from workers.engine.loader import bundled_model_path
+from workers.relay import ChannelSender, StreamRelay
+from workers.runtime import EngineHost
+
+SPEC = {"id": None, "name": f"billed-output-{uuid.uuid4().hex[:6]}", "model": "smollm2",
+        "weights": str(bundled_model_path()), "max_batch_size": 4}
+
+
+@pytest.fixture(scope="module")
+def worker():
+    """What a worker process has: an engine host, a sender and relay, a cancel listener."""
+    host, sender = EngineHost(), ChannelSender()
+    relay = StreamRelay(sender)
+    yield host, sender, relay, CancelListener(settings.REDIS_URL)
+    relay.close()
+    host.unload(SPEC["name"])
+
+
+class Running:
+    """One request served on a thread of its own, as a Celery task thread serves it."""
+
+    def __init__(self, worker, monkeypatch, *, stream: bool, max_tokens: int = 400):
+        host, self.sender, relay, cancels = worker
+        self.request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.reply = async_to_sync(self.sender.layer.new_channel)()
+        self.billed: list[dict] = []
+        monkeypatch.setattr(inference, "emit_usage", self.billed.append)
+        payload = {"request_id": self.request_id, "reply_channel": self.reply, "deployment": SPEC,
+                   "kind": "completion", "prompt": "Once upon a time", "organization_id": 1, "stream": stream,
+                   "sampling": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
+        self.engine = host.engine_for(SPEC)
+        self.thread = threading.Thread(target=inference.run, args=(payload,), kwargs=dict(
+            host=host, send=self.sender.send, relay=relay, cancels=cancels))
+        self.thread.start()
+
+    def receive(self) -> dict:
+        return async_to_sync(self.sender.layer.receive)(self.reply)
+
+    def after_tokens(self, count: int) -> None:
+        """Read the reply channel until ``count`` tokens came (as the gateway reads it)."""
+        seen = 0
+        while seen < count:
+            event = self.receive()
+            assert event["type"] in ("inference.started", "inference.delta"), event
+            seen += len(event.get("token_ids") or ())
+
+    def usage(self) -> dict:
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive()
+        [event] = self.billed
+        return event
+
+
+def cancel(request_id: str, *, void: bool) -> None:
+    request_cancel(redis.Redis.from_url(settings.REDIS_URL), request_id, void=void)
+
+
+def test_a_request_its_gateway_gave_up_on_is_free_for_a_client_that_does_not_stream(worker, monkeypatch):
+    running = Running(worker, monkeypatch, stream=False)
+    running.after_tokens(3)
+    cancel(running.request_id, void=True)  # a 504 or 503 the client may retry
+    usage = running.usage()
+    assert (usage["status"], usage["completion_tokens"]) == ("failed", 0)
+    assert usage["prompt_tokens"] > 0  # counted, and free: a failed request without output is
+
+
+def test_a_request_its_client_cancelled_pays_for_what_was_produced(worker, monkeypatch):
+    running = Running(worker, monkeypatch, stream=False)
+    running.after_tokens(3)
+    cancel(running.request_id, void=False)
+    usage = running.usage()
+    assert usage["status"] == "cancelled" and 3 <= usage["completion_tokens"] < 400
+
+
+def test_a_streaming_client_pays_for_the_tokens_it_got_whoever_gave_up(worker, monkeypatch):
+    running = Running(worker, monkeypatch, stream=True)
+    running.after_tokens(3)
+    cancel(running.request_id, void=True)
+    usage = running.usage()
+    assert usage["status"] == "cancelled" and 3 <= usage["completion_tokens"] < 400
+
+
+def test_a_request_the_worker_stopped_is_free_for_a_client_that_does_not_stream(worker, monkeypatch):
+    """What the engine's stop does to each request it runs (the worker unloading the model): an
+    abort nobody asked for, which the gateway answers with a 503 "interrupted; retry"."""
+    running = Running(worker, monkeypatch, stream=False)
+    running.after_tokens(3)
+    assert running.engine.abort(running.request_id)
+    usage = running.usage()
+    assert (usage["status"], usage["completion_tokens"]) == ("failed", 0)
+
+
+def test_a_request_that_ends_as_it_should_is_billed_whole(worker, monkeypatch):
+    running = Running(worker, monkeypatch, stream=False, max_tokens=12)
+    usage = running.usage()
+    assert (usage["status"], usage["completion_tokens"]) == ("completed", 12)
