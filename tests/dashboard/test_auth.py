@@ -136,6 +136,48 @@ def test_sign_ins_to_an_account_stop_after_repeated_failures_even_with_the_right
         login_throttle.clear(user.email)
 
 
+def test_every_spelling_that_signs_in_to_an_account_counts_against_it(client, django_user_model):
+    """PostgreSQL matches emails case-insensitively with Unicode's case mapping: "ſ" (long s) and
+    "ı" (dotless i) sign in as "s" and "i", and their failures must lock the same account."""
+    from accounts import login_throttle
+
+    user = django_user_model.objects.create_user(email="sister@example.com", password=PASSWORD)
+    try:
+        for spelling in ["ſister@example.com", "sıster@example.com"] * (login_throttle.MAX_FAILURES // 2):
+            assert client.post("/login/", {"username": spelling, "password": "wrong"}).status_code == 200
+        for spelling in ("sister@example.com", "ſiſter@example.com"):
+            response = client.post("/login/", {"username": spelling, "password": PASSWORD})
+            assert response.status_code == 200 and "Too many failed sign-ins" in response.content.decode()
+    finally:
+        login_throttle.clear(user.email)
+
+
+def test_sign_ins_sent_together_get_no_more_password_checks_than_the_limit(db, django_user_model):
+    """Each attempt is counted before its password is checked: many at once cannot all pass a
+    check that their failures would only fail later."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from accounts import login_throttle
+
+    from django.db import connection
+
+    user = django_user_model.objects.create_user(email="target@example.com", password=PASSWORD)
+
+    def attempt(_):
+        try:
+            return login_throttle.take_attempt("target@example.com")
+        finally:
+            connection.close()  # this thread's own
+
+    try:
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            waits = list(pool.map(attempt, range(48)))
+        assert waits.count(0) == login_throttle.MAX_FAILURES
+        assert all(0 < wait <= login_throttle.WINDOW_S for wait in waits if wait)
+    finally:
+        login_throttle.clear(user.email)
+
+
 class _Focusable(HTMLParser):
     """What Tab reaches in a page, in document order (the dashboard sets no tabindex)."""
 
