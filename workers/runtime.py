@@ -48,6 +48,7 @@ class EngineHost:
             quantization=None if spec.get("quantization") in (None, "", "none") else spec["quantization"],
             max_batch_size=spec.get("max_batch_size", 32),
             batch_window_ms=spec.get("batch_window_ms", 0),
+            warm_up=True,  # "ready" means its first request is as quick as the next ones
             **_worker_engine_options(),
         ).start()
         self.load_seconds[spec["name"]] = time.monotonic() - started

@@ -83,6 +83,20 @@ def test_greedy_output_is_the_same_alone_and_in_a_batch(model, batched_outputs):
             assert alone.token_ids == batched_outputs[index], f"prompt {index}"
 
 
+def test_a_warmed_up_engine_has_settled_its_small_steps_threads_and_answers_as_a_cold_one(model):
+    """The warm-up writes into the cache before any request: what it leaves must change nothing.
+    (On CPU it also settles how many threads single-token steps use, which the first requests
+    would otherwise measure, at their own cost.)"""
+    prompts = PROMPTS[:4]
+    with make_engine(model, enable_prefix_caching=True) as cold:
+        expected = [r.token_ids for r in cold.generate(prompts, GREEDY)]
+    with make_engine(model, enable_prefix_caching=True, warm_up=True) as warm:
+        threads = warm.runner.threads
+        assert threads is None or threads.choice is not None  # before any request
+        assert [r.token_ids for r in warm.generate(prompts, GREEDY)] == expected
+        assert warm.stats()["requests_finished"] == len(prompts)  # the warm-up's steps are nobody's
+
+
 def test_prefix_caching_reuses_blocks_and_changes_nothing(model):
     system = "You are a careful assistant. " + " ".join(_WORDS * 3)
     prompts = [f"{system} Question {i}: tell me about the {w}." for i, w in

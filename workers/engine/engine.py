@@ -167,6 +167,8 @@ class Engine:
     in FP8 (on CUDA: compute capability 8.9+, bfloat16; see ``fp8.py``); None keeps ``dtype``.
     ``batch_window_ms``: when idle, how long to wait for more requests before the first prefill,
     so that a burst starts as one batch (a full batch starts at once).
+    ``warm_up``: run a few dummy steps before serving, so that the first request does not pay
+    for what first steps cost (a server wants it; tests that make many engines do not).
 
     Requests: a prompt that leaves no room in the context, or less than its ``max_tokens``, is
     refused (``InvalidRequestError``, param "prompt"); without ``max_tokens`` a request may fill
@@ -201,6 +203,7 @@ class Engine:
         kv_memory_fraction: float | None = None,
         cuda_graphs: bool = True,
         quantization: str | None = None,
+        warm_up: bool = False,
     ):
         from .loader import LoadedModel, load_model
 
@@ -247,6 +250,10 @@ class Engine:
                                   block_size=block_size, device=device, dtype=dtype, seed=seed,
                                   max_batch_size=max_batch_size, max_model_len=self.max_model_len,
                                   cuda_graphs=cuda_graphs)
+        if warm_up:
+            started = time.perf_counter()
+            self.runner.warm_up()
+            log.info("engine warmed up in %.2fs", time.perf_counter() - started)
         self.device_name = device_name(device)
         self._memory_checked = 0.0  # when device memory was last read (for the stats)
         self._memory = device_memory(device)

@@ -294,6 +294,22 @@ class ModelRunner:
             self.decode_graphs = self.padded_decode()
             self.decode_graphs.capture()
 
+    def warm_up(self) -> None:
+        """Take the first steps' one-time costs before a request does: a short prefill sampled with
+        every feature on (kernels and caches built on first use), and on a CPU the single-token
+        steps that settle how many threads such steps run with (``SmallStepThreads``)."""
+        dummy_step(self.model, self.kv_caches, seq_lens=[16], num_logit_rows=1, sample=True)
+        tuner, default_threads = self.threads, torch.get_num_threads()
+        while tuner is not None and tuner.choice is None:
+            threads = tuner.threads_for(1)
+            torch.set_num_threads(threads)
+            try:
+                started = time.perf_counter()
+                dummy_step(self.model, self.kv_caches, seq_lens=[1], num_logit_rows=1)
+                tuner.record(1, threads, time.perf_counter() - started)
+            finally:
+                torch.set_num_threads(default_threads)
+
     def padded_decode(self) -> DecodeGraphs:
         """Static, padded decode inputs over this runner's cache (captured or not)."""
         return DecodeGraphs(self.model, self.kv_caches, max_batch_size=self.max_batch_size,
