@@ -80,6 +80,9 @@ class User(AbstractBaseUser, PermissionsMixin):
     is_staff = models.BooleanField(default=False, help_text="May log in to the operator's admin site.")
     is_active = models.BooleanField(default=True)
     date_joined = models.DateTimeField(default=timezone.now)
+    # When the user showed the address is theirs (its link clicked); None: not yet. Only an open
+    # sign-up leaves it empty (SIGNUP_VERIFY_EMAIL): an operator's accounts and invitations' need no link.
+    email_verified_at = models.DateTimeField(null=True, blank=True, default=timezone.now)
 
     objects = UserManager()
 
@@ -92,6 +95,10 @@ class User(AbstractBaseUser, PermissionsMixin):
 
     def __str__(self) -> str:
         return self.email
+
+    @property
+    def email_verified(self) -> bool:
+        return self.email_verified_at is not None
 
     def get_full_name(self) -> str:
         return self.name or self.email

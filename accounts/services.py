@@ -20,7 +20,7 @@ from .errors import InvalidInput
 from .models import (CONTROL_CHARACTERS, KEY_PREFIX, KEY_PREFIX_LENGTH, NO_CONTROL_CHARACTERS, SCOPES, ApiKey,
                      Membership, Organization, User, hash_api_key)
 from .selectors import leave_refusal
-from .signals import organization_created
+from .signals import email_verified, organization_created
 
 # last_used_at is written at most this often per key.
 TOUCH_INTERVAL = timedelta(seconds=60)
@@ -42,8 +42,11 @@ def _clean_name(model, name: str | None, *, missing: str | None) -> str:
     return name
 
 
-def create_user(*, email: str, password: str | None, name: str = "", validate: bool = True) -> User:
-    """A new user. ``password=None`` gives an unusable password (set later through a reset)."""
+def create_user(*, email: str, password: str | None, name: str = "", validate: bool = True,
+                email_verified: bool = True) -> User:
+    """A new user. ``password=None`` gives an unusable password (set later through a reset).
+    ``email_verified=False``: the address is not known to be theirs until they confirm it
+    (``verify_email``)."""
     name = _clean_name(User, name, missing=None)
     email = (email or "").strip().lower()
     try:
@@ -59,9 +62,21 @@ def create_user(*, email: str, password: str | None, name: str = "", validate: b
             raise InvalidInput("password", " ".join(exc.messages)) from None
     try:
         with transaction.atomic():
-            return User.objects.create_user(email=email, password=password, name=name)
+            return User.objects.create_user(email=email, password=password, name=name,
+                                            **({} if email_verified else {"email_verified_at": None}))
     except IntegrityError:
         raise InvalidInput("email", "A user with this email address already exists.") from None
+
+
+@transaction.atomic
+def verify_email(*, user: User) -> bool:
+    """Record that ``user`` confirmed their address, once; sends ``email_verified`` then. Whether
+    this call did (False: it was confirmed already)."""
+    confirmed = User.objects.filter(pk=user.pk, email_verified_at__isnull=True).update(email_verified_at=timezone.now())
+    user.refresh_from_db(fields=["email_verified_at"])
+    if confirmed:
+        email_verified.send(sender=User, user=user)
+    return bool(confirmed)
 
 
 def _unique_slug(name: str) -> str:

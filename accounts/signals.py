@@ -8,3 +8,7 @@ import django.dispatch
 # same database transaction: a receiver's writes (billing's sign-up credit) commit or roll back with
 # the organization, and a receiver that raises aborts the creation.
 organization_created = django.dispatch.Signal()
+
+# Sent with ``user=`` when a user confirms their email address (the link of the email sent at
+# sign-up), inside the transaction that records it: billing grants the sign-up credit then.
+email_verified = django.dispatch.Signal()

@@ -6,10 +6,13 @@ class BillingConfig(AppConfig):
     name = "billing"
 
     def ready(self):
-        from accounts.signals import organization_created
+        from accounts.signals import email_verified, organization_created
 
         from . import receivers
 
         organization_created.connect(
             receivers.grant_signup_credit, dispatch_uid="billing.grant_signup_credit"
+        )
+        email_verified.connect(
+            receivers.grant_signup_credit_on_verification, dispatch_uid="billing.grant_signup_credit_on_verification"
         )

@@ -10,3 +10,9 @@ def grant_signup_credit(sender, organization, **kwargs) -> None:
     its owner creates only (the service checks). It runs inside the organization's creation
     transaction, so both commit or neither does."""
     services.grant_signup_credit(organization=organization)
+
+
+def grant_signup_credit_on_verification(sender, user, **kwargs) -> None:
+    """accounts.signals.email_verified: the sign-up credit held back until the founder of an
+    organization confirmed their address (in the same transaction)."""
+    services.grant_signup_credit_on_verification(user=user)

@@ -99,8 +99,11 @@ def grant_signup_credit(*, organization: Organization) -> LedgerEntry | None:
     existing = LedgerEntry.objects.filter(organization=organization, kind=LedgerEntry.Kind.SIGNUP_CREDIT).first()
     if existing is not None:
         return existing
-    owner_id = (Membership.objects.filter(organization=organization, role=Membership.Role.OWNER)
-                .order_by("created_at", "id").values_list("user_id", flat=True).first())
+    owner = (Membership.objects.filter(organization=organization, role=Membership.Role.OWNER)
+             .order_by("created_at", "id").values("user_id", "user__email_verified_at").first())
+    owner_id = owner["user_id"] if owner else None
+    if owner is not None and owner["user__email_verified_at"] is None:
+        return None  # not until they confirm their address (``grant_signup_credit_on_verification``)
     if owner_id is None:
         reference = f"organization:{organization.pk}"
     else:
@@ -118,6 +121,16 @@ def grant_signup_credit(*, organization: Organization) -> LedgerEntry | None:
     entry, _ = _post(organization_id=organization.pk, kind=LedgerEntry.Kind.SIGNUP_CREDIT,
                      amount=amount.quantize(COST_QUANTUM), reference=reference, description="Sign-up credit")
     return entry if entry.organization_id == organization.pk else None
+
+
+def grant_signup_credit_on_verification(*, user) -> LedgerEntry | None:
+    """``user`` confirmed their address: the sign-up credit of the first organization they founded
+    (its first owner), held back until now. None when there is none to grant."""
+    founder = (Membership.objects.filter(organization=OuterRef("pk"), role=Membership.Role.OWNER)
+               .order_by("created_at", "id").values("user_id")[:1])
+    founded = (Organization.objects.filter(memberships__user=user, memberships__role=Membership.Role.OWNER)
+               .annotate(founder=Subquery(founder)).filter(founder=user.pk).order_by("created_at", "id").first())
+    return grant_signup_credit(organization=founded) if founded is not None else None
 
 
 def add_adjustment(*, organization: Organization, amount: Decimal, description: str,

@@ -35,6 +35,8 @@ def dashboard(request) -> dict:
         "nav_section": _section(match.url_name if match else ""),
         # Said on every page: the API and the playground refuse requests until it is resolved.
         "quota_refusal": quota_refusal(organization=organization) if organization is not None else None,
+        "email_unconfirmed": not user.email_verified,
+        "signup_credit": settings.BILLING_SIGNUP_CREDIT,
     }
 
 

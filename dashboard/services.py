@@ -52,7 +52,9 @@ def sign_up(*, email: str, password: str, name: str = "", organization_name: str
     if invitation is None and not settings.SIGNUP_OPEN:
         raise SignUpClosed(SIGNUP_CLOSED)
     try:
-        user = account_services.create_user(email=email, password=password, name=(name or "").strip())
+        # An invitation's link came by email: its address is confirmed; an open sign-up's is not yet.
+        user = account_services.create_user(email=email, password=password, name=(name or "").strip(),
+                                            email_verified=invitation is not None or not settings.SIGNUP_VERIFY_EMAIL)
         if invitation is not None:
             accept_invitation(raw_token=invitation_token, user=user)
         else:
@@ -65,6 +67,38 @@ def sign_up(*, email: str, password: str, name: str = "", organization_name: str
                 raise InvalidInput("organization_name" if exc.field == "name" else exc.field, exc.message) from None
     except InvalidInput as exc:
         raise _from_accounts(exc) from None
+    return user
+
+
+def send_email_confirmation(*, user: User, link_for: Callable[[str, str], str]) -> None:
+    """Mail ``user`` the link that confirms their address (``link_for(uid, token)``); DashboardError
+    when the mail cannot be sent."""
+    from accounts.email_verification import link_parts
+
+    credit = settings.BILLING_SIGNUP_CREDIT
+    why = f" and receive your ${credit:,.2f} sign-up credit" if credit > 0 else ""
+    try:
+        send_mail(
+            subject="Confirm your email address",
+            message=(f"Confirm that {user.email} is yours{why}:\n\n{link_for(*link_parts(user))}\n\n"
+                     "If you did not create an account, ignore this email."),
+            from_email=None,
+            recipient_list=[user.email],
+        )
+    except (OSError, BadHeaderError) as exc:
+        raise DashboardError(f"The confirmation email could not be sent ({exc}); try again later.") from None
+
+
+def confirm_email(*, uid: str, token: str) -> User:
+    """Confirm the address a link names (and so grant the sign-up credit it held back); raises
+    DashboardError for a link that is not, or no longer, good."""
+    from accounts.email_verification import user_for
+
+    user = user_for(uid, token)
+    if user is None:
+        raise DashboardError("This confirmation link is not valid any more: it was used already, or it expired. "
+                             "Sign in to have a new one sent.")
+    account_services.verify_email(user=user)
     return user
 
 
@@ -244,6 +278,8 @@ def accept_invitation(*, raw_token: str, user: User) -> Membership:
         membership = account_services.add_member(organization=invitation.organization, user=user, role=invitation.role)
     invitation.accepted_at, invitation.accepted_by = timezone.now(), user
     invitation.save(update_fields=["accepted_at", "accepted_by"])
+    if not user.email_verified:  # the invitation's link was mailed to this address
+        account_services.verify_email(user=user)
     return membership
 
 

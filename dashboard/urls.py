@@ -26,6 +26,8 @@ urlpatterns = [
     path("reset/<uidb64>/<token>/", auth_views.PasswordResetConfirmView.as_view(), name="password_reset_confirm"),
     path("reset/done/", auth_views.PasswordResetCompleteView.as_view(), name="password_reset_complete"),
     path("invitations/<str:token>/", account.invitation, name="invitation"),
+    path("confirm-email/<uidb64>/<token>/", account.email_confirm, name="email-confirm"),
+    path("confirm-email/resend/", account.email_confirm_resend, name="email-confirm-resend"),
     # Organization
     path("", account.home, name="home"),
     path("organizations/new/", account.organization_new, name="organization-new"),

@@ -259,6 +259,9 @@ BILLING_SIGNUP_CREDIT = _env_decimal("BILLING_SIGNUP_CREDIT", "5.00")
 # Anyone who reaches the dashboard may create an account and organization; false: only through an
 # invitation (an operator makes the first accounts: manage.py createsuperuser, inference-platform createkey).
 SIGNUP_OPEN = env_bool("SIGNUP_OPEN", True)
+# An open sign-up's sign-up credit waits until its user confirms their email address (a link
+# mailed to it): else anyone could script accounts for free credit. False: the credit comes at once.
+SIGNUP_VERIFY_EMAIL = env_bool("SIGNUP_VERIFY_EMAIL", True)
 STRIPE_SECRET_KEY = env_str("STRIPE_SECRET_KEY")
 STRIPE_PUBLISHABLE_KEY = env_str("STRIPE_PUBLISHABLE_KEY")
 STRIPE_WEBHOOK_SECRET = env_str("STRIPE_WEBHOOK_SECRET")

@@ -63,14 +63,54 @@ def signup(request):
                 organization = organizations_for_user(user=user).first()
                 if organization is not None:
                     choose_organization(request, organization)
-                messages.success(request, f"Welcome! {organization.name} is ready"
-                                          + (" with free credit to try it out." if not invitation else "."))
+                if user.email_verified:
+                    messages.success(request, f"Welcome! {organization.name} is ready"
+                                              + (" with free credit to try it out." if not invitation else "."))
+                else:  # every page's banner says where the link went
+                    messages.success(request, f"Welcome! {organization.name} is ready.")
+                    _send_confirmation(request, user, said=False)
                 return redirect("home")
     else:
         if ended:
             messages.error(request, ended)
         form = SignUpForm(initial={"email": invitation.email if invitation else "", "invitation": token})
     return render(request, "registration/signup.html", {"form": form, "invitation": invitation})
+
+
+def _send_confirmation(request, user, *, said: bool = True) -> None:
+    def link_for(uid: str, token: str) -> str:
+        return request.build_absolute_uri(reverse("email-confirm", args=[uid, token]))
+
+    try:
+        services.send_email_confirmation(user=user, link_for=link_for)
+    except DashboardError as exc:
+        messages.error(request, exc.message)
+    else:
+        if said:
+            messages.info(request, f"We sent a link to {user.email}: open it to confirm your address"
+                                   + (" and receive your sign-up credit." if settings.BILLING_SIGNUP_CREDIT > 0 else "."))
+
+
+@require_http_methods(["GET"])
+def email_confirm(request, uidb64: str, token: str):
+    """The link in the confirmation email: it works signed in or not, as a password reset's does."""
+    try:
+        user = services.confirm_email(uid=uidb64, token=token)
+    except DashboardError as exc:
+        messages.error(request, exc.message)
+    else:
+        messages.success(request, f"Thank you: {user.email} is confirmed.")
+    return redirect("home")
+
+
+@login_required
+@require_POST
+def email_confirm_resend(request):
+    if request.user.email_verified:
+        messages.info(request, "Your email address is confirmed already.")
+    else:
+        _send_confirmation(request, request.user)
+    return redirect(safe_next(request))
 
 
 @organization_required

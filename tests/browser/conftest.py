@@ -10,6 +10,7 @@ Screenshots of every page go to ``test-artifacts/browser/``.
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -148,8 +149,9 @@ def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:6]}"
 
 
-def sign_up(page, *, name: str, organization: str) -> Account:
-    """Sign up through the form; the browser ends logged in on the overview."""
+def sign_up(page, *, name: str, organization: str, confirm: bool = True) -> Account:
+    """Sign up through the form; the browser ends logged in on the overview, the address confirmed
+    (the link mailed to it opened: the sign-up credit is there) unless ``confirm`` is False."""
     email = f"{unique(name.lower().split()[0])}@example.com"
     page.goto("/signup/")
     page.fill("#id_name", name)
@@ -158,4 +160,22 @@ def sign_up(page, *, name: str, organization: str) -> Account:
     page.fill("#id_organization_name", organization)
     page.click("button[type=submit]")
     page.wait_for_url("**/")
+    if confirm:
+        confirm_email(page, email)
     return Account(email=email, password=PASSWORD, organization=organization)
+
+
+def confirm_email(page, email: str) -> None:
+    """Open the confirmation link the web server mailed to ``email`` (its mail goes to files)."""
+    from tests.conftest import WORKER_MAIL
+    from tests.support import wait_until
+
+    def link():
+        for path in WORKER_MAIL.glob("*") if WORKER_MAIL.exists() else ():
+            text = path.read_text(errors="replace")
+            if f"To: {email}" in text and (found := re.search(r"https?://[^/\s]+(/confirm-email/\S+/)", text)):
+                return found.group(1)
+        return None
+
+    page.goto(wait_until(link, timeout=20, message=f"the confirmation email to {email}"))
+    page.wait_for_url("**/")

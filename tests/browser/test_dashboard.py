@@ -13,7 +13,7 @@ from decimal import Decimal
 import httpx
 import pytest
 
-from tests.browser.conftest import PASSWORD, shot, sign_up, unique
+from tests.browser.conftest import PASSWORD, confirm_email, shot, sign_up, unique
 from tests.e2e.conftest import DEPLOYMENT
 from tests.support import wait_until
 
@@ -63,9 +63,14 @@ def test_a_new_user_deploys_chats_pays_and_revokes(new_page, stack, inference_wo
     # --- sign up -------------------------------------------------------------------------------------
     page.goto("/signup/")
     shot(page, "01-signup")
-    account = sign_up(page, name="Ada Lovelace", organization=unique("Analytical"))
+    account = sign_up(page, name="Ada Lovelace", organization=unique("Analytical"), confirm=False)
     assert HOME.match(page.url)
     assert page.locator(".org-switcher").inner_text().startswith(account.organization[:1])
+    assert "$5.00 sign-up credit" in page.locator("#email-unconfirmed").inner_text()
+    assert page.locator("#overview-balance").inner_text() == "$0.00"  # until the address is confirmed
+    shot(page, "02-overview-email-unconfirmed")
+    confirm_email(page, account.email)
+    assert page.locator("#email-unconfirmed").count() == 0
     assert page.locator("#overview-balance").inner_text() == "$5.00"  # the sign-up credit
     shot(page, "02-overview-new-user")
 

@@ -13,16 +13,58 @@ from billing.selectors import balance
 from tests.dashboard.conftest import PASSWORD
 
 
-def test_sign_up_creates_the_user_and_their_organization_with_credit(client, db):
+def _confirmation_link(outbox) -> str:
+    return re.search(r"http://testserver(/confirm-email/\S+/)", outbox[-1].body).group(1)
+
+
+def test_sign_up_creates_the_user_and_their_organization_whose_credit_waits_for_the_email(client, db):
     response = client.post("/signup/", {"name": "Ada Lovelace", "email": "Ada@Example.com", "password": PASSWORD,
                                         "organization_name": "Analytical Engines"})
     assert response.status_code == 302 and response["Location"] == "/"
     user = User.objects.get(email="ada@example.com")
     membership = Membership.objects.get(user=user)
     assert membership.role == "owner" and membership.organization.name == "Analytical Engines"
-    assert balance(organization=membership.organization) == Decimal("5.000000")
+    assert balance(organization=membership.organization) == Decimal("0")  # a scripted address gets nothing
     page = client.get("/").content.decode()
     assert "Analytical Engines" in page and "Good to see you, Ada Lovelace" in page
+    assert 'id="email-unconfirmed"' in page and "$5.00 sign-up credit" in page
+    [sent] = mail.outbox
+    assert sent.to == ["ada@example.com"] and "$5.00 sign-up credit" in sent.body
+
+    link = _confirmation_link(mail.outbox)
+    client.post("/logout/")  # the link works signed out, as a password reset's does
+    assert client.get(link).status_code == 302
+    assert balance(organization=membership.organization) == Decimal("5.000000")
+    client.get(link)  # once
+    assert balance(organization=membership.organization) == Decimal("5.000000")
+    client.post("/login/", {"username": "ada@example.com", "password": PASSWORD})
+    assert 'id="email-unconfirmed"' not in client.get("/").content.decode()
+
+
+def test_a_confirmation_link_confirms_only_its_own_address(client, db):
+    client.post("/signup/", {"email": "eve@example.com", "password": PASSWORD})
+    link = _confirmation_link(mail.outbox)
+    organization = Membership.objects.get(user__email="eve@example.com").organization
+    token = link.split("/")[-2]
+    forged = token[:-1] + ("0" if token[-1] != "0" else "1")
+    assert client.get(link.replace(token, forged)).status_code == 302
+    assert balance(organization=organization) == Decimal("0")  # a token made up
+    User.objects.filter(email="eve@example.com").update(email="eve2@example.com")
+    client.get(link)  # the address changed since it was sent
+    assert balance(organization=organization) == Decimal("0")
+    assert not User.objects.get(email="eve2@example.com").email_verified
+
+    client.post("/confirm-email/resend/", {"next": "/usage/"})
+    client.get(_confirmation_link(mail.outbox))
+    assert balance(organization=organization) == Decimal("5.000000")
+
+
+def test_without_email_confirmation_the_sign_up_credit_comes_at_once(client, db, settings):
+    settings.SIGNUP_VERIFY_EMAIL = False
+    client.post("/signup/", {"email": "ada@example.com", "password": PASSWORD})
+    membership = Membership.objects.get(user__email="ada@example.com")
+    assert balance(organization=membership.organization) == Decimal("5.000000") and not mail.outbox
+    assert 'id="email-unconfirmed"' not in client.get("/").content.decode()
 
 
 def test_sign_up_names_an_organization_when_none_is_given(client, db):

@@ -65,6 +65,7 @@ def test_an_invitation_is_mailed_and_accepted_by_a_new_user(ada, acme):
     assert response.status_code == 302
     user = User.objects.get(email="newbie@example.com")
     assert list(Membership.objects.filter(user=user).values_list("organization_id", "role")) == [(org.pk, "admin")]
+    assert user.email_verified and len(mail.outbox) == 1  # the invitation came to that address: no link to open
     invitation.refresh_from_db()
     assert invitation.accepted_by == user
     assert guest.get(link).status_code == 404  # used
