@@ -165,7 +165,7 @@ PERSON = {
 
 @pytest.mark.parametrize("value", [
     {"name": "Ada", "age": 36},
-    {"age": -1, "name": ""},
+    {"name": "", "age": -1},
     {"name": "x", "age": 0, "height": 1.5e3, "tags": ["a", 3], "nick": None},
     {"name": "x", "age": 0, "nick": "é"},
     {"name": "x", "age": 0, "pet": "none"},
@@ -190,6 +190,18 @@ def test_a_schema_accepts_its_instances(value):
 ])
 def test_a_schema_refuses_what_breaks_it(value):
     assert not matches(grammar(PERSON), json.dumps(value))
+
+
+@pytest.mark.parametrize("text, accepted", [
+    ('{"name": "a", "age": 1, "tags": ["a"], "nick": null}', True),  # "height" left out: optional
+    ('{"name": "a", "age": 1, "nick": null, "tags": ["a"]}', False),  # "tags" comes before "nick"
+    ('{"age": 1, "name": "a"}', False),  # "name" is declared first, and required
+    ('{"name": "a", "age": 1, "pet": "none", "height": 2}', False),  # an optional key once passed
+])
+def test_properties_come_in_the_schemas_order(text, accepted):
+    """As OpenAI's structured outputs write them: a "reasoning" declared before its "answer" is
+    written first, which is its point."""
+    assert matches(grammar(PERSON), text) is accepted
 
 
 def test_a_property_comes_once():
@@ -302,7 +314,7 @@ def test_a_thousand_value_enum_under_a_union_stays_one_reading():
 
 
 def test_schema_containers_nest_past_the_limit_for_free_values():
-    node = {"type": "object", "properties": {"name": {"type": "string"}, "child": {"$ref": "#/$defs/n"}},
+    node = {"type": "object", "properties": {"child": {"$ref": "#/$defs/n"}, "name": {"type": "string"}},
             "required": ["name"], "additionalProperties": False}
     g = grammar({"$ref": "#/$defs/n", "$defs": {"n": node}})
     text = '{"child": ' * (MAX_DEPTH + 8) + '{"name": "x"}' + ', "name": "y"}' * (MAX_DEPTH + 8)

@@ -89,7 +89,7 @@ class Node:
 
     kind: str  # any | object | array | string | number | integer | literal | anyof | ref
     where: str = "#"
-    properties: dict[bytes, "Node"] = field(default_factory=dict)  # key's JSON text -> node
+    properties: dict[bytes, "Node"] = field(default_factory=dict)  # key's JSON text -> node, in the schema's order
     required: frozenset[bytes] = frozenset()
     additional: "Node | None" = None  # the node of keys not declared; None: none allowed
     items: "Node | None" = None
@@ -706,13 +706,24 @@ def _start(node: Node, b: int, below: tuple) -> list[tuple]:
     return []
 
 
+def _next_keys(node: Node, seen: frozenset) -> tuple[bytes, ...]:
+    """The declared keys that may come next: in the schema's order (as OpenAI's structured outputs
+    write them: a "reasoning" declared before its "answer" is written first), from the one after
+    the last written up to the first required one (an optional key may be left out, a required
+    one not)."""
+    keys = tuple(node.properties)
+    after = max((i for i, key in enumerate(keys) if key in seen), default=-1) + 1
+    upto = next((i for i in range(after, len(keys)) if keys[i] in node.required), len(keys) - 1)
+    return keys[after:upto + 1]
+
+
 def _object(stack: tuple, top: tuple, b: int) -> list[tuple]:
     _, node, seen, phase, value = top
     below = stack[:-1]
     if phase in "{," and b == 0x22:  # a key starts
         inside = below + (("o", node, seen, "k", None),)
         out = []
-        keys = tuple(key for key in node.properties if key not in seen)
+        keys = _next_keys(node, seen)
         if keys:
             out.append(inside + (("k", keys, 1),))
         if node.additional is not None:
@@ -721,7 +732,7 @@ def _object(stack: tuple, top: tuple, b: int) -> list[tuple]:
     if phase == ":" and b == 0x3A:
         return [below + (("o", node, seen, "a", None), ("v", value, True))]
     if phase == "a" and b == 0x2C:
-        more = node.additional is not None or any(k not in seen for k in node.properties)
+        more = node.additional is not None or bool(_next_keys(node, seen))
         return [below + (("o", node, seen, ",", None),)] if more else []
     if phase in "{a}" and b == 0x7D:
         return [below] if node.required <= seen else []
