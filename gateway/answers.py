@@ -138,6 +138,8 @@ def _whole(ctx: formatting.Context, request, index: int, text: str, reason: str,
         calls, reason = reader.calls, tools.finish_reason(sampling, reason, reader)
         if tools.calls_only(sampling):
             text = None  # no text can come: null, as streamed, even when max_tokens cut the call short
+        if calls and logprobs is not None:  # the content's tokens alone: a call's are not content
+            logprobs = tools.content_logprobs(logprobs, text)[0]
         if request.extra.get("legacy_functions"):
             return formatting.choice(ctx, index=index, text=text, finish_reason=legacy_functions.finish_reason(reason),
                                      logprobs=logprobs, function_call=legacy_functions.function_call(calls))

@@ -29,8 +29,11 @@ class Context:
 
     def envelope(self, *, chunk: bool) -> dict:
         obj = "chat.completion.chunk" if chunk and self.kind == "chat" else self.object
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": SYSTEM_FINGERPRINT}
+        envelope = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                    "system_fingerprint": SYSTEM_FINGERPRINT}
+        if self.kind == "chat":  # the tier that served it, as OpenAI says (one tier here)
+            envelope["service_tier"] = "default"
+        return envelope
 
 
 def usage_json(usage: dict) -> dict:

@@ -69,8 +69,12 @@ CHAT_REQUEST = {
                            "tool_call_id": {"type": "string", "description": "tool messages: the call they answer"},
                            "content": {"oneOf": [
                                {"type": "string"},
-                               {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
-                                   "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}},
+                               {"type": "array", "items": {"oneOf": [
+                                   {"type": "object", "required": ["type", "text"], "properties": {
+                                       "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}},
+                                   {"type": "object", "required": ["type", "refusal"], "description": "assistant messages only",
+                                    "properties": {"type": {"type": "string", "enum": ["refusal"]},
+                                                   "refusal": {"type": "string"}}}]}},
                                {"type": "null", "description": "assistant messages only"}]},
                            "name": {"type": "string"}}}},
         "max_completion_tokens": {"type": "integer", "minimum": 1},
@@ -204,7 +208,11 @@ RESPONSES_REQUEST = {
         "service_tier": {"type": "string", "enum": ["auto", "default"]},
         # Accepted at the values that ask for nothing this platform lacks.
         "background": {"type": "boolean", "enum": [False]},
-        "reasoning": {"type": "object", "maxProperties": 0}, "max_tool_calls": {"type": "null"},
+        "reasoning": {"type": "object", "additionalProperties": False, "properties": {
+            "effort": {"enum": [None, "none"]}, "summary": {"type": "null"}, "generate_summary": {"type": "null"}}},
+        "max_tool_calls": {"type": "null"},
+        "prompt_cache_retention": {"type": "string", "enum": ["in_memory", "24h"]},
+        "conversation": {"type": "null"}, "prompt": {"type": "null"}, "context_management": {"type": "null"},
         "include": {"type": "array", "items": {"type": "string", "enum": sorted(INCLUDES)},
                     "description": "message.output_text.logprobs: each output token's logprob; the others name "
                                    "parts this platform never produces"},
@@ -218,6 +226,7 @@ USAGE = {"type": "object", "properties": {
 RESPONSE = {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
     "id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
     "model": {"type": "string"}, "system_fingerprint": {"type": "string"},
+    "service_tier": {"type": "string", "description": "chat completions: always default"},
     "choices": {"type": "array", "items": {"type": "object"}}, "usage": USAGE}}
 ERRORS = {str(code): {"description": text, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
           for code, text in [(400, "Invalid request"), (401, "Bad API key"), (403, "Missing scope"),

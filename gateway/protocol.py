@@ -44,6 +44,9 @@ CHAT_NO_OPS = {
     "reasoning_effort": ("none",),  # the models here do not reason
     "audio": (),  # null only, as any of these
     "prediction": (),
+    "web_search_options": (),
+    # The prefix cache keeps what memory holds, however long it is asked to: either is best effort.
+    "prompt_cache_retention": ("in_memory", "24h"),
 }
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "metadata",
                                "response_format", "tools", "tool_choice", "parallel_tool_calls"} | set(CHAT_NO_OPS)
@@ -280,9 +283,13 @@ def _messages(messages: Any) -> list[dict]:
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise invalid(f"{where}.content[{j}]", "only text content parts are supported")
-                parts.append(part["text"])
+                kind = part.get("type") if isinstance(part, dict) else None
+                # An assistant's refusal, as OpenAI returns one, is what it said.
+                field = "refusal" if kind == "refusal" and role == "assistant" else "text" if kind == "text" else None
+                if field is None or not isinstance(part.get(field), str):
+                    raise invalid(f"{where}.content[{j}]", "only text content parts are supported"
+                                  + (" (and refusal parts in an assistant's)" if role == "assistant" else ""))
+                parts.append(part[field])
             content = "".join(parts)
         if content is None and role == "assistant":
             content = ""

@@ -23,15 +23,21 @@ FIELDS = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "stream_options",
     "tools", "tool_choice", "parallel_tool_calls", "text", "store", "metadata", "user", "previous_response_id",
     "truncation", "reasoning", "include", "service_tier", "safety_identifier", "prompt_cache_key", "background",
-    "max_tool_calls", "top_logprobs",
+    "max_tool_calls", "top_logprobs", "prompt_cache_retention", "conversation", "prompt", "context_management",
 }
 # Parameters accepted at the values that ask for nothing this platform lacks.
 NO_OPS = {
     "background": (None, False),
-    "reasoning": (None, {}),
     "max_tool_calls": (None,),
     "truncation": (None, "disabled", "auto"),  # a conversation too long for the context is a 400 either way
+    "prompt_cache_retention": (None, "in_memory", "24h"),  # the prefix cache keeps what memory holds
+    "conversation": (None,),  # previous_response_id chains responses here
+    "prompt": (None,),  # no stored prompt templates
+    "context_management": (None,),
 }
+# ``reasoning`` as a response repeats it (``{"effort": null, "summary": null}``) asks for nothing: the
+# models here do not reason. Any of its fields, each at one of these values.
+REASONING_NOTHING = {"effort": (None, "none"), "summary": (None,), "generate_summary": (None,)}
 LOGPROBS = "message.output_text.logprobs"
 # What ``include`` may name: the output text's logprobs; the rest asks for parts of items (tool
 # results, reasoning, images) this platform never produces, so there is nothing to add.
@@ -79,6 +85,11 @@ def parse_response_request(body: Any, *, history: Callable[[str], tuple[list[dic
         if value is not None and not any(value == ok and type(value) is type(ok) for ok in accepted):
             raise invalid(name, f"{name}={json.dumps(value)[:200]} is not supported by this platform",
                           code="unsupported_value")
+    reasoning = body.get("reasoning")
+    if reasoning is not None and not (isinstance(reasoning, dict) and all(
+            name in REASONING_NOTHING and value in REASONING_NOTHING[name] for name, value in reasoning.items())):
+        raise invalid("reasoning", f"reasoning={json.dumps(reasoning)[:200]} is not supported by this platform (its "
+                                   'models do not reason): leave it out or send {"effort": null}', code="unsupported_value")
     if body.get("store") is not None and not isinstance(body["store"], bool):
         raise invalid("store", "store must be a boolean")
     chat = {name: body[name] for name in ("model", "temperature", "top_p", "stream", "stream_options",

@@ -75,6 +75,10 @@ def _tool(tool: Any, where: str) -> dict:
     return flat
 
 
+# OpenAI's tool choices for features this platform lacks (a subset of the tools, custom tools).
+UNSUPPORTED_CHOICES = ("allowed_tools", "custom")
+
+
 def _choice(choice: Any, names: list[str]) -> str | dict:
     if choice is None:
         return "auto" if names else "none"
@@ -85,6 +89,10 @@ def _choice(choice: Any, names: list[str]) -> str | dict:
         if choice == "required" and not names:
             raise invalid("tool_choice", 'tool_choice "required" needs tools to call')
         return choice
+    if isinstance(choice, dict) and choice.get("type") in UNSUPPORTED_CHOICES:
+        raise invalid("tool_choice", f'tool_choice of type {choice["type"]!r} is not supported by this platform; '
+                                     'use none, auto, required or {"type": "function", "function": {"name": ...}}',
+                      code="unsupported_value")
     if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
             and isinstance(choice["function"].get("name"), str)):
         raise invalid("tool_choice", 'tool_choice must be one of none, auto, required or '
@@ -246,17 +254,33 @@ class ToolAnswer:
     def end(self, reason: str) -> list[dict]:
         chunks = self._flush(*self._reader.finish())
         reason = finish_reason(self._sampling, reason, self._reader)
+        self._pending = []  # a call's tags: not content
         return chunks + [self._chunk(text=None, finish_reason=legacy_functions.finish_reason(reason)
                                      if self._legacy else reason)]
 
     def _flush(self, text: str, calls: list[dict]) -> list[dict]:
         if not (text or calls):
             return []
+        # The logprobs of the content's tokens go with it; a call's (its tags, its JSON) are not
+        # content, as OpenAI's logprobs cover the message's content alone.
+        logprobs, self._pending = content_logprobs(self._pending, text)
+        if calls:
+            self._pending = []
         if self._legacy:
-            return [self._chunk(text=text or None, function_call=legacy_functions.function_call_delta(calls))]
-        return [self._chunk(text=text or None, tool_calls=calls)]
+            return [self._chunk(logprobs, text=text or None, function_call=legacy_functions.function_call_delta(calls))]
+        return [self._chunk(logprobs, text=text or None, tool_calls=calls)]
 
-    def _chunk(self, **fields) -> dict:
-        logprobs, self._pending = self._pending or None, []
-        return formatting.chunk(self._ctx, index=self._index, logprobs=logprobs, include_usage=self._include_usage,
-                                **fields)
+    def _chunk(self, logprobs: list[dict] | None = None, **fields) -> dict:
+        return formatting.chunk(self._ctx, index=self._index, logprobs=logprobs or None,
+                                include_usage=self._include_usage, **fields)
+
+
+def content_logprobs(entries: list[dict], text: str | None) -> tuple[list[dict], list[dict]]:
+    """Of a reply's logprob entries, those of the tokens that spell ``text`` (the content at their
+    start, counted in bytes), and the rest."""
+    wanted, spelled = len((text or "").encode()), 0
+    for at, entry in enumerate(entries):
+        if spelled >= wanted:
+            return entries[:at], entries[at:]
+        spelled += len(entry["bytes"]) if entry.get("bytes") is not None else len(entry["token"].encode())
+    return entries, []

@@ -72,6 +72,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "inference_platform.request_id.RequestIdMiddleware",
     "inference_platform.api_errors.ApiErrorsMiddleware",
     "dashboard.not_found.NotFoundPageMiddleware",
 ]

@@ -139,3 +139,34 @@ def test_a_reply_that_can_only_call_has_null_content_even_cut_short():
     [choice] = run("chat", events, stream=False, n=1, sampling=sampling)["choices"]
     assert choice["message"]["content"] is None and "tool_calls" not in choice["message"]
     assert choice["finish_reason"] == "length"
+
+
+def scored(index: int, *tokens: str) -> dict:
+    """A delta of ``tokens``, each with its logprob, as a worker sends them when asked."""
+    entries = [{"token": t, "bytes": list(t.encode()), "logprob": -0.5, "top": []} for t in tokens]
+    return {**delta(index, "".join(tokens), len(tokens)), "logprobs": entries}
+
+
+def test_logprobs_cover_the_content_alone_not_the_tool_calls_tokens():
+    """OpenAI's logprobs score the message's content: a call's tags and JSON are not content."""
+    sampling = {"tools": [{"name": "f", "parameters": {"type": "object"}}], "tool_choice": "auto", "logprobs": True}
+    call_tokens = [CALL[i:i + 7] for i in range(0, len(CALL), 7)]
+    events = [EVENTS[0], scored(0, "Let", " me", " check."), scored(0, *call_tokens[:3]),
+              scored(0, *call_tokens[3:]), finished("stop")]
+    [choice] = run("chat", events, stream=False, n=1, sampling=sampling)["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"]
+    content = choice["message"]["content"]
+    assert "".join(e["token"] for e in choice["logprobs"]["content"]) == content
+    assert content.startswith("Let me check")
+
+    chunks = run("chat", events, stream=True, n=1, sampling=sampling)
+    streamed = [c for chunk in chunks for c in chunk["choices"]]
+    texts = "".join(c["delta"].get("content") or "" for c in streamed)
+    tokens = "".join(e["token"] for c in streamed if c["logprobs"] for e in c["logprobs"]["content"])
+    assert tokens == texts and texts.startswith("Let me check")
+    assert all(c["logprobs"] is None for c in streamed if c["delta"].get("tool_calls"))
+
+    only = {**sampling, "tool_choice": "required"}
+    events = [EVENTS[0], scored(0, *call_tokens), finished("stop")]
+    [choice] = run("chat", events, stream=False, n=1, sampling=only)["choices"]
+    assert choice["message"]["content"] is None and choice["logprobs"] == {"content": [], "refusal": None}

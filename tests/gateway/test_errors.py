@@ -289,8 +289,12 @@ def test_openais_parameters_that_ask_for_nothing_are_accepted():
                               store=False, metadata={"team": "search"}, service_tier="auto", modalities=["text"],
                               prompt_cache_key="conversation-42", safety_identifier="user-hash",
                               verbosity="medium", reasoning_effort="none", audio=None, prediction=None,
+                              web_search_options=None, prompt_cache_retention="24h",
                               stream=True, stream_options={"include_usage": True, "include_obfuscation": False}))
     assert request.messages == [{"role": "user", "content": "Hi"}] and request.include_usage
+    # An assistant's refusal, replayed as OpenAI returned it, is what it said.
+    refused = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]}
+    assert parse_chat(chat(messages=[ASK, refused, ASK])).messages[1]["content"] == "I can't help with that."
     # Tools the model may not call: their definitions change nothing.
     parse_chat(chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none"))
     # Calls answered, then the conversation goes on.
@@ -308,6 +312,13 @@ def test_an_unsupported_value_says_so_and_what_is_accepted(client, seeded, org_k
     error = post(client, CHAT, chat(reasoning_effort="low"), key=plaintext).json()["error"]
     assert (error["code"], error["param"]) == ("unsupported_value", "reasoning_effort")
     assert error["message"].endswith('leave it out or send "none"'), error
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    subset = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": tools}}
+    error = post(client, CHAT, chat(tools=tools, tool_choice=subset), key=plaintext).json()["error"]
+    assert (error["code"], error["param"]) == ("unsupported_value", "tool_choice")
+    error = post(client, CHAT, chat(messages=[{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}]),
+                 key=plaintext).json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_value", "messages[0].content[0]")  # a user's: no
     error = post(client, CHAT, chat(audio={"voice": "alloy", "format": "mp3"}), key=plaintext).json()["error"]
     assert error["code"] == "unsupported_value" and error["message"].endswith("leave it out"), error
     response = post(client, COMPLETIONS, {"model": "smollm2-135m-instruct", "prompt": "x", "suffix": "y"}, key=plaintext)
@@ -482,3 +493,18 @@ def test_a_responses_json_schema_format_is_checked_in_its_own_words(fmt, param, 
     assert (refused.value.status, refused.value.param) == (400, param)
     assert said in refused.value.message and "json_schema." not in refused.value.message, refused.value.message
 
+
+
+def test_every_api_response_names_itself_in_x_request_id(client, seeded, org_key):
+    """As OpenAI's do: a client quotes it in a support ticket (the openai package's _request_id)."""
+    _, _, plaintext = org_key()
+    auth = {"HTTP_AUTHORIZATION": f"Bearer {plaintext}"}
+    seen = set()
+    for path in ("/v1/files", "/v1/batches", "/v1/models", "/v1/no-such-endpoint"):
+        response = client.get(path, **auth)
+        assert response["x-request-id"].startswith("req_") and response["x-request-id"] not in seen, path
+        seen.add(response["x-request-id"])
+    assert client.get("/v1/models")["x-request-id"].startswith("req_")  # refused (no key): named too
+    assert "x-request-id" not in client.get("/login/")  # the dashboard's pages are not the API
+    response = post(client, CHAT, chat(n=0), key=plaintext)  # an inference request: its completion id
+    assert response["x-request-id"].startswith("chatcmpl-")

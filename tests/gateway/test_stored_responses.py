@@ -341,3 +341,19 @@ def test_include_or_top_logprobs_asks_for_logprobs():
     assert sampling(include=["message.output_text.logprobs"])["logprobs"] is True
     assert sampling(top_logprobs=3)["top_logprobs"] == 3 and sampling(top_logprobs=3)["logprobs"] is True
     assert not sampling(include=["reasoning.encrypted_content"]).get("logprobs")
+
+
+def test_what_asks_for_nothing_is_accepted_and_reasoning_as_a_response_repeats_it():
+    """SDKs and frameworks send these at their neutral values (null), and replay ``reasoning`` as
+    a response shows it."""
+    body = {"model": "m", "input": "Hi", "reasoning": {"effort": None, "summary": None}, "conversation": None,
+            "prompt": None, "context_management": None, "prompt_cache_retention": "in_memory"}
+    assert parse_response_request(body).inference.messages == [{"role": "user", "content": "Hi"}]
+    parse_response_request({"model": "m", "input": "Hi", "reasoning": {"effort": "none"}})
+    for reasoning in ({"effort": "high"}, {"summary": "auto"}, "low"):
+        with pytest.raises(ApiError) as refused:
+            parse_response_request({"model": "m", "input": "Hi", "reasoning": reasoning})
+        assert (refused.value.param, refused.value.code) == ("reasoning", "unsupported_value")
+    with pytest.raises(ApiError) as refused:
+        parse_response_request({"model": "m", "input": "Hi", "conversation": "conv_1"})
+    assert (refused.value.param, refused.value.code) == ("conversation", "unsupported_value")
