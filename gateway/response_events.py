@@ -51,7 +51,7 @@ class ResponseBuilder:
 
     def feed(self, event: dict) -> list[dict]:
         """Events for one worker ``inference.delta``. Its tokens' logprobs (when asked for) go with
-        its text; with tools, with its first piece of text (none when it wrote only a call)."""
+        its text; with tools, those of the tokens that spell its text (a call's are not text)."""
         logprobs = formatting.chat_logprobs(event["logprobs"])["content"] if event.get("logprobs") else []
         if self._reader is None:
             return self._text(event["text"], logprobs)
@@ -125,9 +125,10 @@ class ResponseBuilder:
         out = []
         for piece in pieces:
             if piece[0] == "text":
-                out += self._text(piece[1], logprobs)
-                logprobs = []
+                spelled, logprobs = tools.content_logprobs(logprobs, piece[1])
+                out += self._text(piece[1], spelled)
             elif piece[0] == "call":
+                logprobs = []  # its tags and what came before them in this delta
                 out += self._close(status="completed")
                 item = {"id": _id("fc"), "type": "function_call", "status": "in_progress", "call_id": piece[2],
                         "name": piece[3], "arguments": ""}
