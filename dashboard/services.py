@@ -70,11 +70,27 @@ def sign_up(*, email: str, password: str, name: str = "", organization_name: str
     return user
 
 
+CONFIRMATION_EVERY_S = 60  # at most one confirmation email a minute per user: "Send it again" floods nobody
+
+
+def confirmation_key(user: User) -> str:
+    return f"email-confirmation-sent:{user.pk}"
+
+
 def send_email_confirmation(*, user: User, link_for: Callable[[str, str], str]) -> None:
     """Mail ``user`` the link that confirms their address (``link_for(uid, token)``); DashboardError
-    when the mail cannot be sent."""
+    when the mail cannot be sent, or one was sent less than CONFIRMATION_EVERY_S ago."""
+    from django.core.cache import cache
+
     from accounts.email_verification import link_parts
 
+    try:
+        fresh = cache.add(confirmation_key(user), 1, timeout=CONFIRMATION_EVERY_S)
+    except Exception:  # the cache down: send, unthrottled, rather than not at all
+        fresh = True
+    if not fresh:
+        raise DashboardError(f"A link went to {user.email} less than a minute ago: look for it (in the spam folder "
+                             "too), or ask again in a minute.")
     credit = settings.BILLING_SIGNUP_CREDIT
     why = f" and receive your ${credit:,.2f} sign-up credit" if credit > 0 else ""
     try:
