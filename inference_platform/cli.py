@@ -608,6 +608,28 @@ def cmd_createkey(args) -> int:
     return 0
 
 
+def cmd_import_model(args) -> int:
+    settings = setup_django()
+    require_database(settings)
+    require_migrated()
+    from models_catalog.errors import ModelImportError
+    from workers.model_import import import_model
+
+    prices = {field: getattr(args, field) for field in IMPORT_PRICES if getattr(args, field) is not None}
+    try:
+        model = import_model(path=args.path, slug=args.slug, display_name=args.display_name,
+                             description=args.description, **prices)
+    except ModelImportError as exc:
+        raise Abort(exc.message) from None
+    print(f"imported {model.slug}: {model.architecture}, {model.parameter_count:,} parameters, "
+          f"{model.quantization}, context {model.context_length}")
+    return 0
+
+
+# The catalog's PRICE_FIELDS, named here: the parser is built before Django is set up.
+IMPORT_PRICES = ("price_input_per_mtok", "price_cached_input_per_mtok", "price_output_per_mtok", "price_per_request")
+
+
 # What an operator most often sets; the README's Settings lists every one.
 SETTINGS_EPILOG = """settings (environment variables; the README's Settings section lists them all):
   DATA_DIR       SQLite file, embedded Redis socket, logs, the saved key (default: .data in the checkout)
@@ -680,6 +702,23 @@ def build_parser() -> argparse.ArgumentParser:
                            help=f"comma-separated scopes among inference, read_usage, manage (default {','.join(DEFAULT_SCOPES)})")
     createkey.add_argument("--name", default="cli", help="a name for the key (default 'cli')")
     createkey.set_defaults(func=cmd_createkey)
+
+    imports = sub.add_parser(
+        "import-model", help="add a GGUF file or a Hugging Face safetensors folder to the catalog",
+        description="Add the weights at PATH (under MODELS_ROOT) to the catalog, reading their architecture, size, "
+                    "quantization and context length; refused, with the reason, when the engine could not run them "
+                    "(an unsupported architecture, no tokenizer, a file cut short). Deploy it from the dashboard or "
+                    "with POST /v1/deployments.",
+        epilog=SETTINGS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    imports.add_argument("path", help="the weights file or folder, absolute or relative to MODELS_ROOT")
+    imports.add_argument("--slug", default=None, help="catalog slug (default: from the file name)")
+    imports.add_argument("--display-name", default=None, help="name shown in the catalog (default: from the file)")
+    imports.add_argument("--description", default="", help="description shown in the catalog")
+    for field in IMPORT_PRICES:
+        imports.add_argument(f"--{field.replace('_', '-')}", dest=field, default=None,
+                             help=f"USD {'per request' if field == 'price_per_request' else 'per million tokens'} "
+                                  "(default 0; at most 6 decimal places)")
+    imports.set_defaults(func=cmd_import_model)
     return parser
 
 

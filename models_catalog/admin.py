@@ -24,7 +24,7 @@ class CatalogModelAdmin(admin.ModelAdmin):
     readonly_fields = ["architecture", "parameter_count", "quantization", "context_length", "weights_path", "created_at"]
     fieldsets = (
         (None, {"fields": ("slug", "display_name", "description", "license", "is_active")}),
-        ("Weights (read from the file; add models with `manage.py import_model PATH`)",
+        ("Weights (read from the file; add models with `inference-platform import-model PATH`)",
          {"fields": ("weights_path", "architecture", "parameter_count", "quantization", "context_length")}),
         ("Prices (USD)", {"fields": ("price_input_per_mtok", "price_cached_input_per_mtok", "price_output_per_mtok",
                                      "price_per_request")}),

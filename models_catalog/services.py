@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
+from typing import Callable
 
 from django.conf import settings as django_settings
-from django.db import IntegrityError, transaction
+from django.db import DataError, IntegrityError, transaction
 from django.utils import timezone
 from django.utils.text import slugify
 
@@ -16,7 +18,7 @@ from accounts.models import Organization
 from inference_platform import read_cache
 
 from .errors import DeploymentNotFound, InvalidCatalogModel, InvalidDeployment, ModelImportError
-from .models import DEPLOYMENT_NAME_PATTERN, CatalogModel, Deployment
+from .models import DEPLOYMENT_NAME_PATTERN, PRICE_FIELD, CatalogModel, Deployment
 from .selectors import deployment_name_taken
 from .weights import inspect_weights, models_root, path_under_models_root
 
@@ -264,12 +266,19 @@ def delete_deployment(*, deployment: Deployment) -> None:
 
 
 def _price(field: str, value) -> Decimal:
+    """``value`` as the catalog stores it, or ModelImportError: never rounded or cut silently (a
+    price of 0.00000001 stored as 0 would make a model free)."""
     try:
         price = Decimal(str(value))
     except (InvalidOperation, ValueError):
         raise ModelImportError(f"{field}: not a price: {value!r}") from None
     if not price.is_finite() or price < 0:
         raise ModelImportError(f"{field}: a price must be a non-negative amount in USD")
+    places = PRICE_FIELD["decimal_places"]
+    if price >= Decimal(10) ** (PRICE_FIELD["max_digits"] - places):
+        raise ModelImportError(f"{field}: {value} is too large (less than 10^{PRICE_FIELD['max_digits'] - places})")
+    if price != price.quantize(Decimal(1).scaleb(-places)):
+        raise ModelImportError(f"{field}: {value} has more than {places} decimal places")
     return price
 
 
@@ -287,11 +296,13 @@ PRICE_FIELDS = ("price_input_per_mtok", "price_cached_input_per_mtok", "price_ou
 
 def import_model(
     *, path: str | Path, slug: str | None = None, display_name: str | None = None, description: str = "",
-    is_active: bool = True, **prices,
+    is_active: bool = True, check: Callable[[Path], int] | None = None, **prices,
 ) -> CatalogModel:
     """Adds the GGUF file or safetensors folder at ``path`` (absolute, or relative to MODELS_ROOT) to
     the catalog, filled from its metadata. Raises ModelImportError and writes nothing when the path
-    leads outside MODELS_ROOT or the weights cannot be read."""
+    leads outside MODELS_ROOT or the weights cannot be read. ``check(path)``: raises
+    ModelImportError for weights the engine cannot run, else returns the context length it runs
+    them with (``workers.services.import_model`` passes the engine's)."""
     unknown = set(prices) - set(PRICE_FIELDS)
     if unknown:
         raise ModelImportError(f"unknown field {sorted(unknown)[0]!r}")
@@ -300,6 +311,8 @@ def import_model(
     if not resolved.exists():
         raise ModelImportError(f"{path}: no such file or folder under MODELS_ROOT")
     info = inspect_weights(resolved)
+    if check is not None:
+        info = dataclasses.replace(info, context_length=check(resolved))
     stored_path = str(resolved.relative_to(models_root()))
     existing = CatalogModel.objects.filter(weights_path=stored_path).first()
     if existing is not None:
@@ -326,7 +339,7 @@ def import_model(
                 is_active=is_active,
                 **cleaned_prices,
             )
-    except IntegrityError as exc:
+    except (IntegrityError, DataError) as exc:  # DataError: a figure the database cannot hold
         raise ModelImportError(f"cannot add {stored_path} to the catalog: {exc}") from None
 
 

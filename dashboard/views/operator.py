@@ -9,8 +9,8 @@ from django.views.decorators.http import require_GET, require_http_methods
 
 from billing.selectors import refused_usage_events
 from models_catalog.errors import ModelImportError
-from models_catalog.services import import_model
 from models_catalog.weights import models_root
+from workers.model_import import import_model
 
 from .. import selectors
 from ..forms import ImportModelForm

@@ -158,3 +158,16 @@ def test_the_management_command_imports_and_reports_errors(models_root, gguf_cop
     assert CatalogModel.objects.get().price_output_per_mtok == Decimal("0.2")
     with pytest.raises(CommandError, match="MODELS_ROOT"):
         call_command("import_model", "/etc/passwd")
+
+
+@pytest.mark.parametrize("price, said", [("1e400", "too large"), ("12345678901234567.5", "too large"),
+                                         ("0.00000001", "more than 6 decimal places"), ("-1", "non-negative"),
+                                         ("NaN", "non-negative")])
+def test_a_price_the_catalog_cannot_hold_exactly_is_refused_not_rounded(models_root, gguf_copy, price, said):
+    """0.00000001 stored as 0 made the model free; 1e400 broke every catalog page afterwards."""
+    place(gguf_copy, models_root)
+    with pytest.raises(ModelImportError, match=said):
+        import_model(path="smol.gguf", price_output_per_mtok=price)
+    assert not CatalogModel.objects.exists()
+    model = import_model(path="smol.gguf", price_output_per_mtok="9999999999.999999")  # the largest it holds
+    assert CatalogModel.objects.get(pk=model.pk).price_output_per_mtok == Decimal("9999999999.999999")

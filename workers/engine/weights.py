@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,15 +60,10 @@ def hf_name_for_gguf(name: str) -> str | None:
     return None
 
 
-def read_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> GGUFContents:
-    """Read a GGUF file: its metadata and its tensors dequantized to ``dtype``.
-
-    llama.cpp's converter permutes the rows of Llama-architecture Q/K projections for its own RoPE
-    layout; they are permuted back here so the math is the one transformers runs.
-    """
+def _gguf_reader(path: Path):
+    """The file's reader and its key/value metadata; WeightsError for a file that is no GGUF."""
     import gguf
 
-    path = Path(path)
     if not path.is_file():
         raise WeightsError(f"no GGUF file at {path}")
     try:
@@ -77,7 +73,25 @@ def read_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) ->
     except Exception as exc:  # the reader raises bare ValueErrors, IndexErrors, struct errors...
         raise WeightsError(f"{path.name} is not a readable GGUF file (truncated or corrupt?): {exc}"
                            ) from exc
+    return reader, metadata
 
+
+def read_gguf_metadata(path: str | os.PathLike) -> tuple[dict, list[str]]:
+    """A GGUF file's metadata and the Hugging Face names of its tensors, without reading them."""
+    reader, metadata = _gguf_reader(Path(path))
+    return metadata, [name for t in reader.tensors if (name := hf_name_for_gguf(t.name)) is not None]
+
+
+def read_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> GGUFContents:
+    """Read a GGUF file: its metadata and its tensors dequantized to ``dtype``.
+
+    llama.cpp's converter permutes the rows of Llama-architecture Q/K projections for its own RoPE
+    layout; they are permuted back here so the math is the one transformers runs.
+    """
+    import gguf
+
+    path = Path(path)
+    reader, metadata = _gguf_reader(path)
     arch = metadata.get("general.architecture")
     if arch not in ("llama", "mistral", "qwen2"):
         raise UnsupportedModelError(f"{path.name}: unsupported GGUF architecture {arch!r}")
@@ -126,26 +140,48 @@ def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, half, 2, *rest).swapaxes(1, 2).reshape(weight.shape)
 
 
+def safetensors_files(folder: Path) -> list[Path]:
+    """A Hugging Face folder's weight files: every shard its index names (each must be there), or
+    its ``*.safetensors``."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise WeightsError(f"no *.safetensors files in {folder}")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            wanted = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise WeightsError(f"{index.name} is not a shard index: {exc}") from exc
+        missing = sorted(wanted - {f.name for f in files})
+        if missing:
+            raise WeightsError(f"{folder}: shards named in {index.name} are missing: {missing}")
+        files = [folder / name for name in sorted(wanted)]
+    return files
+
+
+def check_safetensors_file(path: Path) -> None:
+    """WeightsError unless the file holds every byte its header promises (a copy cut short fails
+    here, not when a worker loads it)."""
+    try:
+        with open(path, "rb") as handle:
+            (header_size,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(header_size))
+        end = max((info["data_offsets"][1] for name, info in header.items() if name != "__metadata__"), default=0)
+    except (OSError, struct.error, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise WeightsError(f"{path.name} is not a readable safetensors file: {exc}") from exc
+    needed, size = 8 + header_size + int(end), path.stat().st_size
+    if size < needed:
+        raise WeightsError(f"{path.name} is cut short: {size:,} bytes of the {needed:,} its header describes")
+
+
 def read_safetensors_folder(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32
                             ) -> dict[str, torch.Tensor]:
     """Every tensor of a Hugging Face folder's ``*.safetensors`` files, converted to ``dtype``."""
     from safetensors import SafetensorError
     from safetensors.torch import safe_open
 
-    folder = Path(path)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise WeightsError(f"no *.safetensors files in {folder}")
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        # A sharded checkpoint: every shard its index names must be there.
-        wanted = set(json.loads(index.read_text())["weight_map"].values())
-        missing = sorted(wanted - {f.name for f in files})
-        if missing:
-            raise WeightsError(f"{folder}: shards named in {index.name} are missing: {missing}")
-        files = [folder / name for name in sorted(wanted)]
     tensors: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file in safetensors_files(Path(path)):
         try:
             with safe_open(file, framework="pt") as handle:
                 for name in handle.keys():

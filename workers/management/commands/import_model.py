@@ -1,13 +1,15 @@
 from django.core.management.base import BaseCommand, CommandError
 
 from models_catalog.errors import ModelImportError
-from models_catalog.services import PRICE_FIELDS, import_model
+from models_catalog.services import PRICE_FIELDS
+from workers.model_import import import_model
 
 
 class Command(BaseCommand):
     help = (
         "Add a GGUF file or a Hugging Face safetensors folder under MODELS_ROOT to the catalog, "
-        "reading its architecture, parameter count, quantization and context length from the file."
+        "reading its architecture, parameter count, quantization and context length from the file; refused, "
+        "with the reason, when the engine could not run it."
     )
 
     def add_arguments(self, parser):
