@@ -468,6 +468,8 @@ def importable_weights(*, root: Path, limit: int = 50) -> list[str]:
     for path in sorted(root.rglob("*")):
         if len(found) >= limit:
             break
+        if not path.resolve().is_relative_to(root.resolve()):
+            continue  # a link leading out: the import would refuse it
         if path.is_file() and path.suffix.lower() == ".gguf":
             relative = str(path.relative_to(root))
         elif path.is_dir() and (path / "config.json").is_file():

@@ -35,7 +35,8 @@ if HTTPS:
     SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 3600, minimum=0)
 
 if not DEBUG:
-    if (problem := secret_key_problem(SECRET_KEY, DEFAULT_SECRET_KEY)) is not None:
+    # Unset reads as unset, not as the development default it falls back to.
+    if (problem := secret_key_problem(env_str("SECRET_KEY"), DEFAULT_SECRET_KEY)) is not None:
         raise ImproperlyConfigured(problem)
     if not ALLOWED_HOSTS:
         raise ImproperlyConfigured(

@@ -167,7 +167,8 @@ def _save_settings(deployment: Deployment, changes: dict) -> set[str]:
             raise InvalidDeployment(fixed, f"The {fixed} of a deployment cannot be changed: create a new one.")
     cleaned = _clean_settings(changes)
     if deployment.organization_id is not None and cleaned.get("is_public"):
-        raise InvalidDeployment("is_public", "Only the operator can publish a deployment to every organization.")
+        raise InvalidDeployment("is_public", "An organization's deployment cannot be made public: only the "
+                                             "operator's own deployments (created public) serve every organization.")
     with transaction.atomic():
         locked = Deployment.objects.select_for_update().filter(pk=deployment.pk).first()
         if locked is None:  # deleted meanwhile

@@ -66,8 +66,11 @@ def test_operators_import_a_model_from_the_models_root(client, acme, settings, t
         os.link(_bundled_gguf(), target)
     except OSError:
         shutil.copyfile(_bundled_gguf(), target)
+    (tmp_path / "elsewhere.gguf").write_bytes(b"GGUF")
+    (root / "linked-out.gguf").symlink_to(tmp_path / "elsewhere.gguf")
     page = client.get("/operator/models/import/").content.decode()
     assert "smol.gguf" in page  # offered from the models folder
+    assert "linked-out.gguf" not in page  # a link leading out of it: the import would refuse it
     response = client.post("/operator/models/import/", {"path": "../outside.gguf"})
     assert response.status_code == 200 and "is not allowed in a model path" in response.content.decode()
     response = client.post("/operator/models/import/", {"path": "smol.gguf", "slug": "smol",

@@ -193,6 +193,13 @@ def test_shared_deployments_are_readable_by_all_and_changed_by_operators_only(cl
                             content_type="application/json")
     assert published.status_code == 201 and published.json()["owned_by"] == "system" and published.json()["public"]
     assert Deployment.objects.get(name="for-everyone").organization is None
+    # Nobody can make an organization's deployment public, and the refusal says so (not "only the
+    # operator can", which the operator was told for their own organization's).
+    own = create_deployment(organization=acme.organization, model=model, name="acme-own")
+    refused = client.patch(f"/v1/deployments/{own.name}", {"is_public": True}, content_type="application/json",
+                           headers=acme.headers)
+    assert refused.status_code == 400 and "organization's deployment cannot be made public" in \
+        refused.json()["error"]["message"]
 
 
 def test_the_dashboard_session_uses_its_organization(client, acme, globex, model):

@@ -66,7 +66,7 @@ HOW_TO_MAKE_A_KEY = "python -c 'import secrets; print(secrets.token_urlsafe(50))
 
 
 @pytest.mark.parametrize("secret_key,says", [
-    (None, "placeholder"),  # unset: the development default
+    (None, "SECRET_KEY is not set"),  # unset: not "the placeholder", the development default it falls back to
     ("", "SECRET_KEY is not set"),
     ("   ", "SECRET_KEY is not set"),
     ("s3cr3t-but-short", "too short: 16 characters, needs 32 or more"),
