@@ -685,7 +685,8 @@ def build_parser() -> argparse.ArgumentParser:
     beat = sub.add_parser("beat", help="run the periodic tasks (Celery beat): the fleet's placement loop, the purge of old stored responses",
                           description="Start Celery beat, which runs the placement loop (workers.fleet_tick) every "
                                       "FLEET_TICK_SECONDS: heartbeats checked, deployments placed, idle ones scaled "
-                                      "to zero. Run exactly one.")
+                                      "to zero. Run exactly one.",
+                          epilog=SETTINGS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     beat.set_defaults(func=cmd_beat)
 
     createkey = sub.add_parser(
