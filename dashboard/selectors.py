@@ -460,24 +460,42 @@ def fleet_workers(*, timeout: float = 1.0) -> tuple[list[dict], str | None]:
 
 def importable_weights(*, root: Path, limit: int = 50) -> list[str]:
     """GGUF files and Hugging Face folders (with config.json) under the models root that are not in
-    the catalog yet, as paths relative to the root."""
+    the catalog yet, as paths relative to the root, in path order. The walk stops at ``limit`` and
+    does not go into a candidate folder (its files are one model) nor into hidden folders: a
+    large models volume is not read whole for one page."""
     if not root.is_dir():
         return []
     known = set(CatalogModel.objects.values_list("weights_path", flat=True))
-    found = []
-    for path in sorted(root.rglob("*")):
-        if len(found) >= limit:
-            break
-        if not path.resolve().is_relative_to(root.resolve()):
-            continue  # a link leading out: the import would refuse it
-        if path.is_file() and path.suffix.lower() == ".gguf":
-            relative = str(path.relative_to(root))
-        elif path.is_dir() and (path / "config.json").is_file():
-            relative = str(path.relative_to(root))
-        else:
-            continue
+    resolved_root = root.resolve()
+    found: list[str] = []
+    visited: set[Path] = set()  # folders by where they lead: a link back up is not walked again
+
+    def visit(folder: Path) -> None:
+        if folder.resolve() in visited:
+            return
+        visited.add(folder.resolve())
+        for path in sorted(folder.iterdir()):
+            if len(found) >= limit:
+                return
+            if path.name.startswith(".") or not path.resolve().is_relative_to(resolved_root):
+                continue  # hidden, or a link leading out (the import would refuse it)
+            if path.is_dir():
+                if (path / "config.json").is_file():
+                    offer(path)
+                else:
+                    visit(path)
+            elif path.suffix.lower() == ".gguf":
+                offer(path)
+
+    def offer(path: Path) -> None:
+        relative = str(path.relative_to(root))
         if relative not in known:
             found.append(relative)
+
+    try:
+        visit(root)
+    except OSError:  # a folder that cannot be read: what was found so far
+        pass
     return found
 
 
