@@ -21,7 +21,10 @@ class CatalogModelAdmin(admin.ModelAdmin):
                     "price_input_per_mtok", "price_output_per_mtok", "price_per_request", "is_active"]
     list_filter = ["is_active", "architecture", "quantization"]
     search_fields = ["slug", "display_name", "description"]
-    readonly_fields = ["architecture", "parameter_count", "quantization", "context_length", "weights_path", "created_at"]
+    # The slug is the model's name in every usage record and in billing events still queued: renaming
+    # it would split its history (and refuse those events). Import the weights again under a new one.
+    readonly_fields = ["slug", "architecture", "parameter_count", "quantization", "context_length", "weights_path",
+                       "created_at"]
     fieldsets = (
         (None, {"fields": ("slug", "display_name", "description", "license", "is_active")}),
         ("Weights (read from the file; add models with `inference-platform import-model PATH`)",
