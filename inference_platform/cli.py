@@ -84,11 +84,19 @@ def lock_data_dir(data_dir: Path):
     return handle
 
 
-def require_database(settings) -> None:
+def require_database(settings, *, existing: bool = False) -> None:
+    """Abort unless the database answers. ``existing``: a command that only uses a database `up`
+    made: an SQLite file that is not there is said so, not created empty by the check."""
     from django.db import connection
 
     from .env import redact_url
     from .readiness import check_database
+
+    if existing and connection.vendor == "sqlite":
+        name = Path(settings.DATABASES["default"]["NAME"])
+        if not name.exists():
+            raise Abort(f"there is no database at {name} yet: run `inference-platform up` first (it creates and "
+                        "migrates it), or set DATA_DIR or DATABASE_URL to the platform's")
 
     result = check_database(connection)
     if not result["ok"]:
@@ -598,7 +606,7 @@ def cmd_worker(args) -> int:
 
 def cmd_createkey(args) -> int:
     settings = setup_django()
-    require_database(settings)
+    require_database(settings, existing=True)
     require_migrated()
     scopes = [scope.strip() for scope in args.scopes.split(",") if scope.strip()]
     raw, notes = make_api_key(org_name=args.org, email=args.email, scopes=scopes, name=args.name)
@@ -610,7 +618,7 @@ def cmd_createkey(args) -> int:
 
 def cmd_import_model(args) -> int:
     settings = setup_django()
-    require_database(settings)
+    require_database(settings, existing=True)
     require_migrated()
     from models_catalog.errors import ModelImportError
     from workers.model_import import import_model

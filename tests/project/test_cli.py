@@ -411,3 +411,12 @@ def test_out_of_range_fleet_settings_are_named_at_start(name, value):
     result = run_cli("createkey", env_overrides={name: value})
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert name in result.stderr
+
+
+@pytest.mark.parametrize("command", [["createkey"], ["import-model", "some.gguf"]])
+def test_a_command_on_a_data_folder_up_never_made_says_so_and_leaves_no_empty_database(tmp_path, command):
+    fresh = tmp_path / "fresh"
+    result = run_cli(*command, env_overrides={"DATA_DIR": str(fresh), "DATABASE_URL": "", "REDIS_URL": ""})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "run `inference-platform up` first" in result.stderr, result.stderr
+    assert not (fresh / "db.sqlite3").exists()
