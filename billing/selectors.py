@@ -13,6 +13,7 @@ from datetime import date, datetime, time, timedelta, timezone
 from decimal import Decimal
 from typing import Iterable, Iterator
 
+from django.conf import settings
 from django.db import connection
 from django.db.models import Aggregate, Count, F, IntegerField, QuerySet, Sum, Value
 from django.db.models.functions import Coalesce, TruncDay, TruncHour
@@ -178,6 +179,9 @@ def quota_refusal(*, organization: Organization, api_key: ApiKey | None = None) 
     if figures.balance <= 0:
         remedy = ("Top up your credits on the dashboard's billing page to continue." if card_topups_enabled() else
                   "Card top-ups are not set up on this platform: ask its operator to credit your organization.")
+        if (founder := _unconfirmed_founder(organization)) is not None:  # new, not spent: say what comes
+            return (f"Your organization has no credit yet: its sign-up credit comes once {founder} confirms their "
+                    f"email address (the link mailed at sign-up). {remedy}")
         return f"You exceeded your current quota: your credit balance is {figures.balance} USD. {remedy}"
     if figures.monthly_limit is not None and figures.monthly_spend >= figures.monthly_limit:
         return (f"You reached your organization's monthly spend limit ({figures.monthly_limit} USD; spent "
@@ -190,6 +194,17 @@ def quota_refusal(*, organization: Organization, api_key: ApiKey | None = None) 
         if figures.key_token_limit is not None and spend.tokens >= figures.key_token_limit:
             return f"This API key reached its token limit ({figures.key_token_limit} tokens; used {spend.tokens})."
     return None
+
+
+def _unconfirmed_founder(organization: Organization) -> str | None:
+    """The email of the organization's founder (its first owner) while their sign-up credit waits for
+    them to confirm it (``billing.services.grant_signup_credit``); None otherwise."""
+    if settings.BILLING_SIGNUP_CREDIT <= 0 or \
+            LedgerEntry.objects.filter(organization=organization, kind=LedgerEntry.Kind.SIGNUP_CREDIT).exists():
+        return None
+    founder = (Membership.objects.filter(organization=organization, role=Membership.Role.OWNER)
+               .order_by("created_at", "id").values("user__email", "user__email_verified_at").first())
+    return founder["user__email"] if founder and founder["user__email_verified_at"] is None else None
 
 
 def ledger_page(*, organization: Organization, limit: int, after: int | None = None,

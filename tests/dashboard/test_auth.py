@@ -30,6 +30,8 @@ def test_sign_up_creates_the_user_and_their_organization_whose_credit_waits_for_
     page = client.get("/").content.decode()
     assert "Analytical Engines" in page and "Good to see you, Ada Lovelace" in page
     assert 'id="email-unconfirmed"' in page and "$5.00 sign-up credit" in page
+    # Requests are refused meanwhile, saying why: nothing was spent, the credit waits.
+    assert "no credit yet: its sign-up credit comes once ada@example.com confirms" in page
     [sent] = mail.outbox
     assert sent.to == ["ada@example.com"] and "$5.00 sign-up credit" in sent.body
 
@@ -40,7 +42,8 @@ def test_sign_up_creates_the_user_and_their_organization_whose_credit_waits_for_
     client.get(link)  # once
     assert balance(organization=membership.organization) == Decimal("5.000000")
     client.post("/login/", {"username": "ada@example.com", "password": PASSWORD})
-    assert 'id="email-unconfirmed"' not in client.get("/").content.decode()
+    page = client.get("/").content.decode()
+    assert 'id="email-unconfirmed"' not in page and 'id="quota-refusal"' not in page
 
 
 def test_a_confirmation_link_confirms_only_its_own_address(client, db):
