@@ -185,8 +185,12 @@ class _Delta:
 
     def __call__(self, out) -> dict:
         tokenizer, sampling = self.tokenizer, self.sampling
+        entries = out.logprobs
+        stop_entry = getattr(out, "stop_token_logprob", None)
+        if stop_entry is not None and self.prompt is not None:  # a completion lists its stop token (OpenAI's do)
+            entries = [*(entries or []), stop_entry]
         delta = {"type": "inference.delta", "index": self.index, "text": out.text, "token_ids": out.token_ids,
-                 "logprobs": _logprobs(tokenizer, out.logprobs, sampling)}
+                 "logprobs": _logprobs(tokenizer, entries, sampling)}
         if out.finished:  # this answer's end, before its siblings' (the request's end waits for all)
             delta["finish_reason"] = out.finish_reason
         if getattr(out, "embedding", None) is not None:

@@ -198,6 +198,20 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(openai_client, refer
     for top, logprob in zip(logprobs.top_logprobs[1:], logprobs.token_logprobs[1:]):
         assert 1 <= len(top) <= 3 and max(top.values()) >= logprob - 1e-5
 
+    # lm-evaluation-harness's own request: one token generated, its entry last, which it drops
+    # (token_logprobs[ctxlen:-1]). A stop token or EOS ending the answer has its entry too, as in
+    # OpenAI's completions, though it adds no text: here EOS, made the one choice by logit_bias.
+    eos = reference_engine.config.eos_token_ids[0]
+    harness = openai_client.completions.create(model=DEPLOYMENT, prompt=ids, max_tokens=1, echo=True, logprobs=1,
+                                               temperature=0, logit_bias={str(eos): 100})
+    [choice] = harness.choices
+    assert choice.finish_reason == "stop" and harness.usage.completion_tokens == 1
+    assert choice.text == reference_engine.tokenizer.decode(ids)  # EOS writes nothing
+    assert len(choice.logprobs.tokens) == len(ids) + 1
+    assert choice.logprobs.tokens[-1] == reference_engine.tokenizer.token_bytes(eos).decode()
+    assert choice.logprobs.token_logprobs[:-1] == pytest.approx(logprobs.token_logprobs, abs=1e-4)
+    assert choice.logprobs.text_offset[-1] == len(choice.text)
+
     # Streamed, with an answer after the prompt: the prompt first, then the answer's tokens.
     text = "One, two, three,"
     chunks = list(openai_client.completions.create(model=DEPLOYMENT, prompt=text, max_tokens=4, echo=True,

@@ -149,6 +149,7 @@ class _Live:
     pending_ids: list[int] = field(default_factory=list)
     pending_text: str = ""
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    stop_logprob: TokenLogprob | None = None  # the entry of the stop token that ended it
     delivered: bool = False  # an output went out (the first carries the prompt's logprobs)
 
 
@@ -762,9 +763,11 @@ class Engine:
         gate = item.seq.output_gate
         if item.by_token:
             # It ends the request, so the text held back is plain text after all, and goes
-            # before this token, which adds no text nor a logprob entry (as OpenAI).
+            # before this token, which adds no text nor a logprob entry (as OpenAI's chat; its
+            # entry goes apart, for completions: ``RequestOutput.stop_token_logprob``).
             self._add_pending(live, gate.flush())
             live.pending_ids.append(item.token)
+            live.stop_logprob = item.logprob
             return None
         gate.add(item.token, item.logprob)
         guide = item.seq.guide
@@ -818,6 +821,7 @@ class Engine:
             stop_reason=seq.stop_reason if finished else None,
             error=seq.error if finished else None,
             embedding=seq.embedding if finished else None,
+            stop_token_logprob=live.stop_logprob if finished and seq.params.logprobs else None,
         )
         # The prompt's logprobs go with the first output, if whole (a request ended while its
         # prompt was being computed has some missing); a copy: a preemption recomputes them.

@@ -298,6 +298,10 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # An embedding request's (``SamplingParams.embed``), on its final output: float32 [hidden].
     embedding: Any = None
+    # On the final output of a request that asked for logprobs and ended by a stop token or EOS:
+    # that token's entry, which ``logprobs`` leaves out (it adds no text). OpenAI's completions
+    # list it (lm-evaluation-harness counts on the generated token's entry); its chat does not.
+    stop_token_logprob: TokenLogprob | None = None
 
 
 class Sequence:
