@@ -69,3 +69,16 @@ def test_a_request_ended_before_its_prompt_was_scored_hands_out_no_partial_score
     last = handle.result(timeout=120)
     assert last.finish_reason == "abort"
     assert last.prompt_logprobs is None and last.prompt_token_ids is None
+
+
+def test_a_prompt_scored_without_an_answer_may_fill_the_whole_context(bundled_model_fp32):
+    """Nothing is generated, as for an embedding: a prompt of the context's length is scored,
+    where one that asks for a token after it is refused."""
+    with Engine(bundled_model_fp32, max_batch_size=2, num_kv_blocks=32, max_model_len=48) as small:
+        ids = small.tokenizer.encode(" ".join([PROMPT] * 4))[:48]
+        scored = small.submit(ids, SamplingParams(max_tokens=0, prompt_logprobs=0)).result(timeout=120)
+        assert len(scored.prompt_logprobs) == 48 and scored.completion_tokens == 0
+        with pytest.raises(InvalidRequestError, match="no room to generate"):
+            small.submit(ids, SamplingParams(max_tokens=1, prompt_logprobs=0))
+        with pytest.raises(InvalidRequestError, match="more than this model's context"):
+            small.submit(ids + ids[:1], SamplingParams(max_tokens=0, prompt_logprobs=0))

@@ -510,10 +510,13 @@ class Engine:
         leaves no room for one token or for the max_tokens asked for, or that needs more KV blocks
         than the engine has, is refused."""
         n = len(prompt_ids)
-        if params.embed and n > self.max_model_len:  # (it generates nothing: the whole context is its)
+        # An embedding, or a prompt scored without an answer (max_tokens 0): nothing is generated,
+        # so the whole context is the prompt's.
+        generates = not (params.embed or params.max_tokens == 0)
+        if not generates and n > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt: {n} tokens are more than this model's context takes ({self.max_model_len})", param="prompt")
-        if n >= self.max_model_len and not params.embed:
+        if n >= self.max_model_len and generates:
             raise InvalidRequestError(
                 f"prompt: {n} tokens leave no room to generate in this model's context of "
                 f"{self.max_model_len} tokens", param="prompt")
