@@ -497,7 +497,9 @@ class Engine:
             if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
                        for t in ids):
                 raise InvalidRequestError(
-                    f"prompt: token ids must be integers in [0, {vocab})", param="prompt")
+                    f"prompt: token ids must be this model's own, integers in [0, {vocab}) (ids of "
+                    f"another tokenizer, such as tiktoken's, mean other text here: send the text)",
+                    param="prompt")
         else:
             raise InvalidRequestError("prompt: must be a string or a list of token ids",
                                       param="prompt")
