@@ -144,7 +144,8 @@ class _Runner:
                     return await self._record(line, exc.headers.get("x-request-id", ""), exc.status, exc.body())
                 await asyncio.sleep(wait)
                 backoff = min(60.0, backoff * 2)
-        ctx = formatting.Context(kind=self.kind, id=call.request_id, created=call.created, model=inference.model)
+        ctx = formatting.Context(kind=self.kind, id=call.request_id, created=call.created, model=inference.model,
+                                 fingerprint=call.fingerprint)
         try:
             response = await answers.collect(call, ctx)
         except ApiError as exc:

@@ -254,6 +254,7 @@ class Call:
     waiting: bool = True  # among its deployment's waiting requests (``ratelimit.leave_queue``)
     endpoint: str = ""  # the API it came through, for usage reports
     pulse: str | None = None  # this process's pulse key (``gateway.pulse``); None: a batch runner's
+    fingerprint: str | None = None  # the engine's configuration (``system_fingerprint``), once started
 
     def payload(self) -> dict:
         """The task's argument: what the worker runs, and where to send the events."""
@@ -314,6 +315,7 @@ class Call:
             self.done = True
             raise ApiError(event["status"], event["message"], param=event.get("param"), code=event.get("code"))
         self.prompt_tokens = event["prompt_tokens"]
+        self.fingerprint = event.get("fingerprint")  # None from a worker older than fingerprints
         self.stages.mark("load")  # after "queue": zero unless the worker had to load the model
 
     async def events(self):

@@ -119,7 +119,8 @@ class InferenceConsumer(AsyncWebsocketConsumer):
         try:
             call, _ = await calls.begin(inference, caller=self._current_caller, endpoint=WEBSOCKET_ENDPOINT)
             holder.append(call)
-            ctx = formatting.Context(kind=inference.kind, id=call.request_id, created=call.created, model=inference.model)
+            ctx = formatting.Context(kind=inference.kind, id=call.request_id, created=call.created, model=inference.model,
+                                     fingerprint=call.fingerprint)
             async for chunk in stream_chunks(call, ctx, inference.include_usage):
                 if not await self._send({**chunk, "request_id": request_id}):
                     return  # the client is gone: the request is cancelled below

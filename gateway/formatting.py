@@ -22,6 +22,7 @@ class Context:
     id: str
     created: int
     model: str
+    fingerprint: str | None = None  # the engine's (``Call.fingerprint``); None: the platform's own
 
     @property
     def object(self) -> str:
@@ -30,7 +31,7 @@ class Context:
     def envelope(self, *, chunk: bool) -> dict:
         obj = "chat.completion.chunk" if chunk and self.kind == "chat" else self.object
         envelope = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                    "system_fingerprint": SYSTEM_FINGERPRINT}
+                    "system_fingerprint": self.fingerprint or SYSTEM_FINGERPRINT}
         if self.kind == "chat":  # the tier that served it, as OpenAI says (one tier here)
             envelope["service_tier"] = "default"
         return envelope

@@ -57,7 +57,8 @@ async def _inference(request, parse, kind: str):
             request.headers.get("Authorization"), lambda caller: parse(read_json(request)), kind=kind)
     except ApiError as exc:
         return exc.response()
-    ctx = formatting.Context(kind=inference.kind, id=call.request_id, created=call.created, model=inference.model)
+    ctx = formatting.Context(kind=inference.kind, id=call.request_id, created=call.created, model=inference.model,
+                             fingerprint=call.fingerprint)
     if inference.stream:
         return _event_stream(_sse(call, ctx, inference.include_usage), headers)
     return await _whole(call, answers.collect(call, ctx), headers)

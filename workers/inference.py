@@ -123,6 +123,7 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
             answers.abort()
             raise Superseded(request_id)
         _send_or_abort(send, reply, {"type": "inference.started", "prompt_tokens": answers.prompt_tokens,
+                                     "fingerprint": getattr(engine, "fingerprint", None),
                                      "worker": worker_name}, answers)
         answers.open()
         pulse = GatewayPulse(payload["gateway_pulse"]) if payload.get("gateway_pulse") else None

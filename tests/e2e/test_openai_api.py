@@ -21,7 +21,10 @@ def test_chat_greedy_equals_the_engine_run_directly(openai_client, reference_eng
     assert choice.message.content == direct.text
     assert choice.finish_reason == ("length" if direct.finish_reason == "length" else "stop")
     assert reply.object == "chat.completion" and reply.model == DEPLOYMENT and reply.id.startswith("chatcmpl-")
-    assert reply.system_fingerprint and reply.service_tier == "default"
+    assert reply.service_tier == "default"
+    # The serving engine's configuration, not a constant: a client learns when it changes.
+    from gateway.formatting import SYSTEM_FINGERPRINT
+    assert reply.system_fingerprint.startswith("fp_") and reply.system_fingerprint != SYSTEM_FINGERPRINT
     assert reply.usage.prompt_tokens == direct.prompt_tokens
     assert reply.usage.completion_tokens == direct.completion_tokens
     assert reply.usage.total_tokens == direct.prompt_tokens + direct.completion_tokens

@@ -170,3 +170,34 @@ def test_logprobs_cover_the_content_alone_not_the_tool_calls_tokens():
     events = [EVENTS[0], scored(0, *call_tokens), finished("stop")]
     [choice] = run("chat", events, stream=False, n=1, sampling=only)["choices"]
     assert choice["message"]["content"] is None and choice["logprobs"] == {"content": [], "refusal": None}
+
+
+def test_the_system_fingerprint_is_the_engines_that_answered():
+    """It says which backend configuration the answer came from (its dtype, quantization, device and
+    numerics): a client comparing seeded answers learns the backend changed."""
+    events = [{**EVENTS[0], "fingerprint": "fp_0123456789ab"}, delta(0, "Hi"), finished("stop")]
+
+    async def scenario():
+        caller = SimpleNamespace(key_id=f"test-{uuid.uuid4().hex}", org_id=f"test-{uuid.uuid4().hex}")
+        request = SimpleNamespace(sampling={}, n=1, prompts=None, extra={})
+        call = Call(caller=caller, request=request, spec={"name": "smol"}, request_id=f"cmpl-{uuid.uuid4().hex}",
+                    reply_channel=await reply_channel_with(*events), headers={}, stages=Stages(), queue_timeout=5)
+        await call.start()
+        ctx = formatting.Context(kind="chat", id=call.request_id, created=0, model="smol", fingerprint=call.fingerprint)
+        return await answers.collect(call, ctx)
+
+    assert asyncio.run(scenario())["system_fingerprint"] == "fp_0123456789ab"
+    old_worker = formatting.Context(kind="chat", id="x", created=0, model="smol")  # its start named none
+    assert old_worker.envelope(chunk=False)["system_fingerprint"] == formatting.SYSTEM_FINGERPRINT
+
+
+def test_the_fingerprint_changes_with_what_changes_the_numbers():
+    import torch
+
+    from workers.engine.engine import fingerprint
+
+    base = dict(model="smol.gguf", dtype=torch.float32, quantization=None, device="cpu")
+    assert fingerprint(**base) == fingerprint(**base)
+    others = [fingerprint(**{**base, name: value}) for name, value in
+              (("dtype", torch.bfloat16), ("quantization", "fp8"), ("device", "cuda"), ("model", "other.gguf"))]
+    assert len({fingerprint(**base), *others}) == 5

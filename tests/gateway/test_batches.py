@@ -401,7 +401,7 @@ def on_a_thread(fn, **kwargs):
 
 class _FakeCall:
     def __init__(self, request_id: str):
-        self.request_id, self.created, self.cancelled = request_id, 0, False
+        self.request_id, self.created, self.cancelled, self.fingerprint = request_id, 0, False, None
 
     async def cancel(self):
         self.cancelled = True

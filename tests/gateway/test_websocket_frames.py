@@ -106,7 +106,7 @@ def test_a_client_gone_mid_stream_ends_its_request_quietly(monkeypatch, caplog, 
     cancelled = asyncio.Event()
 
     class Streaming:
-        request_id, created = "chatcmpl-gone", 0
+        request_id, created, fingerprint = "chatcmpl-gone", 0, None
 
         async def cancel(self):
             cancelled.set()

@@ -18,6 +18,7 @@ delivered nor counted.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -256,6 +257,8 @@ class Engine:
             self.runner.warm_up()
             log.info("engine warmed up in %.2fs", time.perf_counter() - started)
         self.device_name = device_name(device)
+        self.fingerprint = fingerprint(model=loaded.path.name, dtype=dtype, quantization=quantization,
+                                       device=torch.device(device).type)
         self._memory_checked = 0.0  # when device memory was last read (for the stats)
         self._memory = device_memory(device)
         self.max_batch_size = max_batch_size
@@ -907,6 +910,20 @@ def _guarded(listener: Callable[[RequestOutput], None], request_id: str) -> Call
             log.exception("the listener of request %s failed", request_id)
 
     return put
+
+
+# Changed whenever the engine's numerics change (its kernels, its sampling): part of every
+# engine's fingerprint.
+NUMERICS_REVISION = 1
+
+
+def fingerprint(*, model: str, dtype: torch.dtype, quantization: str | None, device: str) -> str:
+    """What OpenAI's ``system_fingerprint`` says: the backend configuration the outputs came from.
+    Two engines with the same one compute the same logits for the same batch; a changed dtype
+    (which ``pick_dtype`` may choose differently on another machine), quantization, device or
+    engine revision changes it, telling a client that seeded outputs may differ."""
+    config = f"{NUMERICS_REVISION}|{model}|{str(dtype).removeprefix('torch.')}|{quantization or ''}|{device}"
+    return "fp_" + hashlib.sha256(config.encode()).hexdigest()[:12]
 
 
 def on_a_passing_thread(fn, /, *args: Any, **kwargs: Any) -> Any:
