@@ -235,22 +235,25 @@ def _bill(payload: dict, answers: choices.Choices, cancels, before_engine: float
 def _delivered(payload: dict, answers: choices.Choices, cancels, *, cancelled: bool) -> bool:
     """Whether the client got the request's output, or gave it up itself: only then is the output
     billed. A streaming client got its tokens as they came. One that waits for the whole answer
-    got nothing when the request ended any other way than as it should (stop or length) or by its
-    own cancel: the relay failed, the gateway gave up (a void cancel) or died, the worker stopped
+    gets nothing when the gateway gave up on it (a void cancel: a timeout, Redis failing), even if
+    the request ended as it should just then; nor when it ended any other way than as it should
+    (stop or length) or by its own cancel: the relay failed, the gateway died, the worker stopped
     serving the model, the engine failed. It got an error it may retry, and must not pay twice."""
+    from redis.exceptions import RedisError
+
     if payload.get("stream", True):
         return True
     outputs = answers.lasts
-    if all(out is not None and out.finished for out in outputs) \
-            and choices.finish_reason(outputs) in ANSWERED:
-        return True
-    if not cancelled:
-        return False
+    answered = all(out is not None and out.finished for out in outputs) \
+        and choices.finish_reason(outputs) in ANSWERED
     try:
-        return not cancels.is_void(payload["request_id"])
-    except Exception as exc:  # Redis failing as well: the platform's trouble, not the client's
-        log.warning("could not tell who cancelled %s (%s); its output is not billed", payload["request_id"], exc)
+        void = cancels.is_void(payload["request_id"])  # read even when answered: the two may cross
+    except RedisError as exc:  # Redis failing: the relay most likely failed too
+        log.warning("could not tell whether %s was given up on (%s)", payload["request_id"], exc)
+        return answered and not cancelled
+    if void:
         return False
+    return answered or cancelled
 
 
 def emit_usage(event: dict) -> None:

@@ -107,3 +107,15 @@ def test_a_request_that_ends_as_it_should_is_billed_whole(worker, monkeypatch):
     running = Running(worker, monkeypatch, stream=False, max_tokens=12)
     usage = running.usage()
     assert (usage["status"], usage["completion_tokens"]) == ("completed", 12)
+
+
+def test_a_request_that_ends_as_its_gateway_gives_up_on_it_is_free(worker, monkeypatch):
+    """The two cross: the gateway's void cancel is marked (its broadcast not heard yet) while the
+    request reaches its last token. Its client got the 504, not the answer."""
+    from workers.cancellation import VOID, mark_key
+
+    running = Running(worker, monkeypatch, stream=False, max_tokens=12)
+    running.after_tokens(3)
+    redis.Redis.from_url(settings.REDIS_URL).set(mark_key(running.request_id), VOID, ex=60)  # no broadcast
+    usage = running.usage()
+    assert (usage["status"], usage["completion_tokens"]) == ("failed", 0)

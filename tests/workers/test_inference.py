@@ -46,6 +46,9 @@ class NoCancels:
     def is_cancelled(self, request_id):
         return False
 
+    def is_void(self, request_id):
+        return False
+
 
 def test_an_engine_that_cannot_take_the_request_answers_a_503_at_once():
     sent = []
