@@ -471,31 +471,36 @@ def importable_weights(*, root: Path, limit: int = 50) -> list[str]:
     visited: set[Path] = set()  # folders by where they lead: a link back up is not walked again
 
     def visit(folder: Path) -> None:
-        if folder.resolve() in visited:
+        try:
+            where = folder.resolve()
+            entries = sorted(folder.iterdir())
+        except (OSError, RuntimeError):  # unreadable, or a loop of links (RuntimeError before 3.13)
             return
-        visited.add(folder.resolve())
-        for path in sorted(folder.iterdir()):
+        if where in visited:
+            return
+        visited.add(where)
+        for path in entries:
             if len(found) >= limit:
                 return
-            if path.name.startswith(".") or not path.resolve().is_relative_to(resolved_root):
-                continue  # hidden, or a link leading out (the import would refuse it)
-            if path.is_dir():
-                if (path / "config.json").is_file():
+            try:
+                if path.name.startswith(".") or not path.resolve().is_relative_to(resolved_root):
+                    continue  # hidden, or a link leading out (the import would refuse it)
+                if path.is_dir():
+                    if (path / "config.json").is_file():
+                        offer(path)
+                    else:
+                        visit(path)
+                elif path.suffix.lower() == ".gguf":
                     offer(path)
-                else:
-                    visit(path)
-            elif path.suffix.lower() == ".gguf":
-                offer(path)
+            except (OSError, RuntimeError):  # this one cannot be read: the others still can
+                continue
 
     def offer(path: Path) -> None:
         relative = str(path.relative_to(root))
         if relative not in known:
             found.append(relative)
 
-    try:
-        visit(root)
-    except OSError:  # a folder that cannot be read: what was found so far
-        pass
+    visit(root)
     return found
 
 

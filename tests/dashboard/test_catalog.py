@@ -69,6 +69,8 @@ def test_operators_import_a_model_from_the_models_root(client, acme, settings, t
     (tmp_path / "elsewhere.gguf").write_bytes(b"GGUF")
     (root / "linked-out.gguf").symlink_to(tmp_path / "elsewhere.gguf")
     (root / "loop").symlink_to(root)  # a link back up: walked once
+    (root / "loop1").symlink_to(root / "loop2")  # a loop of links: skipped
+    (root / "loop2").symlink_to(root / "loop1")
     page = client.get("/operator/models/import/").content.decode()
     assert "smol.gguf" in page  # offered from the models folder
     assert "linked-out.gguf" not in page  # a link leading out of it: the import would refuse it

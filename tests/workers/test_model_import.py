@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 
 import numpy as np
 import pytest
@@ -52,6 +53,15 @@ def test_a_missing_context_is_stored_as_the_one_the_engine_runs(folder):
     assert import_model(path="tiny-llama").context_length == 2048  # not 0, which says nothing
 
 
+def _framed(header: dict) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _header(folder, content: bytes) -> None:
+    (folder / "model.safetensors").write_bytes(content + b"\0" * 64)
+
+
 @pytest.mark.parametrize("breaks, said", [
     (lambda folder: (folder / "tokenizer.json").unlink(), "no tokenizer.json"),
     (lambda folder: config(folder, model_type="phi3"), "phi3"),
@@ -59,7 +69,9 @@ def test_a_missing_context_is_stored_as_the_one_the_engine_runs(folder):
     (lambda folder: config(folder, max_position_embeddings=MAX_CONTEXT * 2), "context"),
     (lambda folder: (folder / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes()[:-100]),
      "cut short"),
-], ids=["no-tokenizer", "architecture", "config-field", "context", "truncated"])
+    (lambda folder: _header(folder, _framed({"w": {"dtype": "F16", "shape": [1], "data_offsets": [0, -5]}})),
+     "malformed data_offsets"),
+], ids=["no-tokenizer", "architecture", "config-field", "context", "truncated", "offsets"])
 def test_what_a_load_would_refuse_is_refused_at_import_with_the_reason(folder, breaks, said):
     breaks(folder)
     with pytest.raises(ModelImportError, match=said) as refused:
@@ -74,3 +86,21 @@ def test_a_gguf_of_any_case_imports_and_the_command_uses_the_check(models_root, 
     (folder / "tokenizer.json").unlink()
     with pytest.raises(CommandError, match="no tokenizer.json"):
         call_command("import_model", "tiny-llama")
+
+
+@pytest.mark.parametrize("content, said", [
+    (b"\xff" * 8, "header size"),  # 2^64 - 1 bytes: never read
+    (struct.pack("<Q", 2**40), "header size"),  # more than the file holds
+    (struct.pack("<Q", 2) + b"[]", "not an object"),
+    (struct.pack("<Q", 3) + b"\xff{}", "not JSON"),
+    (b"abc", "header size"),
+], ids=["size-2^64", "size-past-the-file", "list", "not-json", "too-short"])
+def test_a_safetensors_file_with_a_bogus_header_is_refused_without_reading_it(tmp_path, content, said):
+    """The engine's own check, which the catalog's header reading may not have run into."""
+    from workers.engine.config import WeightsError
+    from workers.engine.weights import check_safetensors_file
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(content + b"\0" * 64)
+    with pytest.raises(WeightsError, match=said):
+        check_safetensors_file(path)

@@ -159,17 +159,38 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+MAX_SAFETENSORS_HEADER = 100 * 2**20  # bytes: the format's own limit
+
+
 def check_safetensors_file(path: Path) -> None:
-    """WeightsError unless the file holds every byte its header promises (a copy cut short fails
-    here, not when a worker loads it)."""
+    """WeightsError unless the file is a safetensors file holding every byte its header promises
+    (a copy cut short fails here, not when a worker loads it)."""
     try:
+        size = path.stat().st_size
         with open(path, "rb") as handle:
-            (header_size,) = struct.unpack("<Q", handle.read(8))
+            head = handle.read(8)
+            (header_size,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
+            if header_size is None or not 0 < header_size <= min(size - 8, MAX_SAFETENSORS_HEADER):
+                raise WeightsError(f"{path.name} is not a safetensors file (its header size is {header_size})")
             header = json.loads(handle.read(header_size))
-        end = max((info["data_offsets"][1] for name, info in header.items() if name != "__metadata__"), default=0)
-    except (OSError, struct.error, ValueError, KeyError, TypeError, IndexError) as exc:
-        raise WeightsError(f"{path.name} is not a readable safetensors file: {exc}") from exc
-    needed, size = 8 + header_size + int(end), path.stat().st_size
+    except WeightsError:
+        raise
+    except OSError as exc:
+        raise WeightsError(f"{path.name} cannot be read: {exc}") from exc
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise WeightsError(f"{path.name} is not a safetensors file: its header is not JSON") from exc
+    if not isinstance(header, dict):
+        raise WeightsError(f"{path.name} is not a safetensors file: its header is not an object")
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise WeightsError(f"{path.name}: tensor {name!r} has malformed data_offsets")
+        end = max(end, offsets[1])
+    needed = 8 + header_size + end
     if size < needed:
         raise WeightsError(f"{path.name} is cut short: {size:,} bytes of the {needed:,} its header describes")
 
