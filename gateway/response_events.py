@@ -44,6 +44,7 @@ class ResponseBuilder:
         self._sequence = 0
         self._open: dict | None = None  # the item being written
         self._calls: dict[int, dict] = {}  # function_call items by the call's index
+        self._pending: list[dict] = []  # logprobs of text the reader holds back (a possible call's start)
 
     def start(self) -> list[dict]:
         return [self._event("response.created", response=self._snapshot()),
@@ -51,11 +52,13 @@ class ResponseBuilder:
 
     def feed(self, event: dict) -> list[dict]:
         """Events for one worker ``inference.delta``. Its tokens' logprobs (when asked for) go with
-        its text; with tools, those of the tokens that spell its text (a call's are not text)."""
+        its text; with tools, with the text they spell, once the reader lets it out (a call's are
+        not text)."""
         logprobs = formatting.chat_logprobs(event["logprobs"])["content"] if event.get("logprobs") else []
         if self._reader is None:
             return self._text(event["text"], logprobs)
-        return self._pieces(self._reader.pieces(event["text"]), logprobs)
+        self._pending += logprobs
+        return self._pieces(self._reader.pieces(event["text"]))
 
     def finish(self, event: dict) -> list[dict]:
         """Events for the worker's ``inference.finished``: the open item closes, the response ends."""
@@ -79,7 +82,7 @@ class ResponseBuilder:
         return self._settle("cancelled", usage)
 
     def _settle(self, status: str, usage: dict) -> list[dict]:
-        out = self._pieces(self._reader.pieces(None), []) if self._reader is not None else []
+        out = self._pieces(self._reader.pieces(None)) if self._reader is not None else []
         out += self._close(status="completed" if status == "completed" else "incomplete")
         self.response["usage"] = usage_json(usage)
         self.response["status"] = status
@@ -120,15 +123,15 @@ class ResponseBuilder:
                                content_index=0, delta=text, logprobs=logprobs))
         return out
 
-    def _pieces(self, pieces: list[tuple], logprobs: list[dict]) -> list[dict]:
+    def _pieces(self, pieces: list[tuple]) -> list[dict]:
         """Events for what the reader found, in the order the model wrote it."""
         out = []
         for piece in pieces:
             if piece[0] == "text":
-                spelled, logprobs = tools.content_logprobs(logprobs, piece[1])
+                spelled, self._pending = tools.content_logprobs(self._pending, piece[1])
                 out += self._text(piece[1], spelled)
             elif piece[0] == "call":
-                logprobs = []  # its tags and what came before them in this delta
+                self._pending = []  # its tags: not text
                 out += self._close(status="completed")
                 item = {"id": _id("fc"), "type": "function_call", "status": "in_progress", "call_id": piece[2],
                         "name": piece[3], "arguments": ""}

@@ -201,3 +201,19 @@ def test_the_fingerprint_changes_with_what_changes_the_numbers():
     others = [fingerprint(**{**base, name: value}) for name, value in
               (("dtype", torch.bfloat16), ("quantization", "fp8"), ("device", "cuda"), ("model", "other.gguf"))]
     assert len({fingerprint(**base), *others}) == 5
+
+
+def test_a_responses_text_keeps_the_logprobs_of_what_the_tool_reader_held_back():
+    """The reader holds back what might start a call (a newline, a "<") until it knows: the
+    logprobs of that text come out with it, and spell the text."""
+    from gateway.response_events import ResponseBuilder
+
+    sampling = {"tools": [{"name": "f", "parameters": {"type": "object"}}], "tool_choice": "auto", "logprobs": True}
+    builder = ResponseBuilder(response_id="resp_1", created=0, model="smol", sampling=sampling, settings={})
+    events = builder.start()
+    for tokens in (["Hello", "\n"], ["World", " <"], ["b>", " end"]):
+        events += builder.feed(scored(0, *tokens))
+    events += builder.finish(finished("stop"))
+    [part] = builder.response["output"][0]["content"]
+    assert part["text"] == "Hello\nWorld <b> end"
+    assert "".join(e["token"] for e in part["logprobs"]) == part["text"]
