@@ -70,27 +70,44 @@ def sign_up(*, email: str, password: str, name: str = "", organization_name: str
     return user
 
 
-CONFIRMATION_EVERY_S = 60  # at most one confirmation email a minute per user: "Send it again" floods nobody
+# Confirmation emails to one user: one a minute, CONFIRMATIONS_A_DAY a day. Anyone can sign up with
+# someone else's address; "Send it again" must not let them flood it.
+CONFIRMATION_EVERY_S = 60
+CONFIRMATIONS_A_DAY = 5
 
 
 def confirmation_key(user: User) -> str:
     return f"email-confirmation-sent:{user.pk}"
 
 
+def _may_send_confirmation(user: User) -> str | None:
+    """Count a confirmation email to ``user``; why not, if it may not go (None: it may)."""
+    from django.core.cache import cache
+
+    try:
+        if not cache.add(confirmation_key(user), 1, timeout=CONFIRMATION_EVERY_S):
+            return (f"A link went to {user.email} less than a minute ago: look for it (in the spam folder too), or "
+                    "ask again in a minute.")
+        day = f"email-confirmations-today:{user.pk}"
+        cache.add(day, 0, timeout=24 * 3600)
+        if cache.incr(day) > CONFIRMATIONS_A_DAY:
+            return (f"{CONFIRMATIONS_A_DAY} links went to {user.email} today, the most a day: look for them (in the "
+                    "spam folder too), or ask again tomorrow.")
+    except Exception:  # the cache down: send, uncounted, rather than not at all
+        pass
+    return None
+
+
 def send_email_confirmation(*, user: User, link_for: Callable[[str, str], str]) -> None:
     """Mail ``user`` the link that confirms their address (``link_for(uid, token)``); DashboardError
-    when the mail cannot be sent, or one was sent less than CONFIRMATION_EVERY_S ago."""
+    when the mail cannot be sent, or when one went less than CONFIRMATION_EVERY_S ago or
+    CONFIRMATIONS_A_DAY went today."""
     from django.core.cache import cache
 
     from accounts.email_verification import link_parts
 
-    try:
-        fresh = cache.add(confirmation_key(user), 1, timeout=CONFIRMATION_EVERY_S)
-    except Exception:  # the cache down: send, unthrottled, rather than not at all
-        fresh = True
-    if not fresh:
-        raise DashboardError(f"A link went to {user.email} less than a minute ago: look for it (in the spam folder "
-                             "too), or ask again in a minute.")
+    if (refusal := _may_send_confirmation(user)) is not None:
+        raise DashboardError(refusal)
     credit = settings.BILLING_SIGNUP_CREDIT
     why = f" and receive your ${credit:,.2f} sign-up credit" if credit > 0 else ""
     try:
@@ -102,6 +119,10 @@ def send_email_confirmation(*, user: User, link_for: Callable[[str, str], str]) 
             recipient_list=[user.email],
         )
     except (OSError, BadHeaderError) as exc:
+        try:
+            cache.delete(confirmation_key(user))  # not sent: asking again at once is fine
+        except Exception:  # the cache down: the minute passes by itself
+            pass
         raise DashboardError(f"The confirmation email could not be sent ({exc}); try again later.") from None
 
 

@@ -69,6 +69,33 @@ def test_a_confirmation_link_confirms_only_its_own_address(client, db):
     assert balance(organization=organization) == Decimal("5.000000")
 
 
+def test_confirmation_emails_to_one_user_are_at_most_one_a_minute_and_five_a_day(client, db, monkeypatch):
+    """Anyone may sign up with someone else's address: "Send it again" must not flood it. A send
+    that failed does not count against the minute."""
+    from dashboard import services
+
+    client.post("/signup/", {"email": "target@example.com", "password": PASSWORD})
+    user = User.objects.get(email="target@example.com")
+    cache.delete(f"email-confirmations-today:{user.pk}")  # a run of the suite a minute ago may have counted
+    cache.delete(confirmation_key(user))
+
+    def down(**kwargs):
+        raise OSError("Connection refused")
+
+    monkeypatch.setattr(services, "send_mail", down)
+    page = client.post("/confirm-email/resend/", follow=True).content.decode()
+    assert "could not be sent" in page
+    monkeypatch.undo()
+    sent = len(mail.outbox)
+    for _ in range(services.CONFIRMATIONS_A_DAY - 1):
+        client.post("/confirm-email/resend/")
+        cache.delete(confirmation_key(user))
+    assert len(mail.outbox) == sent + services.CONFIRMATIONS_A_DAY - 1  # the failed one was retried at once
+    page = client.post("/confirm-email/resend/", follow=True).content.decode()
+    assert "the most a day" in page and len(mail.outbox) == sent + services.CONFIRMATIONS_A_DAY - 1
+    cache.delete(f"email-confirmations-today:{user.pk}")
+
+
 def test_without_email_confirmation_the_sign_up_credit_comes_at_once(client, db, settings):
     settings.SIGNUP_VERIFY_EMAIL = False
     client.post("/signup/", {"email": "ada@example.com", "password": PASSWORD})
