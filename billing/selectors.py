@@ -179,8 +179,8 @@ def quota_refusal(*, organization: Organization, api_key: ApiKey | None = None) 
     if figures.balance <= 0:
         remedy = ("Top up your credits on the dashboard's billing page to continue." if card_topups_enabled() else
                   "Card top-ups are not set up on this platform: ask its operator to credit your organization.")
-        if (founder := _unconfirmed_founder(organization)) is not None:  # new, not spent: say what comes
-            return (f"Your organization has no credit yet: its sign-up credit comes once {founder} confirms their "
+        if _credit_awaits_confirmation(organization):  # new, not spent: say what comes
+            return ("Your organization has no credit yet: its sign-up credit comes once its founder confirms their "
                     f"email address (the link mailed at sign-up). {remedy}")
         return f"You exceeded your current quota: your credit balance is {figures.balance} USD. {remedy}"
     if figures.monthly_limit is not None and figures.monthly_spend >= figures.monthly_limit:
@@ -196,15 +196,21 @@ def quota_refusal(*, organization: Organization, api_key: ApiKey | None = None) 
     return None
 
 
-def _unconfirmed_founder(organization: Organization) -> str | None:
-    """The email of the organization's founder (its first owner) while their sign-up credit waits for
-    them to confirm it (``billing.services.grant_signup_credit``); None otherwise."""
+def _credit_awaits_confirmation(organization: Organization) -> bool:
+    """Whether the organization's sign-up credit waits for its founder (its first owner) to confirm
+    their address: it is the first they founded, and their credit was never granted
+    (``billing.services.grant_signup_credit_on_verification``)."""
     if settings.BILLING_SIGNUP_CREDIT <= 0 or \
             LedgerEntry.objects.filter(organization=organization, kind=LedgerEntry.Kind.SIGNUP_CREDIT).exists():
-        return None
+        return False
     founder = (Membership.objects.filter(organization=organization, role=Membership.Role.OWNER)
-               .order_by("created_at", "id").values("user__email", "user__email_verified_at").first())
-    return founder["user__email"] if founder and founder["user__email_verified_at"] is None else None
+               .order_by("created_at", "id").values("user_id", "user__email_verified_at").first())
+    if founder is None or founder["user__email_verified_at"] is not None:
+        return False
+    first_founded = (Membership.objects.filter(user_id=founder["user_id"], role=Membership.Role.OWNER)
+                     .order_by("organization__created_at", "organization_id").values_list("organization_id", flat=True)
+                     .first())
+    return first_founded == organization.pk
 
 
 def ledger_page(*, organization: Organization, limit: int, after: int | None = None,

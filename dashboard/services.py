@@ -76,19 +76,22 @@ CONFIRMATION_EVERY_S = 60
 CONFIRMATIONS_A_DAY = 5
 
 
-def confirmation_key(user: User) -> str:
-    return f"email-confirmation-sent:{user.pk}"
+def confirmation_keys(user: User) -> tuple[str, str]:
+    """The cache's counts of one user's confirmation emails (this minute's, today's): by the user's
+    id and creation, which a database made again does not reuse."""
+    who = f"{user.pk}:{int(user.date_joined.timestamp() * 1000)}"
+    return f"email-confirmation-sent:{who}", f"email-confirmations-today:{who}"
 
 
 def _may_send_confirmation(user: User) -> str | None:
     """Count a confirmation email to ``user``; why not, if it may not go (None: it may)."""
     from django.core.cache import cache
 
+    minute, day = confirmation_keys(user)
     try:
-        if not cache.add(confirmation_key(user), 1, timeout=CONFIRMATION_EVERY_S):
+        if not cache.add(minute, 1, timeout=CONFIRMATION_EVERY_S):
             return (f"A link went to {user.email} less than a minute ago: look for it (in the spam folder too), or "
                     "ask again in a minute.")
-        day = f"email-confirmations-today:{user.pk}"
         cache.add(day, 0, timeout=24 * 3600)
         if cache.incr(day) > CONFIRMATIONS_A_DAY:
             return (f"{CONFIRMATIONS_A_DAY} links went to {user.email} today, the most a day: look for them (in the "
@@ -120,7 +123,7 @@ def send_email_confirmation(*, user: User, link_for: Callable[[str, str], str]) 
         )
     except (OSError, BadHeaderError) as exc:
         try:
-            cache.delete(confirmation_key(user))  # not sent: asking again at once is fine
+            cache.delete(confirmation_keys(user)[0])  # not sent: asking again at once is fine
         except Exception:  # the cache down: the minute passes by itself
             pass
         raise DashboardError(f"The confirmation email could not be sent ({exc}); try again later.") from None
