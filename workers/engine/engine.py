@@ -257,8 +257,8 @@ class Engine:
             self.runner.warm_up()
             log.info("engine warmed up in %.2fs", time.perf_counter() - started)
         self.device_name = device_name(device)
-        self.fingerprint = fingerprint(model=loaded.path.name, dtype=dtype, quantization=quantization,
-                                       device=torch.device(device).type)
+        self.fingerprint = fingerprint(model=_weights_identity(loaded.path), dtype=dtype,
+                                       quantization=loaded.model.quantization, device=torch.device(device).type)
         self._memory_checked = 0.0  # when device memory was last read (for the stats)
         self._memory = device_memory(device)
         self.max_batch_size = max_batch_size
@@ -924,6 +924,18 @@ def fingerprint(*, model: str, dtype: torch.dtype, quantization: str | None, dev
     engine revision changes it, telling a client that seeded outputs may differ."""
     config = f"{NUMERICS_REVISION}|{model}|{str(dtype).removeprefix('torch.')}|{quantization or ''}|{device}"
     return "fp_" + hashlib.sha256(config.encode()).hexdigest()[:12]
+
+
+def _weights_identity(path) -> str:
+    """The weights' name and size: a file replaced by other weights under its name changes it."""
+    from pathlib import Path
+
+    path = Path(path)
+    try:
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        return f"{path.name}:{sum(f.stat().st_size for f in files)}"
+    except OSError:
+        return path.name
 
 
 def on_a_passing_thread(fn, /, *args: Any, **kwargs: Any) -> Any:
