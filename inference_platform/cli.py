@@ -620,17 +620,13 @@ def cmd_import_model(args) -> int:
     settings = setup_django()
     require_database(settings, existing=True)
     require_migrated()
-    from models_catalog.errors import ModelImportError
-    from workers.model_import import import_model
+    from django.core.management import CommandError, call_command
 
-    prices = {field: getattr(args, field) for field in IMPORT_PRICES if getattr(args, field) is not None}
+    options = {name: getattr(args, name) for name in ("slug", "display_name", "description", *IMPORT_PRICES)}
     try:
-        model = import_model(path=args.path, slug=args.slug, display_name=args.display_name,
-                             description=args.description, **prices)
-    except ModelImportError as exc:
-        raise Abort(exc.message) from None
-    print(f"imported {model.slug}: {model.architecture}, {model.parameter_count:,} parameters, "
-          f"{model.quantization}, context {model.context_length}")
+        call_command("import_model", args.path, **options)  # manage.py's, which does the import
+    except CommandError as exc:
+        raise Abort(str(exc)) from None
     return 0
 
 

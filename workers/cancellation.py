@@ -26,9 +26,13 @@ def mark_key(request_id: str) -> str:
     return f"inference:cancelled:{request_id}"
 
 
+def mark_value(*, void: bool) -> str:
+    return VOID if void else "1"
+
+
 def request_cancel(client: redis.Redis, request_id: str, *, void: bool = False) -> None:
     """Sync form of ``workers.dispatch.cancel``, for a thread or tests."""
-    client.set(mark_key(request_id), VOID if void else "1", ex=MARK_TTL_S)
+    client.set(mark_key(request_id), mark_value(void=void), ex=MARK_TTL_S)
     client.publish(CHANNEL, request_id)
 
 

@@ -11,7 +11,7 @@ from django.conf import settings
 
 from inference_platform.celery import app, deployment_queue
 
-from .cancellation import CHANNEL, MARK_TTL_S, VOID, mark_key
+from .cancellation import CHANNEL, MARK_TTL_S, mark_key, mark_value
 
 RUN_INFERENCE = "workers.run_inference"
 
@@ -144,5 +144,5 @@ def enqueue(payload: dict) -> None:
 async def cancel(client: aioredis.Redis, request_id: str, *, void: bool = False) -> None:
     """Abort a request wherever it is: queued (the mark) or running (the broadcast). ``void``: the
     gateway gave up on it, not its client (see ``workers.cancellation``)."""
-    await client.set(mark_key(request_id), VOID if void else "1", ex=MARK_TTL_S)
+    await client.set(mark_key(request_id), mark_value(void=void), ex=MARK_TTL_S)
     await client.publish(CHANNEL, request_id)

@@ -37,7 +37,6 @@ from .relay import Superseded
 log = logging.getLogger(__name__)
 STALL_TIMEOUT_S = 300.0  # an engine that yields nothing for this long has failed the request
 STATUS_BY_FINISH = {"stop": "completed", "length": "completed", "abort": "cancelled", "error": "failed"}
-ANSWERED = ("stop", "length")  # the finish reasons of a request that ended as it should
 
 
 def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", ticket=None) -> dict | None:
@@ -226,13 +225,14 @@ def _bill(payload: dict, answers: choices.Choices, cancels, before_engine: float
     cancels.unwatch(payload["request_id"])
     if not answers.ended:  # it failed on the way: stop generating for nobody
         answers.abort()
-    event = _usage_event(payload, answers, before_engine,
-                         delivered=_delivered(payload, answers, cancels, cancelled=cancelled))
+    event = _usage_event(payload, answers, before_engine)
+    if not _delivered(payload, cancels, completed=event["status"] == "completed", cancelled=cancelled):
+        event.update(completion_tokens=0, status="failed")  # the client got nothing: free
     emit_usage(event)
     return event
 
 
-def _delivered(payload: dict, answers: choices.Choices, cancels, *, cancelled: bool) -> bool:
+def _delivered(payload: dict, cancels, *, completed: bool, cancelled: bool) -> bool:
     """Whether the client got the request's output, or gave it up itself: only then is the output
     billed. A streaming client got its tokens as they came. One that waits for the whole answer
     gets nothing when the gateway gave up on it (a void cancel: a timeout, Redis failing), even if
@@ -243,17 +243,14 @@ def _delivered(payload: dict, answers: choices.Choices, cancels, *, cancelled: b
 
     if payload.get("stream", True):
         return True
-    outputs = answers.lasts
-    answered = all(out is not None and out.finished for out in outputs) \
-        and choices.finish_reason(outputs) in ANSWERED
     try:
-        void = cancels.is_void(payload["request_id"])  # read even when answered: the two may cross
+        void = cancels.is_void(payload["request_id"])  # read even when completed: the two may cross
     except RedisError as exc:  # Redis failing: the relay most likely failed too
         log.warning("could not tell whether %s was given up on (%s)", payload["request_id"], exc)
-        return answered and not cancelled
+        return completed and not cancelled
     if void:
         return False
-    return answered or cancelled
+    return completed or cancelled
 
 
 def emit_usage(event: dict) -> None:
@@ -381,13 +378,11 @@ def _batch_size(outputs: list) -> float | None:
     return None if mean is None else round(mean, 3)
 
 
-def _usage_event(payload: dict, answers: choices.Choices, before_engine: float = 0.0, *,
-                 delivered: bool = True) -> dict:
+def _usage_event(payload: dict, answers: choices.Choices, before_engine: float = 0.0) -> dict:
     """What billing records, at the prices the gateway admitted the request at (a payload from a
     gateway older than those has none: billing then applies the catalog's). Without every final
     output (the worker failed mid-stream), the tokens counted are the prompt and what was
-    generated so far, and the request is marked failed. Output not ``delivered`` (see
-    ``_delivered``) counts no completion tokens, and the request is failed: it is free."""
+    generated so far, and the request is marked failed."""
     deployment = payload["deployment"]
     outputs = answers.lasts
     whole = all(out is not None and out.finished for out in outputs)
@@ -397,8 +392,6 @@ def _usage_event(payload: dict, answers: choices.Choices, before_engine: float =
     else:
         usage = choices.usage(outputs, n=answers.n, prompt_tokens=answers.prompt_tokens)
         timings, status = {"queue_ms": None, "ttft_ms": None, "latency_ms": None}, "failed"
-    if not delivered:
-        usage, status = {**usage, "completion_tokens": 0}, "failed"
     return {
         # Billing's idempotency key: a batch line's id, the same for each run of the line.
         "request_id": payload.get("billing_id") or payload["request_id"],

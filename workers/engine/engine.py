@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -928,8 +929,6 @@ def fingerprint(*, model: str, dtype: torch.dtype, quantization: str | None, dev
 
 def _weights_identity(path) -> str:
     """The weights' name and size: a file replaced by other weights under its name changes it."""
-    from pathlib import Path
-
     path = Path(path)
     try:
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]

@@ -63,10 +63,7 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
         tokenizer = Tokenizer.from_gguf_metadata(contents.metadata)
         tensors = contents.tensors
     elif path.is_dir():
-        hf_config = _read_json(path / "config.json", required=True)
-        generation = _read_json(path / "generation_config.json", required=False)
-        config = ModelConfig.from_hf_config(hf_config, generation_config=generation)
-        tokenizer = Tokenizer.from_hf_folder(path, extra_eos_token_ids=config.eos_token_ids)
+        config, tokenizer = _folder_config(path)
         tensors = read_safetensors_folder(path, dtype=dtype)
     elif path.exists():
         raise WeightsError(f"{path} is neither a .gguf file nor a Hugging Face model folder")
@@ -108,10 +105,7 @@ def check_model(path: str | os.PathLike) -> ModelConfig:
         config = _parsed(lambda: ModelConfig.from_gguf_metadata(metadata, tensor_names), path.name)
         Tokenizer.from_gguf_metadata(metadata)
     elif path.is_dir():
-        hf_config = _read_json(path / "config.json", required=True)
-        generation = _read_json(path / "generation_config.json", required=False)
-        config = _parsed(lambda: ModelConfig.from_hf_config(hf_config, generation_config=generation), "config.json")
-        Tokenizer.from_hf_folder(path, extra_eos_token_ids=config.eos_token_ids)
+        config, _ = _parsed(lambda: _folder_config(path), "config.json")
         for file in safetensors_files(path):
             check_safetensors_file(file)
     elif path.exists():
@@ -124,7 +118,15 @@ def check_model(path: str | os.PathLike) -> ModelConfig:
     return config
 
 
-def _parsed(read, where: str) -> ModelConfig:
+def _folder_config(path: Path) -> tuple[ModelConfig, Tokenizer]:
+    """A Hugging Face folder's config (with its generation config's stop tokens) and tokenizer."""
+    hf_config = _read_json(path / "config.json", required=True)
+    generation = _read_json(path / "generation_config.json", required=False)
+    config = ModelConfig.from_hf_config(hf_config, generation_config=generation)
+    return config, Tokenizer.from_hf_folder(path, extra_eos_token_ids=config.eos_token_ids)
+
+
+def _parsed(read, where: str):
     try:
         return read()
     except (UnsupportedModelError, WeightsError):
