@@ -41,10 +41,14 @@ rerun                  bool            a run of a request an earlier run may hav
                                        recorded under this id (a batch line run again
                                        after its runner stopped): a completed one
                                        replaces a cancelled or failed record
+replica_seconds        int >= 0        reserved capacity, not a request: seconds of ready
+                                       replicas (``workers.metering``), billed at
+                                       ``prices.per_replica_hour`` (an optional fifth
+                                       price, "0" when absent)
 =====================  ==============  ===================================================
 
 ``api_key_id``, ``deployment_id``, the three timings, ``batch_size`` and ``prices`` may be omitted (read as null),
-``endpoint`` (read as "") and ``rerun`` (read as false).
+``endpoint`` (read as ""), ``rerun`` (read as false) and ``replica_seconds`` (read as 0).
 Timings may also be given as non-negative floats (milliseconds); they are rounded to whole milliseconds. Counts
 and timings stop at 2**31 - 1. A price is a string of digits with at most 10 decimal places, below 10**10 (what a
 usage record stores): never a float, a sign, an exponent, NaN or Infinity; all four are required. Unknown keys are
@@ -92,15 +96,19 @@ class UsageEvent(TypedDict):
     prices: dict[str, str] | None
     endpoint: str
     rerun: bool
+    replica_seconds: int
 
 
 FIELDS = tuple(UsageEvent.__annotations__)
 OPTIONAL_FIELDS = ("api_key_id", "deployment_id", "queue_ms", "ttft_ms", "latency_ms", "batch_size", "prices",
-                   "endpoint", "rerun")
+                   "endpoint", "rerun", "replica_seconds")
 ENDPOINT_MAX_LENGTH = 40
 BATCH_SIZE_MAX = 1_000_000
 # A price as a usage record stores it: digits, at most PRICE_DECIMAL_PLACES of them after the point.
 PRICE_INTEGER_DIGITS = PRICE_MAX_DIGITS - PRICE_DECIMAL_PLACES
+OPTIONAL_PRICE = "per_replica_hour"
+#: The ``endpoint`` of reserved capacity's usage (``workers.metering``): not a request.
+RESERVED_CAPACITY = "reserved capacity"
 PRICE_PATTERN = re.compile(rf"[0-9]{{1,{PRICE_INTEGER_DIGITS}}}(\.[0-9]{{1,{PRICE_DECIMAL_PLACES}}})?")
 
 
@@ -126,10 +134,11 @@ class ParsedUsageEvent:
     prices: Prices | None = None
     endpoint: str = ""
     rerun: bool = False
+    replica_seconds: int = 0
 
     def to_wire(self) -> UsageEvent:
         """The JSON-safe form, as published on the queue (without ``prices`` when there are none,
-        ``endpoint`` when empty, nor ``rerun`` when false)."""
+        ``endpoint`` when empty, nor ``rerun`` when false, nor ``replica_seconds`` when 0)."""
         wire = {name: getattr(self, name) for name in FIELDS}
         wire["finished_at"] = self.finished_at.isoformat()
         if self.prices is None:
@@ -138,6 +147,8 @@ class ParsedUsageEvent:
             wire["prices"] = self.prices.as_strings()
         if not self.rerun:
             del wire["rerun"]
+        if not self.replica_seconds:
+            del wire["replica_seconds"]
         if not self.endpoint:
             del wire["endpoint"]
         return UsageEvent(**wire)
@@ -200,12 +211,14 @@ def _prices(event: Mapping) -> Prices | None:
         return None
     if not isinstance(value, Mapping):
         raise InvalidUsageEvent("prices", f"must be an object of the four prices or null, not {value!r}")
-    unknown = sorted(set(value) - set(PRICE_FIELDS), key=str)
+    unknown = sorted(set(value) - set(PRICE_FIELDS) - {OPTIONAL_PRICE}, key=str)
     if unknown:
         raise InvalidUsageEvent(f"prices.{unknown[0]}", "is not a price")
     prices = {}
-    for name in PRICE_FIELDS:
+    for name in (*PRICE_FIELDS, OPTIONAL_PRICE):
         if name not in value:
+            if name == OPTIONAL_PRICE:
+                continue
             raise InvalidUsageEvent(f"prices.{name}", "is required")
         price = value[name]
         if not isinstance(price, str) or not PRICE_PATTERN.fullmatch(price):
@@ -275,6 +288,7 @@ def parse_usage_event(event: Any) -> ParsedUsageEvent:
         endpoint=_text(event, "endpoint", max_length=ENDPOINT_MAX_LENGTH, allow_empty=True) if event.get(
             "endpoint") is not None else "",
         rerun=_flag(event, "rerun"),
+        replica_seconds=_count(event, "replica_seconds") if event.get("replica_seconds") is not None else 0,
     )
 
 

@@ -80,6 +80,10 @@ class UsageRecord(models.Model):
     price_cached_input_per_mtok = models.DecimalField(**PRICE)
     price_output_per_mtok = models.DecimalField(**PRICE)
     price_per_request = models.DecimalField(**PRICE)
+    # Reserved capacity (``endpoint`` ``billing.events.RESERVED_CAPACITY``, no tokens): seconds of ready replicas in one
+    # minute, at this price per replica-hour. db_default: see ``endpoint``.
+    replica_seconds = models.PositiveIntegerField(default=0, db_default=0)
+    price_per_replica_hour = models.DecimalField(**PRICE, default=0, db_default=0)
     cost = models.DecimalField(**MONEY)
     # When the request finished (from the event): what reports group by.
     created_at = models.DateTimeField()

@@ -21,6 +21,12 @@ Which requests are billed (``status``):
 - ``cancelled`` or ``failed`` with no output token: free (0). The caller got nothing. A request whose
   worker died mid-stream is recorded so (``workers.fleet.fail_interrupted``): what that worker
   produced died with it, and its client was told the request is not billed.
+
+Reserved capacity (``models_catalog.models.billed_by_the_hour``) is recorded like a request: one
+usage record per deployment and minute, with no tokens and its ``replica_seconds`` (replicas ready ×
+seconds), at the model's price per replica-hour. Its exact cost is rounded to the nearest
+10**-:data:`EXACT_PLACES` USD (an hour's price over 3,600 seconds does not always end): to the
+nearest, so that the minutes of an hour add up to the hour's price, which is whole micro-dollars.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ COST_DECIMAL_PLACES = 6
 PRICE_DECIMAL_PLACES = 10
 PRICE_MAX_DIGITS = 20
 TOKENS_PER_PRICE_UNIT = Decimal(1_000_000)
+SECONDS_PER_HOUR = 3600
 #: The decimal places of an exact cost: a price's, over a million tokens.
 EXACT_PLACES = PRICE_DECIMAL_PLACES + 6
 
@@ -72,9 +79,11 @@ class Prices:
     cached_input_per_mtok: Decimal
     output_per_mtok: Decimal
     per_request: Decimal
+    # Per hour of one ready replica: only a reserved-capacity record's replica_seconds pay it.
+    per_replica_hour: Decimal = Decimal(0)
 
     def __post_init__(self):
-        for name in PRICE_FIELDS:
+        for name in (*PRICE_FIELDS, "per_replica_hour"):
             _price(name, getattr(self, name))
 
     @classmethod
@@ -85,11 +94,16 @@ class Prices:
             cached_input_per_mtok=catalog_model.price_cached_input_per_mtok,
             output_per_mtok=catalog_model.price_output_per_mtok,
             per_request=catalog_model.price_per_request,
+            per_replica_hour=getattr(catalog_model, "price_per_replica_hour", Decimal(0)),
         )
 
     def as_strings(self) -> dict[str, str]:
-        """The four prices as decimal strings, in positional notation ("0.000001", never "1E-6")."""
-        return {name: format(getattr(self, name), "f") for name in PRICE_FIELDS}
+        """The prices as decimal strings, in positional notation ("0.000001", never "1E-6"): the four,
+        and ``per_replica_hour`` unless it is 0 (the wire form of a request's prices is unchanged)."""
+        strings = {name: format(getattr(self, name), "f") for name in PRICE_FIELDS}
+        if self.per_replica_hour:
+            strings["per_replica_hour"] = format(self.per_replica_hour, "f")
+        return strings
 
 
 FREE = Prices(Decimal(0), Decimal(0), Decimal(0), Decimal(0))
@@ -116,12 +130,15 @@ def exact_cost(
     cached_prompt_tokens: int,
     completion_tokens: int,
     status: str = STATUS_COMPLETED,
+    replica_seconds: int = 0,
 ) -> Decimal:
     """The exact cost in USD of one request, with at most :data:`EXACT_PLACES` decimal places.
 
     ``prompt_tokens`` counts every prompt token, cached ones included; ``cached_prompt_tokens`` of
     them (served from the prefix cache) are billed at the cached input price, the rest at the input
-    price. Raises TypeError for a float (or any non-Decimal price / non-int count) and ValueError for
+    price. ``replica_seconds`` of reserved capacity are billed at the price per replica-hour, rounded
+    to :data:`EXACT_PLACES` places. Raises TypeError for a float (or any non-Decimal price /
+    non-int count) and ValueError for
     negative counts, more cached tokens than prompt tokens, or an unknown status.
     """
     if not isinstance(prices, Prices):
@@ -129,6 +146,7 @@ def exact_cost(
     prompt_tokens = _tokens("prompt_tokens", prompt_tokens)
     cached_prompt_tokens = _tokens("cached_prompt_tokens", cached_prompt_tokens)
     completion_tokens = _tokens("completion_tokens", completion_tokens)
+    replica_seconds = _tokens("replica_seconds", replica_seconds)
     if cached_prompt_tokens > prompt_tokens:
         raise ValueError(
             f"cached_prompt_tokens ({cached_prompt_tokens}) cannot exceed prompt_tokens ({prompt_tokens})"
@@ -148,7 +166,9 @@ def exact_cost(
             + cached_prompt_tokens * prices.cached_input_per_mtok
             + completion_tokens * prices.output_per_mtok
         ) / TOKENS_PER_PRICE_UNIT
-        return token_cost + prices.per_request
+        capacity_cost = (replica_seconds * prices.per_replica_hour / SECONDS_PER_HOUR).quantize(
+            Decimal(1).scaleb(-EXACT_PLACES), rounding=ROUND_HALF_UP)
+        return token_cost + prices.per_request + capacity_cost
 
 
 def charge(*, cost: Decimal, carry: Decimal) -> tuple[Decimal, Decimal]:

@@ -15,7 +15,7 @@ from typing import Iterable, Iterator
 
 from django.conf import settings
 from django.db import connection
-from django.db.models import Aggregate, Count, F, IntegerField, QuerySet, Sum, Value
+from django.db.models import Aggregate, Count, F, IntegerField, Q, QuerySet, Sum, Value
 from django.db.models.functions import Coalesce, TruncDay, TruncHour
 from django.utils import timezone as dj_timezone
 
@@ -32,6 +32,7 @@ from .models import (
     SpendLimit,
     UsageRecord,
 )
+from .events import RESERVED_CAPACITY
 from .pricing import COST_QUANTUM
 from .stripe_api import card_topups_enabled
 
@@ -268,6 +269,9 @@ def percentile_disc(sorted_values: list[int], fraction: float) -> int | None:
     return sorted_values[max(0, math.ceil(fraction * len(sorted_values)) - 1)]
 
 
+# A usage record of a request, not of reserved capacity (``billing.events.RESERVED_CAPACITY``).
+IS_REQUEST = ~Q(endpoint=RESERVED_CAPACITY)
+
 _BUCKETS = {
     "day": lambda: TruncDay("created_at", tzinfo=timezone.utc),
     "hour": lambda: TruncHour("created_at", tzinfo=timezone.utc),
@@ -280,7 +284,8 @@ _BUCKETS = {
 
 def _sums(queryset: QuerySet) -> dict:
     return {
-        "requests": Count("id"),
+        "requests": Count("id", filter=IS_REQUEST),
+        "replica_seconds": Coalesce(Sum("replica_seconds"), Value(0)),
         "prompt_tokens": Coalesce(Sum("prompt_tokens"), Value(0)),
         "cached_prompt_tokens": Coalesce(Sum("cached_prompt_tokens"), Value(0)),
         "completion_tokens": Coalesce(Sum("completion_tokens"), Value(0)),
@@ -322,6 +327,7 @@ def _figures(row: dict) -> dict:
         "completion_tokens": int(row["completion_tokens"]),
         "total_tokens": int(row["prompt_tokens"]) + int(row["completion_tokens"]),
         "cost": _money(row["cost"]),
+        "replica_seconds": int(row["replica_seconds"]),
         "latency_ms_p50": row.get("latency_ms_p50"),
         "latency_ms_p99": row.get("latency_ms_p99"),
     }
@@ -329,7 +335,7 @@ def _figures(row: dict) -> dict:
 
 def _empty_figures() -> dict:
     return _figures({"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "completion_tokens": 0,
-                     "cost": ZERO})
+                     "cost": ZERO, "replica_seconds": 0})
 
 
 def _time_buckets(group_by: str, since: datetime, until: datetime) -> Iterator[datetime]:
@@ -346,7 +352,8 @@ def usage_report(*, organization: Organization, start: date, end: date, group_by
     Returns ``{"buckets": [...], "totals": {...}}``; each bucket has ``key`` (a datetime for
     day/hour — every day/hour of the period is present, empty ones with zeros —, the model slug,
     the deployment name, the API key id, or the endpoint: "" for records from before it was kept)
-    and the figures: requests, token sums, cost (Decimal)
+    and the figures: requests, token sums, cost (Decimal), the seconds of reserved replicas billed
+    (``replica_seconds``: their records are not requests; their endpoint is "reserved capacity")
     and latency p50/p99 in ms (percentile_disc, None when no request reported a latency).
     For ``api_key`` buckets, ``api_key`` is ``{"id", "name", "prefix"}`` (None: the dashboard).
     """
@@ -390,7 +397,7 @@ EXPORT_COLUMNS = (
     "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "queue_ms", "ttft_ms", "latency_ms",
     "price_input_per_mtok", "price_cached_input_per_mtok", "price_output_per_mtok", "price_per_request", "cost",
     # Columns added after the others go last, so that readers by position still work.
-    "endpoint", "api_key_name",
+    "endpoint", "api_key_name", "replica_seconds", "price_per_replica_hour",
 )
 _EXPORT_SOURCES = {"deployment": "deployment_name", "api_key_name": "api_key__name"}
 _EXPORT_FIELDS = tuple(_EXPORT_SOURCES.get(column, column) for column in EXPORT_COLUMNS)

@@ -93,6 +93,7 @@ def _figures(values: dict) -> dict:
         "completion_tokens": values["completion_tokens"],
         "total_tokens": values["total_tokens"],
         "cost": money(values["cost"]),
+        "replica_seconds": values["replica_seconds"],
         "latency_ms_p50": values["latency_ms_p50"],
         "latency_ms_p99": values["latency_ms_p99"],
     }
@@ -239,6 +240,8 @@ class UsageFiguresSerializer(serializers.Serializer):
     completion_tokens = serializers.IntegerField()
     total_tokens = serializers.IntegerField()
     cost = serializers.CharField(help_text="USD, 6 decimal places")
+    replica_seconds = serializers.IntegerField(
+        help_text="seconds of reserved replicas billed by the hour (endpoint \"reserved capacity\"; not requests)")
     latency_ms_p50 = serializers.IntegerField(allow_null=True)
     latency_ms_p99 = serializers.IntegerField(allow_null=True)
 

@@ -28,7 +28,7 @@ from accounts.models import ApiKey, Membership, Organization
 from inference_platform.read_cache import ReadCache
 from models_catalog.models import CatalogModel, Deployment
 
-from . import balance_alerts, selectors, spend_alerts, totals
+from . import balance_alerts, reserved_capacity, selectors, spend_alerts, totals
 from .errors import (
     CardDeclined,
     InvalidParameter,
@@ -193,7 +193,7 @@ def record_usage(*, event: Mapping[str, Any]) -> UsageRecord:
     """
     parsed = parse_usage_event(event)
     try:
-        return _record_usage(parsed)
+        record = _record_usage(parsed)
     except (InvalidUsageEvent, UnknownModel):
         # A redelivery of an event recorded before its model or organization went away is not
         # an error: it is recorded.
@@ -201,6 +201,9 @@ def record_usage(*, event: Mapping[str, Any]) -> UsageRecord:
         if existing is None:
             raise
         return existing
+    if parsed.replica_seconds and record.cost > 0:
+        reserved_capacity.stop_if_unpaid(organization_id=parsed.organization_id)
+    return record
 
 
 def _recorded(request_id: str) -> UsageRecord | None:
@@ -218,7 +221,8 @@ def _catalog_prices(parsed) -> Prices:
 def _exact_cost(usage, prices: Prices) -> Decimal:
     """The exact cost of a usage event or record (``billing.pricing.exact_cost``)."""
     return exact_cost(prices=prices, prompt_tokens=usage.prompt_tokens, cached_prompt_tokens=usage.cached_prompt_tokens,
-                      completion_tokens=usage.completion_tokens, status=usage.status)
+                      completion_tokens=usage.completion_tokens, status=usage.status,
+                      replica_seconds=usage.replica_seconds)
 
 
 def _record_usage(parsed) -> UsageRecord:
@@ -272,6 +276,8 @@ def _write_usage(parsed, prices: Prices, exact: Decimal) -> UsageRecord:
             price_cached_input_per_mtok=prices.cached_input_per_mtok,
             price_output_per_mtok=prices.output_per_mtok,
             price_per_request=prices.per_request,
+            replica_seconds=parsed.replica_seconds,
+            price_per_replica_hour=prices.per_replica_hour,
             cost=cost,
             created_at=parsed.finished_at,
         )

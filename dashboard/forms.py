@@ -262,8 +262,10 @@ class ImportModelForm(forms.Form):
     price_cached_input_per_mtok = _price_field("Cached input, per 1M tokens")
     price_output_per_mtok = _price_field("Output, per 1M tokens")
     price_per_request = _price_field("Per request")
+    price_per_replica_hour = _price_field("Per replica-hour reserved")
 
-    PRICES = ("price_input_per_mtok", "price_cached_input_per_mtok", "price_output_per_mtok", "price_per_request")
+    PRICES = ("price_input_per_mtok", "price_cached_input_per_mtok", "price_output_per_mtok", "price_per_request",
+              "price_per_replica_hour")
 
     def import_arguments(self) -> dict:
         data = self.cleaned_data

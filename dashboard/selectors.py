@@ -19,7 +19,7 @@ from accounts.models import ApiKey, Membership, Organization, User
 from accounts.selectors import api_keys_for_organization, leave_refusal, organizations_for_user
 from billing import selectors as billing_selectors
 from billing.models import UsageRecord
-from billing.pricing import STATUSES, Prices, request_cost
+from billing.pricing import FREE, STATUSES, Prices, request_cost
 from models_catalog.models import CatalogModel, Deployment
 from models_catalog.selectors import deployments_of, deployments_visible_to
 
@@ -167,8 +167,9 @@ def deployment_metrics(*, organization: Organization, deployment: Deployment, wi
     now = (now or dj_timezone.now()).astimezone(timezone.utc)
     end = _floor(now, bucket_s) + timedelta(seconds=bucket_s)
     start = end - span
-    records = UsageRecord.objects.filter(organization=organization, deployment=deployment,
-                                         created_at__gte=start, created_at__lt=end)
+    billed = UsageRecord.objects.filter(organization=organization, deployment=deployment,
+                                        created_at__gte=start, created_at__lt=end)
+    records = billed.filter(billing_selectors.IS_REQUEST)  # the traffic; its reserved replicas are in the cost
     sums = {
         "requests": Count("id"),
         "completion_tokens": Coalesce(Sum("completion_tokens"), Value(0)),
@@ -219,11 +220,12 @@ def deployment_metrics(*, organization: Organization, deployment: Deployment, wi
                                    if row["batch_tokens"] else None)
         moment += timedelta(seconds=bucket_s)
 
-    totals = records.aggregate(
-        requests=Count("id"),
+    totals = billed.aggregate(
+        requests=Count("id", filter=billing_selectors.IS_REQUEST),
         completion_tokens=Coalesce(Sum("completion_tokens"), Value(0)),
         prompt_tokens=Coalesce(Sum("prompt_tokens"), Value(0)),
         cost=Coalesce(Sum("cost"), _MONEY_ZERO),
+        replica_seconds=Coalesce(Sum("replica_seconds"), Value(0)),
         failed=Count("id", filter=Q(status="failed")),
         cancelled=Count("id", filter=Q(status="cancelled")),
     )
@@ -238,7 +240,7 @@ def deployment_metrics(*, organization: Organization, deployment: Deployment, wi
 
 
 def recent_requests(*, organization: Organization, deployment: Deployment | None = None, limit: int = 20):
-    records = UsageRecord.objects.filter(organization=organization).select_related("api_key")
+    records = UsageRecord.objects.filter(billing_selectors.IS_REQUEST, organization=organization).select_related("api_key")
     if deployment is not None:
         records = records.filter(deployment=deployment)
     return list(records.order_by("-created_at", "-id")[:limit])
@@ -284,7 +286,8 @@ def usage_page(*, organization: Organization, start: date, end: date) -> dict:
         "by_model": sorted(by_model["buckets"], key=lambda b: b["cost"], reverse=True),
         "by_key": sorted(by_key["buckets"], key=lambda b: b["cost"], reverse=True),
         "by_endpoint": sorted(by_endpoint["buckets"], key=lambda b: b["cost"], reverse=True),
-        "recent": list(records.select_related("api_key").order_by("-created_at", "-id")[:50]),
+        "recent": list(records.filter(billing_selectors.IS_REQUEST).select_related("api_key")
+                       .order_by("-created_at", "-id")[:50]),
         "chart": {
             "labels": [b["key"].date().isoformat() for b in by_day["buckets"]],
             "requests": [b["requests"] for b in by_day["buckets"]],
@@ -330,7 +333,8 @@ def reply_cost(*, organization: Organization, request_id: str, deployment: Deplo
     if deployment is None or status not in STATUSES:
         return None
     try:
-        cost = request_cost(prices=Prices.of(deployment.model), prompt_tokens=prompt_tokens,
+        prices = FREE if deployment.is_billed_by_the_hour else Prices.of(deployment.model)
+        cost = request_cost(prices=prices, prompt_tokens=prompt_tokens,
                             cached_prompt_tokens=cached_prompt_tokens, completion_tokens=completion_tokens,
                             status=status)
     except (TypeError, ValueError):

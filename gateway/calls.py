@@ -28,7 +28,7 @@ from django.db import OperationalError as DatabaseOperationalError
 from kombu.exceptions import OperationalError as BrokerError
 from redis.exceptions import RedisError
 
-from billing.pricing import PRICE_DECIMAL_PLACES, PRICE_FIELDS, Prices
+from billing.pricing import FREE, PRICE_DECIMAL_PLACES, PRICE_FIELDS, Prices
 from inference_platform import read_cache
 from workers import capacity, dispatch
 
@@ -122,15 +122,19 @@ class Route(NamedTuple):
 
 def _load_route(organization, model: str) -> Route:
     from models_catalog.errors import DeploymentNotFound
-    from models_catalog.models import Deployment
+    from models_catalog.models import Deployment, billed_by_the_hour
     from models_catalog.selectors import deployments_visible_to
 
     visible = deployments_visible_to(organization=organization)
     row = (visible.filter(name=model)
-           .values(*dispatch.SPEC_FIELDS, "queue_limit", "model__context_length", *_PRICE_COLUMNS.values()).first())
+           .values(*dispatch.SPEC_FIELDS, "queue_limit", "model__context_length", *_PRICE_COLUMNS.values(),
+                   "kind", "organization_id", "model__price_per_replica_hour").first())
     if row is None:  # raised, so not cached: made-up names cannot crowd out the real ones
         raise ApiError(404, DeploymentNotFound(model).message, param="model", code="model_not_found")
     prices = Prices(**{name: row[column] for name, column in _PRICE_COLUMNS.items()})
+    if billed_by_the_hour(kind=row["kind"], organization_id=row["organization_id"],
+                          price_per_replica_hour=row["model__price_per_replica_hour"]):
+        prices = FREE  # its replicas are billed by the hour, not its tokens
     return Route(dispatch.spec_from_row(row), row["status"] == Deployment.Status.READY,
                  row["status"] == Deployment.Status.STOPPED, row["queue_limit"], row["model__context_length"],
                  prices.as_strings())

@@ -631,7 +631,10 @@ def cmd_import_model(args) -> int:
 
 
 # The catalog's PRICE_FIELDS, named here: the parser is built before Django is set up.
-IMPORT_PRICES = ("price_input_per_mtok", "price_cached_input_per_mtok", "price_output_per_mtok", "price_per_request")
+IMPORT_PRICES = ("price_input_per_mtok", "price_cached_input_per_mtok", "price_output_per_mtok", "price_per_request",
+                 "price_per_replica_hour")
+PRICE_UNITS = {"price_per_request": "per request", "price_per_replica_hour": "per hour of a replica an organization "
+               "keeps up (its dedicated deployments', whose requests are then free, and min_replicas)"}
 
 
 # What an operator most often sets; the README's Settings lists every one.
@@ -686,10 +689,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "0: not an inference worker (billing only)")
     worker.set_defaults(func=cmd_worker)
 
-    beat = sub.add_parser("beat", help="run the periodic tasks (Celery beat): the fleet's placement loop, the purge of old stored responses",
+    beat = sub.add_parser("beat", help="run the periodic tasks (Celery beat): the fleet's placement loop, the meter of "
+                                       "reserved capacity, the purge of old stored responses",
                           description="Start Celery beat, which runs the placement loop (workers.fleet_tick) every "
                                       "FLEET_TICK_SECONDS: heartbeats checked, deployments placed, idle ones scaled "
-                                      "to zero. Run exactly one.",
+                                      "to zero; and every minute, the meter that bills reserved replicas. Run exactly "
+                                      "one.",
                           epilog=SETTINGS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     beat.set_defaults(func=cmd_beat)
 
@@ -721,8 +726,8 @@ def build_parser() -> argparse.ArgumentParser:
     imports.add_argument("--description", default="", help="description shown in the catalog")
     for field in IMPORT_PRICES:
         imports.add_argument(f"--{field.replace('_', '-')}", dest=field, default=None,
-                             help=f"USD {'per request' if field == 'price_per_request' else 'per million tokens'} "
-                                  "(default 0; at most 6 decimal places)")
+                             help=f"USD {PRICE_UNITS.get(field, 'per million tokens')} (default 0; at most 6 "
+                                  "decimal places)")
     imports.set_defaults(func=cmd_import_model)
     return parser
 

@@ -321,6 +321,11 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": FLEET_TICK_SECONDS,
         "options": {"queue": "default", "expires": max(5.0, FLEET_TICK_SECONDS * 5)},
     },
+    "meter-reserved-capacity": {
+        "task": "workers.meter_reserved_capacity",
+        "schedule": 60.0,
+        "options": {"queue": "default", "expires": 50.0},
+    },
     "resume-batches": {
         "task": "gateway.resume_batches",
         "schedule": 60.0,

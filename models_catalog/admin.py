@@ -30,7 +30,7 @@ class CatalogModelAdmin(admin.ModelAdmin):
         ("Weights (read from the file; add models with `inference-platform import-model PATH`)",
          {"fields": ("weights_path", "architecture", "parameter_count", "quantization", "context_length")}),
         ("Prices (USD)", {"fields": ("price_input_per_mtok", "price_cached_input_per_mtok", "price_output_per_mtok",
-                                     "price_per_request")}),
+                                     "price_per_request", "price_per_replica_hour")}),
         ("Dates", {"fields": ("created_at",)}),
     )
     inlines = [DeploymentInline]

@@ -6,6 +6,8 @@ without an organization are the operator's; public ones can be called by every o
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 from django.conf import settings
 from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models
@@ -39,6 +41,10 @@ class CatalogModel(models.Model):
     )
     price_output_per_mtok = models.DecimalField(**PRICE_FIELD, default=0, help_text="USD per million output tokens")
     price_per_request = models.DecimalField(**PRICE_FIELD, default=0, help_text="USD per request")
+    price_per_replica_hour = models.DecimalField(
+        **PRICE_FIELD, default=Decimal(0),
+        help_text="USD per hour of one replica an organization keeps up (see ``billed_by_the_hour``); 0: free",
+    )
     is_active = models.BooleanField(default=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -51,6 +57,8 @@ class CatalogModel(models.Model):
                 & Q(price_output_per_mtok__gte=0) & Q(price_per_request__gte=0),
                 name="catalog_model_prices_not_negative",
             ),
+            models.CheckConstraint(condition=Q(price_per_replica_hour__gte=0),
+                                   name="catalog_model_replica_hour_price_not_negative"),
             models.CheckConstraint(condition=~Q(weights_path=""), name="catalog_model_weights_path_not_empty"),
         ]
 
@@ -60,6 +68,15 @@ class CatalogModel(models.Model):
     @property
     def is_bundled(self) -> bool:
         return self.weights_path.startswith(BUNDLED_PREFIX)
+
+
+def billed_by_the_hour(*, kind: str, organization_id: int | None, price_per_replica_hour) -> bool:
+    """Whether a deployment is an hourly-billed dedicated endpoint: an organization's dedicated
+    deployment of a model with a replica-hour price. Each of its ready replicas is billed by the
+    hour and its requests are not billed per token (that would charge twice for one GPU). The
+    replicas other deployments reserve (``min_replicas``) are billed by the hour on top of their
+    tokens; the operator's own deployments are billed by the token only."""
+    return kind == Deployment.Kind.DEDICATED and organization_id is not None and price_per_replica_hour > 0
 
 
 class Deployment(models.Model):
@@ -155,6 +172,25 @@ class Deployment(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def reserved_replicas(self) -> int:
+        """The replicas it can keep up however idle it is: its min_replicas, or, if it never scales
+        to zero, every replica it may grow to."""
+        return self.max_replicas if self.scale_to_zero_seconds == 0 else self.min_replicas
+
+    @property
+    def is_billed_by_the_hour(self) -> bool:
+        return billed_by_the_hour(kind=self.kind, organization_id=self.organization_id,
+                                  price_per_replica_hour=self.model.price_per_replica_hour)
+
+    def replicas_billed_hourly(self, ready: int) -> int:
+        """How many of its ``ready`` replicas are billed by the hour: all of an hourly-billed
+        dedicated endpoint's, else those it reserves; none of the operator's deployments, nor of a
+        model without a replica-hour price."""
+        if self.organization_id is None or not self.model.price_per_replica_hour > 0:
+            return 0
+        return ready if self.is_billed_by_the_hour else min(ready, self.reserved_replicas)
 
     @property
     def queue_name(self) -> str:

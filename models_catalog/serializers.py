@@ -27,13 +27,16 @@ class CatalogModelSerializer(serializers.ModelSerializer):
         return "catalog.model"
 
     def get_prices(self, obj) -> dict:
-        """USD, as decimal strings: per million input / cached input / output tokens, and per request."""
+        """USD, as decimal strings: per million input / cached input / output tokens, per request, and
+        per hour of a replica an organization reserves (a dedicated deployment's, whose requests are
+        then not billed per token; or a deployment's min_replicas)."""
         return {
             "currency": "usd",
             "input_per_mtok": str(obj.price_input_per_mtok),
             "cached_input_per_mtok": str(obj.price_cached_input_per_mtok),
             "output_per_mtok": str(obj.price_output_per_mtok),
             "per_request": str(obj.price_per_request),
+            "per_replica_hour": str(obj.price_per_replica_hour),
         }
 
     def get_created_at(self, obj) -> int:

@@ -68,9 +68,8 @@ def _clean_settings(values: dict) -> dict:
 
 
 def reserved_replicas(deployment: Deployment) -> int:
-    """The replicas a deployment can keep up however idle it is: its min_replicas, or, if it never
-    scales to zero, every replica it may grow to."""
-    return deployment.max_replicas if deployment.scale_to_zero_seconds == 0 else deployment.min_replicas
+    """The replicas a deployment can keep up however idle it is (``Deployment.reserved_replicas``)."""
+    return deployment.reserved_replicas
 
 
 def taken_message(name: str) -> str:
@@ -292,7 +291,8 @@ def _unique_model_slug(base: str) -> str:
     return slug
 
 
-PRICE_FIELDS = ("price_input_per_mtok", "price_cached_input_per_mtok", "price_output_per_mtok", "price_per_request")
+PRICE_FIELDS = ("price_input_per_mtok", "price_cached_input_per_mtok", "price_output_per_mtok", "price_per_request",
+                "price_per_replica_hour")
 
 
 def import_model(
@@ -399,6 +399,7 @@ def seed_catalog() -> SeedResult:
             price_cached_input_per_mtok=Decimal("0.025"),
             price_output_per_mtok=Decimal("0.10"),
             price_per_request=Decimal("0"),
+            price_per_replica_hour=Decimal("0.20"),
             **metadata,
         )
         result.messages.append(f"added the catalog model {model.slug}")

@@ -34,6 +34,14 @@ def fleet_tick() -> None:
     tick()
 
 
+@shared_task(name="workers.meter_reserved_capacity", ignore_result=True)
+def meter_reserved_capacity() -> None:
+    """Bill the minutes of reserved replicas not billed yet (Celery beat runs it every minute)."""
+    from .metering import meter
+
+    meter()
+
+
 @worker_ready.connect
 def preload_engines(sender=None, **kwargs) -> None:
     """Load the deployments named in INFERENCE_PRELOAD in the background as the worker starts, so

@@ -174,6 +174,13 @@ def duration_s(value) -> str:
 
 
 @register.filter
+def replica_hours(seconds) -> str:
+    """Seconds of reserved replicas as replica-hours: "0.25 replica-hours"."""
+    hours = Decimal(int(seconds or 0)) / 3600
+    return f"{hours.quantize(Decimal('0.01'))} replica-hour{'' if hours == 1 else 's'}"
+
+
+@register.filter
 def per_mtok(value) -> str:
     """A per-million-token price: $0.05, $0.125, Free."""
     amount = _decimal(value)

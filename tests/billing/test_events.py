@@ -117,6 +117,21 @@ def test_the_endpoint_and_rerun_travel_when_set_and_stay_off_the_wire_when_not()
     assert (marked.endpoint, marked.rerun) == ("/v1/batches", True) and parse_usage_event(marked.to_wire()) == marked
 
 
+def test_reserved_capacity_travels_with_its_hour_price_and_a_request_without_either():
+    plain = parse_usage_event(event(prices=PRICES))
+    assert plain.replica_seconds == 0 and "replica_seconds" not in plain.to_wire()
+    assert "per_replica_hour" not in plain.to_wire()["prices"]
+    capacity = parse_usage_event(event(prices={**PRICES, "per_replica_hour": "2.5"}, replica_seconds=120,
+                                       endpoint="reserved capacity"))
+    assert (capacity.replica_seconds, capacity.prices.per_replica_hour) == (120, Decimal("2.5"))
+    assert parse_usage_event(capacity.to_wire()) == capacity
+    for bad, field in (({"replica_seconds": -1}, "replica_seconds"), ({"replica_seconds": 1.5}, "replica_seconds"),
+                       ({"prices": {**PRICES, "per_replica_hour": "-1"}}, "prices.per_replica_hour")):
+        with pytest.raises(InvalidUsageEvent) as refused:
+            parse_usage_event(event(**bad))
+        assert refused.value.param == field
+
+
 def test_an_event_without_prices_is_published_without_them():
     assert parse_usage_event(event()).prices is None
     assert parse_usage_event(event(prices=None)).prices is None

@@ -153,3 +153,28 @@ def test_requests_cheaper_than_a_micro_dollar_are_charged_together():
         amount, carry = charge(cost=one, carry=carry)
         amounts.append(amount)
     assert amounts == [0] * 9 + [COST_QUANTUM] and carry == 0
+
+
+def test_reserved_replica_seconds_cost_the_hours_price_pro_rata_rounded_down_below_the_exact_places():
+    prices = Prices(Decimal(0), Decimal(0), Decimal(0), Decimal(0), per_replica_hour=Decimal("1"))
+    # An hour's price over 3,600 seconds does not end: rounded at the 16th place.
+    assert exact_cost(prices=prices, prompt_tokens=0, cached_prompt_tokens=0, completion_tokens=0,
+                      replica_seconds=1) == Decimal("0.0002777777777778")
+    assert exact_cost(prices=prices, prompt_tokens=0, cached_prompt_tokens=0, completion_tokens=0,
+                      replica_seconds=3600 * 5) == Decimal("5")
+    # An hour billed in pieces that do not end (1/180 of an hour is 0.00555… USD) costs the hour's price.
+    for seconds, price in ((20, Decimal("1")), (60, Decimal("1.8")), (60, Decimal("0.07"))):
+        prices = Prices(Decimal(0), Decimal(0), Decimal(0), Decimal(0), per_replica_hour=price)
+        carry, charged = Decimal(0), Decimal(0)
+        for _ in range(3600 // seconds):
+            cost, carry = charge(cost=exact_cost(prices=prices, prompt_tokens=0, cached_prompt_tokens=0,
+                                                 completion_tokens=0, replica_seconds=seconds), carry=carry)
+            charged += cost
+        assert charged == price
+    with pytest.raises(ValueError):
+        exact_cost(prices=prices, prompt_tokens=0, cached_prompt_tokens=0, completion_tokens=0, replica_seconds=-1)
+
+
+def test_a_requests_prices_on_the_wire_leave_out_a_replica_hour_price_of_zero():
+    assert "per_replica_hour" not in FREE.as_strings()
+    assert Prices(Decimal(0), Decimal(0), Decimal(0), Decimal(0), Decimal("0.5")).as_strings()["per_replica_hour"] == "0.5"

@@ -26,7 +26,7 @@ def test_a_catalog_models_slug_cannot_be_renamed_in_the_admin(client):
     model = CatalogModel.objects.create(slug="tiny", display_name="Tiny", architecture="llama", weights_path="t.gguf")
     form = {"slug": "renamed", "display_name": "Tiny 2", "description": "", "license": "", "is_active": "on",
             "price_input_per_mtok": "0", "price_cached_input_per_mtok": "0", "price_output_per_mtok": "0",
-            "price_per_request": "0", "deployments-TOTAL_FORMS": "0", "deployments-INITIAL_FORMS": "0"}
+            "price_per_request": "0", "price_per_replica_hour": "0", "deployments-TOTAL_FORMS": "0", "deployments-INITIAL_FORMS": "0"}
     response = client.post(f"/admin/models_catalog/catalogmodel/{model.pk}/change/", form)
     assert response.status_code == 302, response.content.decode()[:2000]
     model.refresh_from_db()

@@ -62,7 +62,8 @@ def test_the_catalog_lists_active_models_with_prices_as_decimal_strings(client, 
     assert [m["id"] for m in body["data"]] == ["tiny"]
     tiny = body["data"][0]
     assert tiny["prices"] == {"currency": "usd", "input_per_mtok": "0.150000", "cached_input_per_mtok": "0.000000",
-                              "output_per_mtok": "0.600000", "per_request": "0.000000"}
+                              "output_per_mtok": "0.600000", "per_request": "0.000000",
+                              "per_replica_hour": "0.000000"}
     assert tiny["architecture"] == "llama" and tiny["context_length"] == 2048
     assert client.get("/v1/catalog/tiny", headers=acme.headers).json()["display_name"] == "Tiny"
     _error(client.get("/v1/catalog/hidden", headers=acme.headers), 404, code="model_not_found")

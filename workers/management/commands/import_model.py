@@ -18,7 +18,8 @@ class Command(BaseCommand):
         parser.add_argument("--display-name", default=None, help="name shown in the catalog (default: from the file)")
         parser.add_argument("--description", default="", help="description shown in the catalog")
         for field in PRICE_FIELDS:
-            parser.add_argument(f"--{field.replace('_', '-')}", dest=field, default=None, help=f"{field} in USD (default 0)")
+            parser.add_argument(f"--{field.replace('_', '-')}", dest=field, default=None,
+                                help=f"{field} in USD (default 0; at most 6 decimal places)")
 
     def handle(self, *args, **options):
         prices = {field: options[field] for field in PRICE_FIELDS if options[field] is not None}

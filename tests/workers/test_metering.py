@@ -1,0 +1,164 @@
+"""Reserved capacity billed by the replica-minute: the meter reads the fleet's replicas (workers
+registered and replicas loaded through the services, as worker processes would), keeps its place in
+the real Redis, and hands its events to billing's own service, which records and charges them."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
+
+import pytest
+
+from billing import selectors as billing_selectors
+from billing.models import LedgerEntry, UsageRecord
+from billing.services import add_adjustment, record_usage
+from models_catalog.models import CatalogModel, Deployment
+from models_catalog.services import create_deployment
+from tests.billing.conftest import make_organization
+from workers import fleet, metering, services
+from workers.models import Replica, Worker
+
+pytestmark = pytest.mark.django_db
+
+HOUR_PRICE = Decimal("1.800000")  # $0.0005 a replica-second
+NOW = datetime(2026, 11, 29, 12, 0, 30, tzinfo=timezone.utc)
+MINUTE_START = datetime(2026, 11, 29, 11, 59, tzinfo=timezone.utc)
+
+
+@pytest.fixture(autouse=True)
+def fresh_meter():
+    fleet.client().delete(metering.METERED_UNTIL_KEY)
+    Worker.objects.all().delete()
+    yield
+    fleet.client().delete(metering.METERED_UNTIL_KEY)
+
+
+@pytest.fixture
+def model():
+    return CatalogModel.objects.create(slug=f"m-{uuid.uuid4().hex[:6]}", display_name="M", architecture="llama",
+                                       weights_path="bundled:smollm2-135m-instruct", price_input_per_mtok=Decimal("0.1"),
+                                       price_output_per_mtok=Decimal("0.2"), price_per_replica_hour=HOUR_PRICE)
+
+
+@pytest.fixture
+def organization():
+    org = make_organization("Reserving")
+    add_adjustment(organization=org, amount=Decimal("10"), description="credit")
+    return org
+
+
+def ready_replicas(deployment: Deployment, *ready_at: datetime) -> None:
+    """One worker per replica, each beating, its replica of ``deployment`` ready since the time given."""
+    for at in ready_at:
+        worker = services.register_worker(
+            hostname=f"meter-{uuid.uuid4().hex[:8]}@nowhere", instance=uuid.uuid4().hex[:16], pid=1,
+            device_kind="cuda", device_name="H100", device_memory_bytes=80 << 30, slots=1, queues=["default"])
+        replica = services.place_replica(worker=worker, deployment=deployment, trigger=Replica.Trigger.MIN_REPLICAS,
+                                         spec_hash="")
+        Replica.objects.filter(pk=replica.pk).update(status=Replica.Status.READY, ready_at=at)
+
+
+def billed(deployment: Deployment) -> list[tuple[int, Decimal]]:
+    return list(UsageRecord.objects.filter(deployment=deployment).order_by("created_at")
+                .values_list("replica_seconds", "cost"))
+
+
+def test_a_dedicated_deployment_pays_each_ready_replica_by_the_second_and_a_minute_once(organization, model):
+    deployment = create_deployment(organization=organization, model=model, name=f"ded-{uuid.uuid4().hex[:6]}",
+                                   kind="dedicated", min_replicas=1, max_replicas=3)
+    # Two replicas up the whole minute, a third ready 45 s before its end.
+    ready_replicas(deployment, NOW - timedelta(hours=1), NOW - timedelta(hours=1), MINUTE_START + timedelta(seconds=15))
+    balance = billing_selectors.balance(organization=organization)
+
+    minutes = metering.meter(now=NOW, emit=lambda event: record_usage(event=event))
+    assert [(m.start, m.replica_seconds) for m in minutes] == [(MINUTE_START, 60 + 60 + 45)]
+    record = UsageRecord.objects.get(deployment=deployment)
+    assert (record.replica_seconds, record.cost, record.price_per_replica_hour) == (165, Decimal("0.082500"), HOUR_PRICE)
+    assert (record.prompt_tokens, record.completion_tokens, record.endpoint) == (0, 0, "reserved capacity")
+    assert LedgerEntry.objects.get(reference=record.request_id).amount == Decimal("-0.082500")
+
+    # The same minute again (beat twice, or a second meter): nothing more, however it comes.
+    assert metering.meter(now=NOW + timedelta(seconds=20), emit=lambda event: record_usage(event=event)) == []
+    fleet.client().delete(metering.METERED_UNTIL_KEY)
+    metering.meter(now=NOW, emit=lambda event: record_usage(event=event))
+    assert billed(deployment) == [(165, Decimal("0.082500"))]
+    assert billing_selectors.balance(organization=organization) == balance - Decimal("0.082500")
+
+
+def test_minutes_the_meter_missed_are_billed_when_it_runs_again(organization, model):
+    deployment = create_deployment(organization=organization, model=model, name=f"ded-{uuid.uuid4().hex[:6]}",
+                                   kind="dedicated", min_replicas=1)
+    ready_replicas(deployment, MINUTE_START - timedelta(seconds=150))
+    metering.meter(now=NOW - timedelta(minutes=3), emit=lambda event: record_usage(event=event))
+    # Beat was down for three minutes: the next run bills them all, each minute once.
+    metering.meter(now=NOW, emit=lambda event: record_usage(event=event))
+    assert billed(deployment) == [(30, Decimal("0.015000")), (60, Decimal("0.030000")), (60, Decimal("0.030000")),
+                                  (60, Decimal("0.030000"))]
+
+
+def test_a_serverless_deployment_pays_for_its_minimum_replicas_only_and_its_tokens_as_always(organization, model):
+    from gateway import calls
+    from inference_platform import read_cache
+
+    serverless = create_deployment(organization=organization, model=model, name=f"warm-{uuid.uuid4().hex[:6]}",
+                                   min_replicas=1, max_replicas=3)
+    dedicated = create_deployment(organization=organization, model=model, name=f"ded-{uuid.uuid4().hex[:6]}",
+                                  kind="dedicated", min_replicas=1)
+    ready_replicas(serverless, NOW - timedelta(hours=1), NOW - timedelta(hours=1), NOW - timedelta(hours=1))
+    metering.meter(now=NOW, emit=lambda event: record_usage(event=event))
+    assert billed(serverless) == [(60, Decimal("0.030000"))]  # the two above its minimum are paid by their tokens
+
+    caller = calls.Caller(api_key=None, organization=organization)
+    with read_cache.pinned():
+        assert calls._deployment_spec(caller, serverless.name).prices["output_per_mtok"] == "0.200000"
+        # A dedicated endpoint billed by the hour: its requests cost nothing more.
+        assert set(calls._deployment_spec(caller, dedicated.name).prices.values()) == {"0"}
+
+
+def test_the_operators_deployments_and_free_capacity_are_not_metered(organization, model):
+    operators = create_deployment(organization=None, model=model, name=f"op-{uuid.uuid4().hex[:6]}",
+                                  kind="dedicated", min_replicas=1)
+    free_model = CatalogModel.objects.create(slug=f"free-{uuid.uuid4().hex[:6]}", display_name="F",
+                                             architecture="llama", weights_path="bundled:f")
+    free = create_deployment(organization=organization, model=free_model, name=f"free-{uuid.uuid4().hex[:6]}",
+                             kind="dedicated", min_replicas=1)
+    ready_replicas(operators, NOW - timedelta(hours=1))
+    ready_replicas(free, NOW - timedelta(hours=1))
+    assert metering.meter(now=NOW, emit=lambda event: record_usage(event=event)) == []
+    # A replica still loading, or on a worker that went silent, holds nothing billable either.
+    paid = create_deployment(organization=organization, model=model, name=f"ded-{uuid.uuid4().hex[:6]}",
+                             kind="dedicated", min_replicas=2, max_replicas=2)
+    ready_replicas(paid, NOW - timedelta(hours=1), NOW - timedelta(hours=1))
+    first, second = Replica.objects.filter(deployment=paid)
+    Replica.objects.filter(pk=first.pk).update(status=Replica.Status.LOADING, ready_at=None)
+    Worker.objects.filter(pk=second.worker_id).update(status=Worker.Status.GONE)
+    assert metering.meter(now=NOW + timedelta(minutes=1), emit=lambda event: record_usage(event=event)) == []
+
+
+def test_reserved_capacity_stops_when_the_credit_is_gone_and_says_why(organization, model):
+    deployment = create_deployment(organization=organization, model=model, name=f"ded-{uuid.uuid4().hex[:6]}",
+                                   kind="dedicated", min_replicas=1)
+    ready_replicas(deployment, NOW - timedelta(hours=1))
+    left = billing_selectors.balance(organization=organization)
+    add_adjustment(organization=organization, amount=Decimal("0.05") - left, description="spent")  # 5 cents left
+    metering.meter(now=NOW, emit=lambda event: record_usage(event=event))  # a minute: 3 cents
+    deployment.refresh_from_db()
+    assert deployment.status != Deployment.Status.STOPPED
+    metering.meter(now=NOW + timedelta(minutes=1), emit=lambda event: record_usage(event=event))
+    deployment.refresh_from_db()
+    assert billing_selectors.balance(organization=organization) < 0
+    assert deployment.status == Deployment.Status.STOPPED
+    assert "billed by the hour" in deployment.status_reason and "credit balance" in deployment.status_reason
+
+
+def test_the_usage_report_counts_reserved_capacity_apart_from_requests(organization, model):
+    deployment = create_deployment(organization=organization, model=model, name=f"ded-{uuid.uuid4().hex[:6]}",
+                                   kind="dedicated", min_replicas=1)
+    ready_replicas(deployment, NOW - timedelta(hours=1))
+    metering.meter(now=NOW, emit=lambda event: record_usage(event=event))
+    day = MINUTE_START.date()
+    report = billing_selectors.usage_report(organization=organization, start=day, end=day, group_by="endpoint")
+    assert report["totals"]["requests"] == 0 and report["totals"]["replica_seconds"] == 60
+    assert [(b["key"], b["replica_seconds"], b["cost"]) for b in report["buckets"]] == [
+        ("reserved capacity", 60, Decimal("0.030000"))]
