@@ -95,3 +95,26 @@ def test_reply_cost_refuses_bad_counts_and_unknown_deployments(ada, acme, catalo
     assert bad.status_code == 400  # a digit to str.isdigit, not a number to int()
     unknown = ada.get("/playground/cost/", {"deployment": "nope", "prompt_tokens": "1", "completion_tokens": "1"})
     assert unknown.status_code == 404
+
+
+def test_reserved_capacity_shows_as_replica_hours_and_not_as_requests(ada, acme, catalog):
+    from billing.services import record_usage
+
+    _, org = acme
+    _, public = catalog
+    request = record(org, public, endpoint="/v1/chat/completions")
+    record_usage(event={
+        "request_id": "capacity-test-minute", "organization_id": org.pk, "api_key_id": None, "deployment_id": public.pk,
+        "model": public.model.slug, "deployment": public.name, "prompt_tokens": 0, "cached_prompt_tokens": 0,
+        "completion_tokens": 0, "status": "completed", "finished_at": datetime.now(timezone.utc).isoformat(),
+        "prices": {"input_per_mtok": "0", "cached_input_per_mtok": "0", "output_per_mtok": "0", "per_request": "0",
+                   "per_replica_hour": "2"},
+        "endpoint": "reserved capacity", "replica_seconds": 5400,
+    })
+    response = ada.get("/usage/")
+    page = response.content.decode()
+    assert response.context["totals"]["requests"] == 1 and response.context["totals"]["cost"] == request.cost + 3
+    by_endpoint = page.split('id="usage-by-endpoint"')[1].split("</table>")[0]
+    assert "reserved capacity" in by_endpoint and "1.50 replica-hours" in by_endpoint
+    assert "capacity-test-minute" not in page  # the latest requests list requests only
+    assert "1.50 replica-hours reserved" in page
