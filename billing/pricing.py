@@ -24,15 +24,16 @@ Which requests are billed (``status``):
 
 Reserved capacity (``models_catalog.models.billed_by_the_hour``) is recorded like a request: one
 usage record per deployment and minute, with no tokens and its ``replica_seconds`` (replicas ready ×
-seconds), at the model's price per replica-hour. Its exact cost is rounded to the nearest
-10**-:data:`EXACT_PLACES` USD (an hour's price over 3,600 seconds does not always end): to the
-nearest, so that the minutes of an hour add up to the hour's price, which is whole micro-dollars.
+seconds), at the model's price per replica-hour. An hour's price over 3,600 seconds does not always
+end, so its exact cost is rounded up at :data:`EXACT_PLACES` places, by less than 10**-16 USD:
+rounded down, the sixty minutes of an hour at 0.20 USD would add up to just under 0.20 and be
+charged 0.199999; rounded up they add up to just over, and are charged 0.20, the hour's price.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from decimal import ROUND_FLOOR, ROUND_HALF_UP, Decimal, localcontext
+from decimal import ROUND_CEILING, ROUND_FLOOR, ROUND_HALF_UP, Decimal, localcontext
 from typing import Any
 
 #: Charges are whole micro-dollars (6 decimal places).
@@ -137,7 +138,7 @@ def exact_cost(
     ``prompt_tokens`` counts every prompt token, cached ones included; ``cached_prompt_tokens`` of
     them (served from the prefix cache) are billed at the cached input price, the rest at the input
     price. ``replica_seconds`` of reserved capacity are billed at the price per replica-hour, rounded
-    to :data:`EXACT_PLACES` places. Raises TypeError for a float (or any non-Decimal price /
+    up at :data:`EXACT_PLACES` places (see the module's docstring). Raises TypeError for a float (or any non-Decimal price /
     non-int count) and ValueError for
     negative counts, more cached tokens than prompt tokens, or an unknown status.
     """
@@ -167,7 +168,7 @@ def exact_cost(
             + completion_tokens * prices.output_per_mtok
         ) / TOKENS_PER_PRICE_UNIT
         capacity_cost = (replica_seconds * prices.per_replica_hour / SECONDS_PER_HOUR).quantize(
-            Decimal(1).scaleb(-EXACT_PLACES), rounding=ROUND_HALF_UP)
+            Decimal(1).scaleb(-EXACT_PLACES), rounding=ROUND_CEILING)
         return token_cost + prices.per_request + capacity_cost
 
 

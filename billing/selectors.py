@@ -355,11 +355,14 @@ def usage_report(*, organization: Organization, start: date, end: date, group_by
     and the figures: requests, token sums, cost (Decimal), the seconds of reserved replicas billed
     (``replica_seconds``: their records are not requests; their endpoint is "reserved capacity")
     and latency p50/p99 in ms (percentile_disc, None when no request reported a latency).
-    For ``api_key`` buckets, ``api_key`` is ``{"id", "name", "prefix"}`` (None: the dashboard).
+    For ``api_key`` buckets, ``api_key`` is ``{"id", "name", "prefix"}`` (None: the dashboard); that
+    grouping covers requests only, reserved capacity being no key's (``endpoint`` shows it).
     """
     if group_by not in GROUP_BYS:
         raise ValueError(f"group_by must be one of {', '.join(GROUP_BYS)}")
     records = usage_records(organization=organization, start=start, end=end)
+    if group_by == "api_key":  # reserved capacity is no key's (its bucket would read as the dashboard's)
+        records = records.filter(IS_REQUEST)
     bucket_expr = _BUCKETS[group_by]()
     rows = (
         records.annotate(bucket=bucket_expr).order_by().values("bucket")

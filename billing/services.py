@@ -245,7 +245,10 @@ def _record_usage(parsed) -> UsageRecord:
 
 
 def _entry_description(parsed) -> str:
-    """The model, and the deployment that served it when it has a name of its own."""
+    """The model, and the deployment that served it when it has a name of its own; for reserved
+    capacity, the deployment and its replica-seconds."""
+    if parsed.replica_seconds:
+        return f"Reserved capacity: {parsed.deployment or parsed.model}, {parsed.replica_seconds} replica-seconds"
     return parsed.model + (f" on {parsed.deployment}" if parsed.deployment not in ("", parsed.model) else "")
 
 

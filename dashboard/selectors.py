@@ -18,6 +18,7 @@ from django.utils import timezone as dj_timezone
 from accounts.models import ApiKey, Membership, Organization, User
 from accounts.selectors import api_keys_for_organization, leave_refusal, organizations_for_user
 from billing import selectors as billing_selectors
+from billing.events import RESERVED_CAPACITY
 from billing.models import UsageRecord
 from billing.pricing import FREE, STATUSES, Prices, request_cost
 from models_catalog.models import CatalogModel, Deployment
@@ -53,7 +54,7 @@ def overview(*, organization: Organization) -> dict:
     today = dj_timezone.now().astimezone(timezone.utc).date()
     start = today - timedelta(days=6)
     report = billing_selectors.usage_report(organization=organization, start=start, end=today, group_by="day")
-    has_usage = UsageRecord.objects.filter(organization=organization).exists()
+    has_usage = UsageRecord.objects.filter(billing_selectors.IS_REQUEST, organization=organization).exists()
     return {
         "balance": billing_selectors.balance(organization=organization),
         "monthly_spend": billing_selectors.monthly_spend(organization=organization),
@@ -127,7 +128,7 @@ def deployments_page(*, organization: Organization) -> dict:
     since = dj_timezone.now() - timedelta(hours=24)
     visible = list(deployments_visible_to(organization=organization))
     counts = dict(
-        UsageRecord.objects.filter(organization=organization, created_at__gte=since,
+        UsageRecord.objects.filter(billing_selectors.IS_REQUEST, organization=organization, created_at__gte=since,
                                    deployment_id__in=[d.pk for d in visible])
         .values("deployment_id").annotate(n=Count("id")).values_list("deployment_id", "n")
     )
@@ -286,6 +287,8 @@ def usage_page(*, organization: Organization, start: date, end: date) -> dict:
         "by_model": sorted(by_model["buckets"], key=lambda b: b["cost"], reverse=True),
         "by_key": sorted(by_key["buckets"], key=lambda b: b["cost"], reverse=True),
         "by_endpoint": sorted(by_endpoint["buckets"], key=lambda b: b["cost"], reverse=True),
+        # The by-key table's last row, so that it adds up to the totals (no key reserves capacity).
+        "reserved": next((b for b in by_endpoint["buckets"] if b["key"] == RESERVED_CAPACITY), None),
         "recent": list(records.filter(billing_selectors.IS_REQUEST).select_related("api_key")
                        .order_by("-created_at", "-id")[:50]),
         "chart": {

@@ -185,12 +185,13 @@ class Deployment(models.Model):
                                   price_per_replica_hour=self.model.price_per_replica_hour)
 
     def replicas_billed_hourly(self, ready: int) -> int:
-        """How many of its ``ready`` replicas are billed by the hour: all of an hourly-billed
-        dedicated endpoint's, else those it reserves; none of the operator's deployments, nor of a
-        model without a replica-hour price."""
+        """How many of its ``ready`` replicas are billed by the hour: an hourly-billed dedicated
+        endpoint's up to its max_replicas (a busy one above a lowered maximum is released once
+        idle), else those it reserves; none of the operator's deployments, nor of a model without
+        a replica-hour price."""
         if self.organization_id is None or not self.model.price_per_replica_hour > 0:
             return 0
-        return ready if self.is_billed_by_the_hour else min(ready, self.reserved_replicas)
+        return min(ready, self.max_replicas if self.is_billed_by_the_hour else self.reserved_replicas)
 
     @property
     def queue_name(self) -> str:

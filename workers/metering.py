@@ -5,11 +5,15 @@ are billed by the hour (``Deployment.replicas_billed_hourly`` says which): each 
 seconds its billed replicas were ready become one usage event of the deployment (``replica_seconds``,
 no tokens, ``endpoint`` "reserved capacity"), priced at the catalog model's price per replica-hour.
 
-A replica row is ready from its ``ready_at`` until it is released (the row goes), so the replicas
-ready now tell every past minute since their ``ready_at`` exactly: a meter that missed minutes (beat
-down, a slow pass) bills them later from the same rows, back to CATCH_UP at most. A replica
-released within a minute is not billed for that minute's part: never more than was held. Each
-event's id is the deployment's and the minute's, so a minute metered twice is billed once.
+A replica row is ready from its ``ready_at`` until it is released (the row goes), and held no later
+than its worker's last heartbeat (and one interval): a worker that died is not billed for the
+heartbeats it missed before it is marked gone. So the replicas ready now tell the minutes since
+their ``ready_at``: a meter that missed minutes (beat down, a slow pass) bills them later for the
+replicas still up then, back to CATCH_UP at most, at the price then. A replica released within a
+minute, or during such a gap, is not billed for that part: never more than was held. A minute is
+metered once SETTLE after its end, so that a worker's clock a little ahead does not bill seconds
+not reached yet. Each event's id is the deployment's and the minute's, so a minute metered twice
+is billed once.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Callable
 
+from django.conf import settings
 from django.utils import timezone as django_timezone
 
 from models_catalog.models import Deployment
@@ -30,6 +35,7 @@ log = logging.getLogger(__name__)
 
 MINUTE = timedelta(minutes=1)
 CATCH_UP = timedelta(hours=1)
+SETTLE = timedelta(seconds=15)
 METERED_UNTIL_KEY = "metering:reserved-capacity:until"
 
 
@@ -54,7 +60,8 @@ def billed_minutes(*, since: datetime, until: datetime) -> list[Minute]:
     ready = (Replica.objects.filter(status=Replica.Status.READY, worker__status=Worker.Status.ALIVE,
                                     deployment__organization__isnull=False,
                                     deployment__model__price_per_replica_hour__gt=0)
-             .select_related("deployment__model"))
+             .select_related("deployment__model", "worker"))
+    heartbeat = timedelta(seconds=settings.FLEET_HEARTBEAT_SECONDS)
     by_deployment: dict[int, list[Replica]] = {}
     for replica in ready:
         by_deployment.setdefault(replica.deployment_id, []).append(replica)
@@ -65,12 +72,17 @@ def billed_minutes(*, since: datetime, until: datetime) -> list[Minute]:
         start = since
         while start < until:
             end = start + MINUTE
-            seconds = sorted((max(0, int((end - max(start, r.ready_at)).total_seconds())) for r in replicas),
-                             reverse=True)[:billed]
+            seconds = sorted((_held_seconds(r, start, end, heartbeat) for r in replicas), reverse=True)[:billed]
             if sum(seconds):
                 minutes.append(Minute(deployment, start, sum(seconds)))
             start = end
     return minutes
+
+
+def _held_seconds(replica: Replica, start: datetime, end: datetime, heartbeat: timedelta) -> int:
+    """Whole seconds of [start, end) the replica was ready, up to its worker's last sign of life."""
+    held_until = min(end, replica.worker.last_heartbeat + heartbeat)
+    return max(0, int((held_until - max(start, replica.ready_at)).total_seconds()))
 
 
 def usage_event(minute: Minute) -> dict:
@@ -96,7 +108,7 @@ def meter(*, now: datetime | None = None, emit: Callable[[dict], object] | None 
     if emit is None:
         from billing.dispatch import emit_usage_event as emit
 
-    until = minute_floor(now or django_timezone.now())
+    until = minute_floor((now or django_timezone.now()) - SETTLE)
     redis = fleet.client()
     mark = redis.get(METERED_UNTIL_KEY)
     since = until - MINUTE

@@ -157,13 +157,16 @@ def test_requests_cheaper_than_a_micro_dollar_are_charged_together():
 
 def test_reserved_replica_seconds_cost_the_hours_price_pro_rata_rounded_down_below_the_exact_places():
     prices = Prices(Decimal(0), Decimal(0), Decimal(0), Decimal(0), per_replica_hour=Decimal("1"))
-    # An hour's price over 3,600 seconds does not end: rounded at the 16th place.
+    # An hour's price over 3,600 seconds does not end: rounded up at the 16th place.
     assert exact_cost(prices=prices, prompt_tokens=0, cached_prompt_tokens=0, completion_tokens=0,
                       replica_seconds=1) == Decimal("0.0002777777777778")
+    assert exact_cost(prices=Prices(Decimal(0), Decimal(0), Decimal(0), Decimal(0), Decimal("0.2")), prompt_tokens=0,
+                      cached_prompt_tokens=0, completion_tokens=0, replica_seconds=60) == Decimal("0.0033333333333334")
     assert exact_cost(prices=prices, prompt_tokens=0, cached_prompt_tokens=0, completion_tokens=0,
                       replica_seconds=3600 * 5) == Decimal("5")
     # An hour billed in pieces that do not end (1/180 of an hour is 0.00555… USD) costs the hour's price.
-    for seconds, price in ((20, Decimal("1")), (60, Decimal("1.8")), (60, Decimal("0.07"))):
+    for seconds, price in ((20, Decimal("1")), (60, Decimal("1.8")), (60, Decimal("0.07")), (60, Decimal("0.2")),
+                           (60, Decimal("0.000001")), (1, Decimal("123.456789"))):
         prices = Prices(Decimal(0), Decimal(0), Decimal(0), Decimal(0), per_replica_hour=price)
         carry, charged = Decimal(0), Decimal(0)
         for _ in range(3600 // seconds):

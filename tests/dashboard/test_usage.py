@@ -102,7 +102,8 @@ def test_reserved_capacity_shows_as_replica_hours_and_not_as_requests(ada, acme,
 
     _, org = acme
     _, public = catalog
-    request = record(org, public, endpoint="/v1/chat/completions")
+    key, _ = create_api_key(organization=org, name="svc", scopes=["inference"])
+    request = record(org, public, api_key=key, endpoint="/v1/chat/completions")
     record_usage(event={
         "request_id": "capacity-test-minute", "organization_id": org.pk, "api_key_id": None, "deployment_id": public.pk,
         "model": public.model.slug, "deployment": public.name, "prompt_tokens": 0, "cached_prompt_tokens": 0,
@@ -118,3 +119,6 @@ def test_reserved_capacity_shows_as_replica_hours_and_not_as_requests(ada, acme,
     assert "reserved capacity" in by_endpoint and "1.50 replica-hours" in by_endpoint
     assert "capacity-test-minute" not in page  # the latest requests list requests only
     assert "1.50 replica-hours reserved" in page
+    # No key reserved it: its own row in the by-key table, not the playground's.
+    by_key = page.split('id="usage-by-key"')[1].split("</table>")[0]
+    assert "Reserved capacity" in by_key and "Playground" not in by_key

@@ -49,7 +49,8 @@ def organization():
 
 
 def ready_replicas(deployment: Deployment, *ready_at: datetime) -> None:
-    """One worker per replica, each beating, its replica of ``deployment`` ready since the time given."""
+    """One worker per replica, beating through the minutes metered, its replica of ``deployment``
+    ready since the time given."""
     for at in ready_at:
         worker = services.register_worker(
             hostname=f"meter-{uuid.uuid4().hex[:8]}@nowhere", instance=uuid.uuid4().hex[:16], pid=1,
@@ -57,6 +58,7 @@ def ready_replicas(deployment: Deployment, *ready_at: datetime) -> None:
         replica = services.place_replica(worker=worker, deployment=deployment, trigger=Replica.Trigger.MIN_REPLICAS,
                                          spec_hash="")
         Replica.objects.filter(pk=replica.pk).update(status=Replica.Status.READY, ready_at=at)
+        Worker.objects.filter(pk=worker.pk).update(last_heartbeat=NOW + timedelta(hours=2))
 
 
 def billed(deployment: Deployment) -> list[tuple[int, Decimal]]:
@@ -67,8 +69,10 @@ def billed(deployment: Deployment) -> list[tuple[int, Decimal]]:
 def test_a_dedicated_deployment_pays_each_ready_replica_by_the_second_and_a_minute_once(organization, model):
     deployment = create_deployment(organization=organization, model=model, name=f"ded-{uuid.uuid4().hex[:6]}",
                                    kind="dedicated", min_replicas=1, max_replicas=3)
-    # Two replicas up the whole minute, a third ready 45 s before its end.
-    ready_replicas(deployment, NOW - timedelta(hours=1), NOW - timedelta(hours=1), MINUTE_START + timedelta(seconds=15))
+    # Two replicas up the whole minute, a third ready 45 s before its end; a fourth (still busy
+    # after max_replicas came down from 4, say) is not billed: the longest up are.
+    ready_replicas(deployment, NOW - timedelta(hours=1), NOW - timedelta(hours=1), MINUTE_START + timedelta(seconds=15),
+                   MINUTE_START + timedelta(seconds=30))
     balance = billing_selectors.balance(organization=organization)
 
     minutes = metering.meter(now=NOW, emit=lambda event: record_usage(event=event))
@@ -84,6 +88,21 @@ def test_a_dedicated_deployment_pays_each_ready_replica_by_the_second_and_a_minu
     metering.meter(now=NOW, emit=lambda event: record_usage(event=event))
     assert billed(deployment) == [(165, Decimal("0.082500"))]
     assert billing_selectors.balance(organization=organization) == balance - Decimal("0.082500")
+
+
+def test_a_minute_is_metered_once_it_has_settled_and_a_silent_worker_only_until_its_last_heartbeat(
+        organization, model):
+    deployment = create_deployment(organization=organization, model=model, name=f"ded-{uuid.uuid4().hex[:6]}",
+                                   kind="dedicated", min_replicas=2, max_replicas=2)
+    ready_replicas(deployment, NOW - timedelta(hours=1), NOW - timedelta(hours=1))
+    silent = Replica.objects.filter(deployment=deployment).first()
+    # Its worker's last heartbeat 20 s into the minute: held 5 s more (one interval), then no longer.
+    Worker.objects.filter(pk=silent.worker_id).update(last_heartbeat=MINUTE_START + timedelta(seconds=20))
+    # 10 s after the minute's end, a clock a little ahead could be early: the minute before it only.
+    metering.meter(now=MINUTE_START + timedelta(seconds=70), emit=lambda event: record_usage(event=event))
+    assert billed(deployment) == [(60 + 60, Decimal("0.060000"))]
+    metering.meter(now=NOW, emit=lambda event: record_usage(event=event))
+    assert billed(deployment)[1] == (60 + 25, Decimal("0.042500"))
 
 
 def test_minutes_the_meter_missed_are_billed_when_it_runs_again(organization, model):
@@ -153,12 +172,22 @@ def test_reserved_capacity_stops_when_the_credit_is_gone_and_says_why(organizati
 
 
 def test_the_usage_report_counts_reserved_capacity_apart_from_requests(organization, model):
+    from dashboard import selectors as dashboard_selectors
+
     deployment = create_deployment(organization=organization, model=model, name=f"ded-{uuid.uuid4().hex[:6]}",
                                    kind="dedicated", min_replicas=1)
     ready_replicas(deployment, NOW - timedelta(hours=1))
     metering.meter(now=NOW, emit=lambda event: record_usage(event=event))
+    # Not a request: the deployments list counts none, the getting-started list still waits for one.
+    assert dashboard_selectors.deployments_page(organization=organization)["own"][0].requests_24h == 0
+    assert dashboard_selectors.overview(organization=organization)["has_usage"] is False
+    entry = LedgerEntry.objects.get(organization=organization, kind=LedgerEntry.Kind.USAGE)
+    assert entry.description == f"Reserved capacity: {deployment.name}, 60 replica-seconds"
     day = MINUTE_START.date()
     report = billing_selectors.usage_report(organization=organization, start=day, end=day, group_by="endpoint")
     assert report["totals"]["requests"] == 0 and report["totals"]["replica_seconds"] == 60
     assert [(b["key"], b["replica_seconds"], b["cost"]) for b in report["buckets"]] == [
         ("reserved capacity", 60, Decimal("0.030000"))]
+    # No key reserved it: the by-key report (whose keyless bucket is the dashboard's) leaves it out.
+    by_key = billing_selectors.usage_report(organization=organization, start=day, end=day, group_by="api_key")
+    assert by_key["buckets"] == []
