@@ -103,6 +103,10 @@ class Choices:
     def lasts(self) -> list:
         return [stream.last for stream in self.streams]
 
+    def tokens_sent(self, by: float | None = None) -> int:
+        """The completion tokens of every answer the gateway received (by ``by``, monotonic)."""
+        return sum(stream.tokens_sent(by) for stream in self.streams)
+
 
 def finish_reason(outputs: list) -> str:
     """The request's finish reason: an error or an abort of any answer, else the first answer's."""

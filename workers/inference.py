@@ -128,7 +128,8 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
         pulse = GatewayPulse(payload["gateway_pulse"]) if payload.get("gateway_pulse") else None
         outputs = answers.wait(STALL_TIMEOUT_S, report_every=progress_report_s(),
                                abandoned=pulse.gone if pulse is not None else None)
-        if pulse is not None and pulse.abandoned:
+        gateway_gone = pulse is not None and pulse.abandoned
+        if gateway_gone:
             log.info("request %s: its gateway is gone; cancelled", request_id)
         finished = {"type": "inference.finished", "finish_reason": choices.finish_reason(outputs),
                     "error": choices.error(outputs), "usage": choices.usage(outputs, n=n),
@@ -136,7 +137,8 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
                     "choices": [{"index": i, "finish_reason": out.finish_reason} for i, out in enumerate(outputs)]}
         try:
             billing_tried = True
-            event = _bill(payload, answers, cancels, before_engine, cancelled=cancelled.is_set())
+            event = _bill(payload, answers, cancels, before_engine, cancelled=cancelled.is_set(),
+                          gateway_gone_after=pulse.last_beat if gateway_gone else None, gateway_gone=gateway_gone)
         finally:  # the client gets its end even if billing failed (that error is raised on)
             send_quietly(send, reply, finished)
     except TimeoutError:
@@ -220,14 +222,25 @@ def _embedding(vector, dimensions: int | None) -> str:
 
 
 def _bill(payload: dict, answers: choices.Choices, cancels, before_engine: float = 0.0, *,
-          cancelled: bool = False) -> dict:
-    """The request is over (or failed on the way): stop it and emit its usage event."""
+          cancelled: bool = False, gateway_gone: bool = False, gateway_gone_after: float | None = None) -> dict:
+    """The request is over (or failed on the way): stop it and emit its usage event.
+    ``gateway_gone``: its gateway died, alive last at ``gateway_gone_after`` (monotonic; None:
+    never seen alive)."""
     cancels.unwatch(payload["request_id"])
     if not answers.ended:  # it failed on the way: stop generating for nobody
         answers.abort()
     event = _usage_event(payload, answers, before_engine)
+    if gateway_gone:
+        event["status"] = "failed"  # not its client's cancel: the platform's failure
     if not _delivered(payload, cancels, completed=event["status"] == "completed", cancelled=cancelled):
         event.update(completion_tokens=0, status="failed")  # the client got nothing: free
+    elif event["status"] != "completed":
+        # Cut short while streaming: what reached its gateway, which passed it on (before it died,
+        # if it did), not what was generated after for nobody (a relay that failed, a dead gateway
+        # noticed seconds late).
+        by = gateway_gone_after if gateway_gone else None
+        sent = answers.tokens_sent(by) if not gateway_gone or by is not None else 0
+        event["completion_tokens"] = min(event["completion_tokens"], sent)
     emit_usage(event)
     return event
 

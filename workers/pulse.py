@@ -2,7 +2,9 @@
 
 Its pulse missing once is not enough: Redis may have restarted and lost it, and the gateway sets
 it again within PULSE_EVERY_S. Missing at checks at least GRACE_S apart, with none seen between,
-the gateway is gone. A check that fails (Redis down) says nothing."""
+the gateway is gone. A check that fails (Redis down) says nothing. Each check also reads when the
+pulse was last set (its key's time to live): the gateway was alive then (``last_beat``), which
+bounds what it can have passed on to its client."""
 
 from __future__ import annotations
 
@@ -17,11 +19,12 @@ CHECK_EVERY_S = 1.0  # asked as often as a request's answers wait (each of its n
 
 
 class GatewayPulse:
-    def __init__(self, key: str, *, grace_s: float = GRACE_S) -> None:
-        self.key, self.grace_s = key, grace_s
+    def __init__(self, key: str, *, grace_s: float | None = None) -> None:
+        self.key, self.grace_s = key, GRACE_S if grace_s is None else grace_s
         self._missing_since: float | None = None
         self._checked_at: float | None = None
         self.abandoned = False  # it said gone once
+        self.last_beat: float | None = None  # when the gateway last set its pulse, as seen (monotonic)
 
     def gone(self) -> bool:
         now = time.monotonic()
@@ -29,12 +32,14 @@ class GatewayPulse:
             return self.abandoned
         self._checked_at = now
         try:
-            beating = bool(fleet.client().exists(self.key))
+            left_ms = fleet.client().pttl(self.key)  # -2: no such key
         except Exception as exc:
             log.warning("could not check the gateway's pulse %s: %s", self.key, exc)
             return False
-        if beating:
+        if left_ms is not None and left_ms >= 0:
             self._missing_since = None
+            beat = now - max(0.0, dispatch.PULSE_TTL_S - left_ms / 1000)
+            self.last_beat = beat if self.last_beat is None else max(self.last_beat, beat)
             return False
         if self._missing_since is None:
             self._missing_since = now

@@ -18,6 +18,7 @@ import atexit
 import logging
 import threading
 import time
+from collections import deque
 from typing import Callable
 
 from channels.exceptions import ChannelFull
@@ -27,6 +28,10 @@ log = logging.getLogger(__name__)
 _OPEN = object()  # a stream's marker in the relay's queue: the gateway knows it started
 _PROGRESS = object()  # one that made progress without an output (a long prompt's chunks)
 PROGRESS_MESSAGE = {"type": "inference.progress"}
+# How far back a stream remembers when its tokens reached the gateway (``Stream.tokens_sent``):
+# longer than a dead gateway takes to be noticed (``workers.pulse``), in steps of SENT_STEP_S.
+SENT_MEMORY_S = 60.0
+SENT_STEP_S = 0.25
 
 
 class Superseded(Exception):
@@ -69,6 +74,9 @@ class Stream:
         self.streaming = False  # a token has been sent
         self.opened = False
         self.backlog: list = []  # outputs that came before open()
+        # [step started, when, completion tokens] as the gateway received them, one per step of
+        # SENT_STEP_S, over the last SENT_MEMORY_S (and the step before), latest last.
+        self._sent: deque[list] = deque()
         self._relay = relay
         self._done = threading.Event()
 
@@ -88,6 +96,24 @@ class Stream:
     @property
     def computed_tokens(self) -> int:
         return self.handle.computed_tokens if self.handle is not None else 0
+
+    def record_sent(self, completion_tokens: int, now: float) -> None:
+        """The gateway has the output holding the first ``completion_tokens`` (on the relay's loop)."""
+        sent = self._sent
+        if sent and now - sent[-1][0] < SENT_STEP_S:
+            sent[-1][1:] = [now, completion_tokens]  # the step goes on
+        else:
+            sent.append([now, now, completion_tokens])
+        while len(sent) > 2 and sent[1][1] < now - SENT_MEMORY_S:
+            sent.popleft()
+
+    def tokens_sent(self, by: float | None = None) -> int:
+        """The completion tokens the gateway had received (by the monotonic time ``by``, to a step:
+        never more): what a streaming client can have been given."""
+        for _, when, tokens in reversed(list(self._sent)):
+            if by is None or when <= by:
+                return tokens
+        return 0
 
     def wait(self, stall_timeout: float, progressed: Callable[[], float] | None = None, *,
              poll: float | None = None):
@@ -169,6 +195,7 @@ class StreamRelay:
 
     async def _relay(self, batch: list) -> None:
         outgoing: list[tuple[Stream, dict]] = []
+        tokens: list[int | None] = []  # per message: the completion tokens it brings the gateway to
         finishing: list[Stream] = []
         first_tokens: dict[str, None] = {}  # request ids, once each, in order
         self._drop_superseded(batch)
@@ -176,6 +203,7 @@ class StreamRelay:
             if item is _PROGRESS:  # before the start, or after the end (maybe in this batch): nothing
                 if stream.opened and not stream.ended and not (stream.last is not None and stream.last.finished):
                     outgoing.append((stream, PROGRESS_MESSAGE))
+                    tokens.append(None)
                 continue
             if item is _OPEN:
                 stream.opened = True
@@ -192,6 +220,7 @@ class StreamRelay:
                 if out.token_ids or out.text or out.prompt_logprobs is not None or getattr(out, "embedding", None) is not None:
                     try:
                         outgoing.append((stream, stream.to_message(out)))
+                        tokens.append(getattr(out, "completion_tokens", None))
                     except Exception as exc:
                         log.exception("could not build the message for %s", stream.channel)
                         stream.abort()
@@ -209,6 +238,10 @@ class StreamRelay:
             except Exception:  # the answer matters more than the record of its progress
                 log.exception("could not record that %d requests are streaming", len(first_tokens))
         results = await send_many(self._sender.layer, [(s.channel, m) for s, m in outgoing])
+        sent_at = time.monotonic()
+        for (stream, _), count, error in zip(outgoing, tokens, results):
+            if error is None and count is not None:
+                stream.record_sent(count, sent_at)
         for (stream, _), error in zip(outgoing, results):
             if isinstance(error, ChannelFull):
                 stream.abort()  # the gateway stopped reading: stop generating for nobody

@@ -39,7 +39,7 @@ def worker():
 class Running:
     """One request served on a thread of its own, as a Celery task thread serves it."""
 
-    def __init__(self, worker, monkeypatch, *, stream: bool, max_tokens: int = 400):
+    def __init__(self, worker, monkeypatch, *, stream: bool, max_tokens: int = 400, **payload_extra):
         host, self.sender, relay, cancels = worker
         self.request_id = f"chatcmpl-{uuid.uuid4().hex}"
         self.reply = async_to_sync(self.sender.layer.new_channel)()
@@ -47,7 +47,7 @@ class Running:
         monkeypatch.setattr(inference, "emit_usage", self.billed.append)
         payload = {"request_id": self.request_id, "reply_channel": self.reply, "deployment": SPEC,
                    "kind": "completion", "prompt": "Once upon a time", "organization_id": 1, "stream": stream,
-                   "sampling": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
+                   "sampling": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}, **payload_extra}
         self.engine = host.engine_for(SPEC)
         self.thread = threading.Thread(target=inference.run, args=(payload,), kwargs=dict(
             host=host, send=self.sender.send, relay=relay, cancels=cancels))
@@ -119,3 +119,43 @@ def test_a_request_that_ends_as_its_gateway_gives_up_on_it_is_free(worker, monke
     redis.Redis.from_url(settings.REDIS_URL).set(mark_key(running.request_id), VOID, ex=60)  # no broadcast
     usage = running.usage()
     assert (usage["status"], usage["completion_tokens"]) == ("failed", 0)
+
+
+def test_a_stream_whose_gateway_died_is_billed_for_what_reached_it_while_alive(worker, monkeypatch, settings):
+    """The gateway process died mid-stream (its pulse stops): the worker notices seconds later and
+    stops, having generated on for nobody. Billed: the tokens the gateway had when last alive, as a
+    failure of the platform's, not as the client's cancel. (Pulse timings shortened for the test.)"""
+    import time
+
+    from workers import dispatch, pulse
+
+    monkeypatch.setattr(dispatch, "PULSE_TTL_S", 2)
+    monkeypatch.setattr(pulse, "GRACE_S", 1.0)
+    settings.GATEWAY_STALL_TIMEOUT = 2  # the worker looks at its request (and the pulse) every 0.5 s
+    key, client, dead = f"gateway:pulse:test-{uuid.uuid4().hex}", redis.Redis.from_url(settings.REDIS_URL), \
+        threading.Event()
+
+    def beat():  # as the gateway's event loop does
+        client.set(key, "1", ex=dispatch.PULSE_TTL_S)
+        while not dead.wait(0.3):
+            client.set(key, "1", ex=dispatch.PULSE_TTL_S)
+
+    beater = threading.Thread(target=beat)
+    beater.start()
+    try:
+        running = Running(worker, monkeypatch, stream=True, max_tokens=4000, gateway_pulse=key)
+        running.after_tokens(40)
+        seen, until = 40, time.monotonic() + 1.5  # the gateway reads on, beating, for a second and a half
+        while time.monotonic() < until:
+            seen += len(running.receive().get("token_ids") or ())
+    finally:
+        dead.set()  # the gateway dies: its pulse stops, nobody reads what the worker sends on
+        beater.join()
+    at_death = seen
+    while (event := running.receive())["type"] == "inference.delta":
+        seen += len(event.get("token_ids") or ())
+    usage = running.usage()
+    assert usage["status"] == "failed"
+    # What reached the gateway by its last beat: at least the 40 it read then, at most what it had
+    # read as it died and the little still on its way (what came after is generated for nobody).
+    assert 40 <= usage["completion_tokens"] <= at_death + 10 and seen < 4000

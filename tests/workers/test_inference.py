@@ -453,6 +453,9 @@ def test_a_relay_that_fails_answers_the_client_at_once_and_bills_what_ran(monkey
         def wait(self, timeout, progressed=None, *, poll=None):
             raise RuntimeError("the relay broke")
 
+        def tokens_sent(self, by=None):
+            return 0
+
     class Cancels(NoCancels):
         def watch(self, request_id, abort):
             pass
