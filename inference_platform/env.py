@@ -83,6 +83,15 @@ def env_url(name: str) -> str:
     return raw.rstrip("/")
 
 
+def env_redis_url(name: str) -> str:
+    """A Redis address, redis://, rediss:// or unix:// ("" when unset)."""
+    raw = os.environ.get(name, "").strip()
+    if raw and urlsplit(raw).scheme not in ("redis", "rediss", "unix"):
+        raise ImproperlyConfigured(f"{name} must start with redis://, rediss:// or unix://, such as "
+                                   f"redis://127.0.0.1:6379/0, not {redact_url(raw)!r}")
+    return raw
+
+
 def env_list(name: str, default: str = "") -> list[str]:
     return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
 

@@ -122,7 +122,10 @@ def start_embedded_redis(socket_path: Path, *, data_dir: Path, deadline_s: float
             "--unixsocket", str(socket_path),
             "--unixsocketperm", "700",
             "--save", "",
-            "--appendonly", "no",
+            # Usage events wait in Redis for the billing worker (a database outage can keep them
+            # there a while): an append-only file in DATA_DIR keeps them through a crash of Redis.
+            "--appendonly", "yes",
+            "--appendfsync", "everysec",
             "--dir", str(data_dir),
             "--daemonize", "no",
             "--logfile", str(data_dir / "redis.log"),

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 
-from .env import (celery_broker_url, database_from_url, env_bool, env_int, env_list, env_seconds, env_str, env_url,
-                  secret_key_problem)
+from .env import (celery_broker_url, database_from_url, env_bool, env_int, env_list, env_redis_url, env_seconds,
+                  env_str, env_url, secret_key_problem)
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(env_str("DATA_DIR", str(BASE_DIR / ".data"))).resolve()
@@ -104,8 +104,8 @@ AUTH_USER_MODEL = "accounts.User"
 # One Redis for the Celery broker, the Channels layer and the cache. Unset: the private Redis that
 # `inference-platform up` starts on a unix socket under DATA_DIR.
 EMBEDDED_REDIS_SOCKET = DATA_DIR / "redis.sock"
-REDIS_URL = env_str("REDIS_URL") or f"unix://{EMBEDDED_REDIS_SOCKET}"
-REDIS_IS_EMBEDDED = not env_str("REDIS_URL")
+REDIS_URL = env_redis_url("REDIS_URL") or f"unix://{EMBEDDED_REDIS_SOCKET}"
+REDIS_IS_EMBEDDED = not env_redis_url("REDIS_URL")
 
 CACHES = {
     "default": {

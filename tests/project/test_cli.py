@@ -132,11 +132,12 @@ def test_loopback_addresses_are_this_machine():
     ("LOG_LEVEL", "loud", "LOG_LEVEL must be"),
     ("TOPUP_MIN", "5E+1", "a decimal amount in USD"),  # the page would show it, and parse it, as written
     ("BILLING_SIGNUP_CREDIT", "-5", "a decimal amount in USD"),
+    ("REDIS_URL", "http://user:secret@x", "must start with redis://"),
 ])
 def test_a_bad_setting_stops_with_a_line_naming_it(name, value, says):
     result = run_cli("web", "--port", str(free_port()), env_overrides={name: value})
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert name in result.stderr and says in result.stderr
+    assert name in result.stderr and says in result.stderr and "secret" not in result.stderr
 
 
 def test_a_django_log_line_is_written_once_with_its_time_in_debug_mode():

@@ -56,3 +56,29 @@ def test_a_part_started_alone_says_its_embedded_redis_stops_with_it(alone, capsy
     said = capsys.readouterr().out
     assert len(procs) == 1 and said.count("started the embedded Redis") == 1
     assert ("it stops when this command stops" in said) is alone
+
+
+@pytest.mark.parametrize("system", [True, False], ids=["system-redis", "packaged-redis"])
+def test_what_waits_in_the_embedded_redis_outlives_a_crash_of_it(system, monkeypatch):
+    """Usage events wait there for the billing worker: a Redis killed and started again (as `up`
+    does) still holds them."""
+    import redis as redis_client
+
+    if not system:
+        monkeypatch.setenv("PATH", "/nonexistent")
+    with tempfile.TemporaryDirectory(prefix="ip-") as short:
+        socket_path = Path(short) / "redis.sock"
+        proc = processes.start_embedded_redis(socket_path, data_dir=Path(short))
+        try:
+            client = redis_client.Redis(unix_socket_path=str(socket_path))
+            client.lpush("billing", "a usage event")
+            client.close()
+            proc.kill()  # no shutdown: nothing saved on the way out
+            proc.wait(timeout=10)
+            proc = processes.start_embedded_redis(socket_path, data_dir=Path(short))
+            client = redis_client.Redis(unix_socket_path=str(socket_path))
+            assert client.lrange("billing", 0, -1) == [b"a usage event"]
+            client.close()
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
