@@ -7,6 +7,7 @@ class BillingConfig(AppConfig):
 
     def ready(self):
         from accounts.signals import email_verified, organization_created
+        from models_catalog.signals import reserving_capacity
 
         from . import receivers
 
@@ -16,3 +17,4 @@ class BillingConfig(AppConfig):
         email_verified.connect(
             receivers.grant_signup_credit_on_verification, dispatch_uid="billing.grant_signup_credit_on_verification"
         )
+        reserving_capacity.connect(receivers.refuse_capacity_unpaid, dispatch_uid="billing.refuse_capacity_unpaid")

@@ -17,6 +17,7 @@ from django.utils.text import slugify
 from accounts.models import Organization
 from inference_platform import read_cache
 
+from . import signals
 from .errors import DeploymentNotFound, InvalidCatalogModel, InvalidDeployment, ModelImportError
 from .models import DEPLOYMENT_NAME_PATTERN, PRICE_FIELD, CatalogModel, Deployment
 from .selectors import deployment_name_taken
@@ -103,6 +104,15 @@ def _check_quota(deployment: Deployment, *, creating: bool, before: int = 0) -> 
                                        f"of {limit} (the operator sets ORG_MAX_RESERVED_REPLICAS).")
 
 
+def _check_can_pay(deployment: Deployment, *, before: int = 0) -> None:
+    """A deployment that would hold more than ``before`` replicas billed by the hour: whoever
+    receives ``signals.reserving_capacity`` (billing) may refuse (InvalidDeployment)."""
+    if deployment.organization_id is None:
+        return
+    if deployment.replicas_billed_hourly(deployment.max_replicas) > before:
+        signals.reserving_capacity.send(sender=Deployment, deployment=deployment)
+
+
 def _check_consistency(deployment: Deployment) -> None:
     if deployment.max_replicas < deployment.min_replicas:
         raise InvalidDeployment("max_replicas", "max_replicas must be at least min_replicas.")
@@ -142,6 +152,7 @@ def create_deployment(
     deployment = Deployment(organization=organization, model=model, name=name, created_by=created_by, **cleaned)
     _check_consistency(deployment)
     _check_quota(deployment, creating=True)
+    _check_can_pay(deployment)
     if deployment_name_taken(name=name):
         raise InvalidDeployment("name", taken_message(name))
     try:
@@ -173,11 +184,14 @@ def _save_settings(deployment: Deployment, changes: dict) -> set[str]:
         if locked is None:  # deleted meanwhile
             raise DeploymentNotFound(deployment.name)
         before = reserved_replicas(locked)
+        billed_before = locked.replicas_billed_hourly(locked.max_replicas)
         changed = {field for field, value in cleaned.items() if getattr(locked, field) != value}
         for field, value in cleaned.items():
             setattr(locked, field, value)
         _check_consistency(locked)
         _check_quota(locked, creating=False, before=before)
+        if locked.status != Deployment.Status.STOPPED:  # a stopped one holds nothing until started
+            _check_can_pay(locked, before=billed_before)
         locked.save(update_fields=[*cleaned, "updated_at"])
     # The status too, as read under the lock: what a retry (``retry_if_failed``) goes by.
     for field in [*cleaned, "updated_at", "status", "status_reason"]:
@@ -232,6 +246,7 @@ def start_deployment(*, deployment: Deployment, reason: str) -> bool:
     placement loop loads it. Whether it did (one serving or coming up already is left alone)."""
     if deployment.status not in STARTABLE:
         return False
+    _check_can_pay(deployment)
     return set_deployment_status(deployment=deployment, status=Deployment.Status.PENDING, reason=reason)
 
 

@@ -209,7 +209,12 @@ def deployment_start(request, deployment: Deployment):
     name = deployment.name
     failed = deployment.status == Deployment.Status.FAILED
     reason = "tried again from the dashboard" if failed else "started from the dashboard"
-    if start_deployment(deployment=deployment, reason=reason):
+    try:
+        started = start_deployment(deployment=deployment, reason=reason)
+    except InvalidDeployment as exc:  # its reserved replicas cannot be paid for now
+        messages.error(request, exc.message)
+        return redirect("deployment-detail", name=deployment.name)
+    if started:
         what = f"Trying {name} again" if failed else f"{name} is starting"
         messages.success(request, f"{what}: workers are loading the model; requests wait until it is ready.")
     else:  # started meanwhile, from another tab or the API

@@ -15,7 +15,7 @@ from billing.models import LedgerEntry, UsageRecord
 from billing.services import add_adjustment, record_usage
 from models_catalog.models import CatalogModel, Deployment
 from models_catalog.services import create_deployment
-from tests.billing.conftest import make_organization
+from tests.billing.conftest import make_key, make_organization
 from workers import fleet, metering, services
 from workers.models import Replica, Worker
 
@@ -191,3 +191,43 @@ def test_the_usage_report_counts_reserved_capacity_apart_from_requests(organizat
     # No key reserved it: the by-key report (whose keyless bucket is the dashboard's) leaves it out.
     by_key = billing_selectors.usage_report(organization=organization, start=day, end=day, group_by="api_key")
     assert by_key["buckets"] == []
+
+
+def test_an_organization_that_cannot_pay_reserves_no_billed_replica(organization, model, client):
+    from models_catalog.errors import InvalidDeployment
+    from models_catalog.services import start_deployment, stop_deployment, update_deployment
+
+    serverless = create_deployment(organization=organization, model=model, name=f"warm-{uuid.uuid4().hex[:6]}")
+    dedicated = create_deployment(organization=organization, model=model, name=f"ded-{uuid.uuid4().hex[:6]}",
+                                  kind="dedicated", min_replicas=1)
+    stop_deployment(deployment=dedicated, reason="paused")
+    left = billing_selectors.balance(organization=organization)
+    add_adjustment(organization=organization, amount=-left, description="spent")  # nothing left
+    for attempt in (
+        lambda: create_deployment(organization=organization, model=model, name="more", kind="dedicated"),
+        lambda: update_deployment(deployment=serverless, min_replicas=1),
+        lambda: start_deployment(deployment=dedicated, reason="again"),
+    ):
+        with pytest.raises(InvalidDeployment, match="billed by the hour.*cannot pay for them now"):
+            attempt()
+    # What reserves nothing billed goes on: a serverless deployment that scales to zero, a change
+    # to a stopped one, a model without an hourly price.
+    update_deployment(deployment=serverless, max_replicas=2)
+    update_deployment(deployment=dedicated, max_replicas=2)
+    free_model = CatalogModel.objects.create(slug=f"free-{uuid.uuid4().hex[:6]}", display_name="F",
+                                             architecture="llama", weights_path="bundled:f")
+    create_deployment(organization=organization, model=free_model, name=f"free-{uuid.uuid4().hex[:6]}",
+                      kind="dedicated")
+    # Through the API: a 400 naming the setting, in OpenAI's shape.
+    _, key = make_key(organization, scopes=("manage",))
+    response = client.post(f"/v1/deployments/{dedicated.name}/start", HTTP_AUTHORIZATION=f"Bearer {key}")
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "kind" and "cannot pay" in response.json()["error"]["message"]
+    # In the dashboard: the deployment's page says why.
+    from accounts.models import Membership
+
+    client.force_login(Membership.objects.get(organization=organization, role="owner").user)
+    page = client.post(f"/deployments/{dedicated.name}/start/", follow=True).content.decode()
+    assert "cannot pay for them now" in page
+    dedicated.refresh_from_db()
+    assert dedicated.status == Deployment.Status.STOPPED
