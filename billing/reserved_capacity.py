@@ -35,7 +35,7 @@ def stop_if_unpaid(*, organization_id: int) -> list[str]:
     running = (Deployment.objects.filter(organization_id=organization_id, model__price_per_replica_hour__gt=0)
                .exclude(status=Deployment.Status.STOPPED).select_related("model"))
     for deployment in running:
-        if deployment.replicas_billed_hourly(deployment.max_replicas) and \
+        if deployment.bills_replica_hours and \
                 stop_deployment(deployment=deployment, reason=reason):
             stopped.append(deployment.name)
     if stopped:

@@ -100,7 +100,8 @@ class DeploymentSettingsForm(forms.Form):
     batch_window_ms = _int_field("batch_window_ms", "Batch window (ms)",
                                  "How long an idle engine waits for more requests before it starts a batch.")
     max_batch_size = _int_field("max_batch_size", "Max batch size", "Requests decoded together at most.")
-    min_replicas = _int_field("min_replicas", "Min replicas", "Workers kept loaded even when idle.")
+    min_replicas = _int_field("min_replicas", "Min replicas", "Workers kept loaded even when idle (billed by the hour "
+                                                              "where the model has a price per replica-hour).")
     max_replicas = _int_field("max_replicas", "Max replicas", "Workers it may scale out to under load.")
     scale_to_zero = forms.BooleanField(label="Scale to zero when idle", required=False, initial=True)
     scale_to_zero_seconds = _int_field("scale_to_zero_seconds", "Idle time before scaling to zero (s)")
@@ -124,7 +125,12 @@ class DeploymentSettingsForm(forms.Form):
         data = super().clean()
         low, high = data.get("min_replicas"), data.get("max_replicas")
         if data.get("kind") == Deployment.Kind.DEDICATED:
-            data["scale_to_zero"] = False
+            # It never goes to zero (min_replicas >= 1); the idle time still takes the replicas a
+            # burst added back down to its minimum, as the API's default does (0 would keep them all,
+            # and reserve, and bill, its maximum).
+            data["scale_to_zero"] = True
+            if not data.get("scale_to_zero_seconds"):
+                data["scale_to_zero_seconds"] = self.INITIAL["scale_to_zero_seconds"]
             if low is not None and low < 1:
                 self.add_error("min_replicas", "A dedicated deployment keeps at least one replica.")
         if low is not None and high is not None and high < low:

@@ -479,7 +479,11 @@ def _open(identify: Callable[[], tuple[Caller, InferenceRequest]], endpoint: str
         caller, request = identify()
         spec, ready, stopped, queue_limit, context_length, prices = _deployment_spec(caller, request.model)
     if stopped:  # refused at once: waiting, or a full queue's "retry shortly", would mislead
-        raise ApiError(503, f"The deployment '{spec['name']}' is stopped; start it to send it requests.",
+        from models_catalog.selectors import status_reason
+
+        why = status_reason(deployment_id=spec["id"]).rstrip(".")  # its owner's, or billing's ("cannot pay")
+        detail = f" ({why})" if why else ""
+        raise ApiError(503, f"The deployment '{spec['name']}' is stopped{detail}; start it to send it requests.",
                        code="model_unavailable", expected=True)
     _check_max_tokens(request, context_length)
     _check_quota(caller)

@@ -184,6 +184,11 @@ class Deployment(models.Model):
         return billed_by_the_hour(kind=self.kind, organization_id=self.organization_id,
                                   price_per_replica_hour=self.model.price_per_replica_hour)
 
+    @property
+    def bills_replica_hours(self) -> bool:
+        """Whether some of its replicas are billed by the hour when up."""
+        return self.replicas_billed_hourly(self.max_replicas) > 0
+
     def replicas_billed_hourly(self, ready: int) -> int:
         """How many of its ``ready`` replicas are billed by the hour: an hourly-billed dedicated
         endpoint's up to its max_replicas (a busy one above a lowered maximum is released once

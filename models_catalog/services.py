@@ -183,6 +183,9 @@ def _save_settings(deployment: Deployment, changes: dict) -> set[str]:
         locked = Deployment.objects.select_for_update().filter(pk=deployment.pk).first()
         if locked is None:  # deleted meanwhile
             raise DeploymentNotFound(deployment.name)
+        if cleaned.get("kind") == Deployment.Kind.DEDICATED and "min_replicas" not in cleaned \
+                and locked.min_replicas < 1:
+            cleaned["min_replicas"] = 1  # as a new dedicated deployment gets (create_deployment)
         before = reserved_replicas(locked)
         billed_before = locked.replicas_billed_hourly(locked.max_replicas)
         changed = {field for field, value in cleaned.items() if getattr(locked, field) != value}

@@ -134,8 +134,11 @@ def _evict_idle(report: TickReport, *, busy: set[str], now: datetime) -> None:
     for name, replica in zip(needing, candidates):
         left[replica.deployment_id] -= 1
         idle = int((now - (replica.last_active_at or replica.assigned_at)).total_seconds())
+        # Its owner reads the reason: the deployment that needed the slot may be another organization's.
+        log.info("evicting %s from %s after %ds idle: %s needed its slot", replica.deployment_name,
+                 replica.worker.hostname, idle, name)
         services.release_replica(
-            replica=replica, reason=f"evicted after {idle}s idle: {name} needed its slot",
+            replica=replica, reason=f"evicted after {idle}s idle: another deployment needed its slot",
             idle_status=Status.SCALED_TO_ZERO if left[replica.deployment_id] == 0 else None)
         report.evicted.append((replica.deployment_name, replica.worker.hostname))
 

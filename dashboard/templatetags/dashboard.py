@@ -175,9 +175,14 @@ def duration_s(value) -> str:
 
 @register.filter
 def replica_hours(seconds) -> str:
-    """Seconds of reserved replicas as replica-hours: "0.25 replica-hours"."""
-    hours = Decimal(int(seconds or 0)) / 3600
-    return f"{hours.quantize(Decimal('0.01'))} replica-hour{'' if hours == 1 else 's'}"
+    """Seconds of reserved replicas as replica-hours, "1.50 replica-hours", or under an hour as
+    replica-minutes, "2.4 replica-minutes" (a few seconds are not "0.00 replica-hours")."""
+    seconds = int(seconds or 0)
+    if seconds < 3600:
+        minutes = (Decimal(seconds) / 60).quantize(Decimal("0.1"))
+        return f"{minutes} replica-minute{'' if minutes == 1 else 's'}"
+    hours = (Decimal(seconds) / 3600).quantize(Decimal("0.01"))
+    return f"{hours} replica-hour{'' if hours == 1 else 's'}"
 
 
 @register.filter

@@ -55,8 +55,9 @@
   function money(value) {
     const v = Number(value);
     if (v === 0) return "$0";
-    if (Math.abs(v) >= 0.01) return "$" + v.toFixed(2);
-    return "$" + v.toFixed(6).replace(/0+$/, "");
+    // Cents from a dollar up; below, the digits that tell close ticks apart ($0.015, not $0.01 twice).
+    if (Math.abs(v) >= 1) return "$" + v.toFixed(2);
+    return "$" + v.toFixed(6).replace(/0+$/, "").replace(/\.$/, "");
   }
 
   const charts = new Map();

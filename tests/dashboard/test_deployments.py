@@ -37,7 +37,13 @@ def test_scale_to_zero_off_and_dedicated(ada, catalog):
     assert Deployment.objects.get(name="always-on").scale_to_zero_seconds == 0
     ada.post("/deploy/", {**FORM, "name": "reserved", "kind": "dedicated", "min_replicas": "2", "max_replicas": "3"})
     reserved = Deployment.objects.get(name="reserved")
-    assert (reserved.kind, reserved.min_replicas, reserved.scale_to_zero_seconds) == ("dedicated", 2, 0)
+    # Never to zero, but a burst's third replica goes back after the idle time (the form's 120 s):
+    # it reserves, and is billed for, its two.
+    assert (reserved.kind, reserved.min_replicas, reserved.scale_to_zero_seconds) == ("dedicated", 2, 120)
+    assert reserved.reserved_replicas == 2
+    ada.post("/deploy/", {**FORM, "name": "reserved-too", "kind": "dedicated", "min_replicas": "1",
+                          "max_replicas": "2", "scale_to_zero": "", "scale_to_zero_seconds": "0"})
+    assert Deployment.objects.get(name="reserved-too").scale_to_zero_seconds == 300  # the hidden fields at "never"
 
 
 @pytest.mark.parametrize("changes, field, message", [

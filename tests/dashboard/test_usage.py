@@ -122,3 +122,12 @@ def test_reserved_capacity_shows_as_replica_hours_and_not_as_requests(ada, acme,
     # No key reserved it: its own row in the by-key table, not the playground's.
     by_key = page.split('id="usage-by-key"')[1].split("</table>")[0]
     assert "Reserved capacity" in by_key and "Playground" not in by_key
+
+
+@pytest.mark.parametrize("seconds, shown", [(0, "0.0 replica-minutes"), (8, "0.1 replica-minutes"),
+                                            (60, "1.0 replica-minute"), (3599, "60.0 replica-minutes"),
+                                            (3600, "1.00 replica-hour"), (5400, "1.50 replica-hours")])
+def test_reserved_time_reads_in_minutes_under_an_hour(seconds, shown):
+    from dashboard.templatetags.dashboard import replica_hours
+
+    assert replica_hours(seconds) == shown

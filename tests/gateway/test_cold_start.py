@@ -105,7 +105,8 @@ def test_a_stopped_deployment_is_refused_at_once_not_queued(client, scaled_to_ze
     from workers import fleet
 
     org, key, name = scaled_to_zero
-    set_deployment_status(deployment=Deployment.objects.get(name=name), status=Deployment.Status.STOPPED)
+    set_deployment_status(deployment=Deployment.objects.get(name=name), status=Deployment.Status.STOPPED,
+                          reason="Stopped because your organization cannot pay for more.")
     with caplog.at_level("INFO"):
         response = client.post("/v1/chat/completions", data=json.dumps(
             {"model": name, "messages": [{"role": "user", "content": "Hi"}]}),
@@ -114,6 +115,8 @@ def test_a_stopped_deployment_is_refused_at_once_not_queued(client, scaled_to_ze
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
     assert any(r.levelname == "WARNING" and "model_unavailable" in r.getMessage() for r in caplog.records)
     error = response.json()["error"]
-    assert error["code"] == "model_unavailable" and "is stopped" in error["message"]
+    assert error["code"] == "model_unavailable"
+    assert error["message"] == (f"The deployment '{name}' is stopped (Stopped because your organization cannot pay "
+                                "for more); start it to send it requests.")
     assert waits == ([], [])  # no wait at all
     assert fleet.client().llen(f"deployment.{name}") == 0 and not UsageRecord.objects.filter(organization=org).exists()

@@ -97,6 +97,13 @@ def test_fp8_weights_are_a_deployment_setting(acme, model):
 def test_dedicated_deployments_default_to_one_replica(acme, model):
     deployment = create_deployment(organization=acme, model=model, name="ded", kind="dedicated")
     assert deployment.min_replicas == 1 and deployment.max_replicas == 1
+    # So does a serverless one made dedicated; a minimum given is checked as given.
+    turned = update_deployment(deployment=create_deployment(organization=acme, model=model, name="was-serverless"),
+                               kind="dedicated")
+    assert (turned.kind, turned.min_replicas) == ("dedicated", 1)
+    with pytest.raises(InvalidDeployment, match="at least one replica"):
+        update_deployment(deployment=create_deployment(organization=acme, model=model, name="zero"),
+                          kind="dedicated", min_replicas=0)
 
 
 @pytest.mark.parametrize(

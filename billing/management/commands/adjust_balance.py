@@ -1,6 +1,7 @@
 from decimal import Decimal, InvalidOperation
 
 from django.core.management.base import BaseCommand, CommandError
+from django.db.models import Q
 
 from accounts.models import Organization
 from billing import selectors, services
@@ -15,7 +16,7 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser):
-        parser.add_argument("organization", help="the organization's id, or its exact name")
+        parser.add_argument("organization", help="the organization's id, its exact name, or its slug (the API's owned_by)")
         parser.add_argument("amount", help="USD, e.g. 25 or -3.50 (at most 6 decimals)")
         parser.add_argument("--reason", required=True,
                             help="what the organization reads on its ledger, e.g. 'Credit for the outage of 3 May'")
@@ -48,9 +49,9 @@ def _organization(given: str) -> Organization:
         found = Organization.objects.filter(pk=int(given)).first()
         if found:
             return found
-    named = list(Organization.objects.filter(name=given)[:2])
+    named = list(Organization.objects.filter(Q(name=given) | Q(slug=given))[:2])
     if len(named) == 1:
         return named[0]
     if named:
         raise CommandError(f"several organizations are named {given!r}: give its id instead")
-    raise CommandError(f"no organization has the id or name {given!r}")
+    raise CommandError(f"no organization has the id, name or slug {given!r}")
