@@ -70,7 +70,8 @@ def test_a_killed_inference_worker_is_restarted_and_its_open_stream_ends_with_wo
 
 def test_a_request_whose_web_server_died_is_cancelled_not_run_to_its_end(tmp_path):
     """Its client's connection died with the server: the worker notices the gateway's pulse is
-    gone, and bills what it produced, as a cancel, not the whole answer for nobody."""
+    gone, and records a failure billed for what reached that server while it was alive, not for
+    what was generated until the worker noticed (let alone the whole answer, for nobody)."""
     proc, port, log = start_up(tmp_path)
     try:
         up = psutil.Process(proc.pid)
@@ -106,7 +107,9 @@ def test_a_request_whose_web_server_died_is_cancelled_not_run_to_its_end(tmp_pat
         header = httpx.get(f"http://127.0.0.1:{port}/v1/usage/export.csv", timeout=30,
                            headers={"Authorization": f"Bearer {key}"}).text.splitlines()[0].split(",")
         fields = dict(zip(header, line.split(",")))
-        assert fields["status"] == "cancelled" and 1 <= int(fields["completion_tokens"]) < 4000, fields
+        # It had at most what the client got when it died (3 events: the role and two tokens) and
+        # what was on its way; the worker generated on for seconds before it noticed.
+        assert fields["status"] == "failed" and int(fields["completion_tokens"]) <= 2 + 8, fields
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=90)
