@@ -185,6 +185,16 @@ def replica_hours(seconds) -> str:
     return f"{hours} replica-hour{'' if hours == 1 else 's'}"
 
 
+HOURS_PER_MONTH = 730  # 365 × 24 / 12
+
+
+@register.filter
+def per_month(hourly) -> str:
+    """An hourly price kept up a whole month (730 hours), in dollars: "$146.00"."""
+    amount = _decimal(hourly)
+    return "—" if amount is None else usd(amount * HOURS_PER_MONTH)
+
+
 @register.filter
 def per_mtok(value) -> str:
     """A per-million-token price: $0.05, $0.125, Free."""
