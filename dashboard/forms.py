@@ -125,11 +125,10 @@ class DeploymentSettingsForm(forms.Form):
         data = super().clean()
         low, high = data.get("min_replicas"), data.get("max_replicas")
         if data.get("kind") == Deployment.Kind.DEDICATED:
-            # It never goes to zero (min_replicas >= 1); the idle time still takes the replicas a
-            # burst added back down to its minimum, as the API's default does (0 would keep them all,
-            # and reserve, and bill, its maximum).
-            data["scale_to_zero"] = True
-            if not data.get("scale_to_zero_seconds"):
+            # It never goes to zero (min_replicas >= 1); the idle time (its fields hidden, as they
+            # were left) still takes the replicas a burst added back down to its minimum, as the
+            # API's default does: 0 would keep them all, and reserve, and bill, its maximum.
+            if data.get("scale_to_zero") and not data.get("scale_to_zero_seconds"):
                 data["scale_to_zero_seconds"] = self.INITIAL["scale_to_zero_seconds"]
             if low is not None and low < 1:
                 self.add_error("min_replicas", "A dedicated deployment keeps at least one replica.")

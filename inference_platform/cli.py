@@ -124,6 +124,11 @@ def ensure_redis(settings, procs: list, *, alone: bool = False) -> None:
         if proc:
             procs.append(proc)
             say(f"started the embedded Redis on {settings.REDIS_URL}")
+            from workers.fleet import forget_requests_of_a_stopped_platform
+
+            forgotten = forget_requests_of_a_stopped_platform()  # it keeps its data across a stop
+            if forgotten:
+                say(f"dropped {forgotten} requests queued when the platform last stopped (their clients are gone)")
             if alone:
                 say("note: it stops when this command stops, and with it the broker of any other part started "
                     "on this data folder; to run the parts apart, set REDIS_URL to a Redis of your own "

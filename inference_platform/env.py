@@ -86,9 +86,14 @@ def env_url(name: str) -> str:
 def env_redis_url(name: str) -> str:
     """A Redis address, redis://, rediss:// or unix:// ("" when unset)."""
     raw = os.environ.get(name, "").strip()
-    if raw and urlsplit(raw).scheme not in ("redis", "rediss", "unix"):
+    try:
+        scheme = urlsplit(raw).scheme
+    except ValueError:  # e.g. an unclosed "[" of an IPv6 address
+        scheme = None
+    if raw and scheme not in ("redis", "rediss", "unix"):
+        shown = repr(redact_url(raw)) if scheme is not None else "an address that cannot be read"
         raise ImproperlyConfigured(f"{name} must start with redis://, rediss:// or unix://, such as "
-                                   f"redis://127.0.0.1:6379/0, not {redact_url(raw)!r}")
+                                   f"redis://127.0.0.1:6379/0, not {shown}")
     return raw
 
 

@@ -193,7 +193,8 @@ def _save_settings(deployment: Deployment, changes: dict) -> set[str]:
             setattr(locked, field, value)
         _check_consistency(locked)
         _check_quota(locked, creating=False, before=before)
-        if locked.status != Deployment.Status.STOPPED:  # a stopped one holds nothing until started
+        # A stopped or failed one holds nothing until started or tried again (checked then).
+        if locked.status not in (Deployment.Status.STOPPED, Deployment.Status.FAILED):
             _check_can_pay(locked, before=billed_before)
         locked.save(update_fields=[*cleaned, "updated_at"])
     # The status too, as read under the lock: what a retry (``retry_if_failed``) goes by.
@@ -236,6 +237,7 @@ def retry_if_failed(*, deployment: Deployment, why: str) -> bool:
     loop loads it. Whether it was (not over a stop made meanwhile)."""
     if deployment.status != Deployment.Status.FAILED:
         return False
+    _check_can_pay(deployment)  # it holds nothing while failed; tried again, it would
     return set_deployment_status(deployment=deployment, status=Deployment.Status.PENDING,
                                  reason=f"{why}: trying again", unless_stopped=True)
 

@@ -103,6 +103,11 @@ class Choices:
     def lasts(self) -> list:
         return [stream.last for stream in self.streams]
 
+    @property
+    def lost(self) -> bool:
+        """A send of some answer failed: the client may lack part of it, its end included."""
+        return any(getattr(stream, "lost", False) for stream in self.streams)
+
     def tokens_sent(self, by: float | None = None) -> int:
         """The completion tokens of every answer the gateway received (by ``by``, monotonic)."""
         return sum(stream.tokens_sent(by) for stream in self.streams)

@@ -24,8 +24,9 @@ from datetime import datetime, timezone
 
 import redis
 from django.conf import settings
+from kombu.transport.redis import Channel as KombuChannel
 
-from inference_platform.celery import app, deployment_queue
+from inference_platform.celery import DEPLOYMENT_QUEUE_PREFIX, app, deployment_queue
 
 from .cancellation import MARK_TTL_S, mark_key
 from .dispatch import longest_wait, serving_key, waiting_key
@@ -140,6 +141,36 @@ def trigger_tick() -> None:
     if client().set("fleet:wake", "1", nx=True, px=250):
         app.send_task(TICK_TASK, queue="default", expires=max(5.0, settings.FLEET_TICK_SECONDS * 5),
                       ignore_result=True)
+
+
+def forget_requests_of_a_stopped_platform() -> int:
+    """For a Redis that kept its data while nothing used it (the embedded one's append-only file,
+    across a stop of ``up``): the requests queued, held or waiting then had their clients'
+    connections closed with the platform. Their deployment queues, unacknowledged deliveries and
+    waiting counts (which a queue limit reads) go, and the placement lock; the billing queue stays,
+    its usage events are money. How many requests went."""
+    redis_client = client()
+    forgotten = 0
+    for key in list(redis_client.scan_iter(match=f"{DEPLOYMENT_QUEUE_PREFIX}*")):
+        if redis_client.type(key) == "list":
+            forgotten += redis_client.llen(key)
+            redis_client.delete(key)
+    # kombu's hash of deliveries not acknowledged: tag -> [message, exchange, routing key]
+    unacked, unacked_index = KombuChannel.unacked_key, KombuChannel.unacked_index_key
+    for tag, raw in list(redis_client.hscan_iter(unacked)):
+        try:
+            routing_key = json.loads(raw)[2]
+        except (ValueError, IndexError, TypeError):
+            continue
+        if str(routing_key).startswith(DEPLOYMENT_QUEUE_PREFIX):
+            redis_client.hdel(unacked, tag)
+            redis_client.zrem(unacked_index, tag)
+            forgotten += 1
+    waiting = list(redis_client.scan_iter(match=waiting_key("*")))
+    if waiting:
+        redis_client.delete(*waiting)
+    redis_client.delete("fleet:placement")
+    return forgotten
 
 
 class TickLock:

@@ -31,7 +31,7 @@ from channels.exceptions import ChannelFull
 
 from . import choices
 from .cancellation import MARK_TTL_S
-from .pulse import GatewayPulse
+from .pulse import CHECK_EVERY_S, GatewayPulse
 from .relay import Superseded
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,11 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
         # Queued longer than any gateway waits for a worker (a deployment placed an hour late):
         # its client is gone, and a cancel mark may have expired since. Run, it would be billed.
         log.info("request %s waited %.0f s in its queue: its client is gone; not run", request_id, queued)
+        return None
+    pulse = GatewayPulse(payload["gateway_pulse"]) if payload.get("gateway_pulse") else None
+    if pulse is not None and not _gateway_waits(pulse):
+        # Its gateway died before a worker took it (a queue kept across a restart of the platform).
+        log.info("request %s: its gateway is gone; not run", request_id)
         return None
     if host.spec(payload["deployment"]["name"]) is None:
         # The model must be loaded first: tell the gateway to wait for the load, not the queue.
@@ -125,7 +130,6 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
                                      "fingerprint": getattr(engine, "fingerprint", None),
                                      "worker": worker_name}, answers)
         answers.open()
-        pulse = GatewayPulse(payload["gateway_pulse"]) if payload.get("gateway_pulse") else None
         outputs = answers.wait(STALL_TIMEOUT_S, report_every=progress_report_s(),
                                abandoned=pulse.gone if pulse is not None else None)
         gateway_gone = pulse is not None and pulse.abandoned
@@ -158,6 +162,19 @@ def run(payload: dict, *, host, send, relay, cancels, worker_name: str = "", tic
         if not billing_tried:
             event = _bill(payload, answers, cancels, before_engine, cancelled=cancelled.is_set())
     return event
+
+
+def _gateway_waits(pulse: GatewayPulse) -> bool:
+    """Whether the gateway that sent a request still waits for it: its pulse is there, or comes back
+    within the grace a Redis restart needs. A Redis that does not answer says yes (as before)."""
+    deadline = time.monotonic() + pulse.grace_s + 2 * CHECK_EVERY_S
+    while time.monotonic() < deadline:
+        if pulse.gone():
+            return False
+        if pulse.last_beat is not None:
+            return True
+        time.sleep(CHECK_EVERY_S)
+    return True
 
 
 def progress_report_s() -> float:
@@ -230,8 +247,10 @@ def _bill(payload: dict, answers: choices.Choices, cancels, before_engine: float
     if not answers.ended:  # it failed on the way: stop generating for nobody
         answers.abort()
     event = _usage_event(payload, answers, before_engine)
-    if gateway_gone:
-        event["status"] = "failed"  # not its client's cancel: the platform's failure
+    if gateway_gone or answers.lost:
+        # Not its client's cancel: the platform's failure (its gateway died, or part of the answer,
+        # maybe its end, never reached it), though the engine may have finished it.
+        event["status"] = "failed"
     if not _delivered(payload, cancels, completed=event["status"] == "completed", cancelled=cancelled):
         event.update(completion_tokens=0, status="failed")  # the client got nothing: free
     elif event["status"] != "completed":

@@ -36,9 +36,9 @@ class GatewayPulse:
         except Exception as exc:
             log.warning("could not check the gateway's pulse %s: %s", self.key, exc)
             return False
-        if left_ms is not None and left_ms >= 0:
+        if left_ms is not None and left_ms != -2:  # -1: set without an expiry, alive as far as it says
             self._missing_since = None
-            beat = now - max(0.0, dispatch.PULSE_TTL_S - left_ms / 1000)
+            beat = now - max(0.0, dispatch.PULSE_TTL_S - left_ms / 1000) if left_ms >= 0 else now
             self.last_beat = beat if self.last_beat is None else max(self.last_beat, beat)
             return False
         if self._missing_since is None:

@@ -72,6 +72,7 @@ class Stream:
         self.error: BaseException | None = None  # the failure that ended the relay of this stream
         self.progressed = time.monotonic()  # when an output last arrived
         self.streaming = False  # a token has been sent
+        self.lost = False  # a send of it failed: its client may lack part of its answer, the end included
         self.opened = False
         self.backlog: list = []  # outputs that came before open()
         # [step started, when, completion tokens] as the gateway received them, one per step of
@@ -190,6 +191,7 @@ class StreamRelay:
             except Exception as exc:  # never leave a stream waiting on a relay that stopped
                 log.exception("relaying %d outputs failed", len(batch))
                 for stream, _ in batch:
+                    stream.lost = True
                     stream.abort()
                     stream.end(exc)
 
@@ -243,6 +245,8 @@ class StreamRelay:
             if error is None and count is not None:
                 stream.record_sent(count, sent_at)
         for (stream, _), error in zip(outgoing, results):
+            if error is not None:
+                stream.lost = True
             if isinstance(error, ChannelFull):
                 stream.abort()  # the gateway stopped reading: stop generating for nobody
             elif error is not None:

@@ -42,8 +42,11 @@ def test_scale_to_zero_off_and_dedicated(ada, catalog):
     assert (reserved.kind, reserved.min_replicas, reserved.scale_to_zero_seconds) == ("dedicated", 2, 120)
     assert reserved.reserved_replicas == 2
     ada.post("/deploy/", {**FORM, "name": "reserved-too", "kind": "dedicated", "min_replicas": "1",
-                          "max_replicas": "2", "scale_to_zero": "", "scale_to_zero_seconds": "0"})
-    assert Deployment.objects.get(name="reserved-too").scale_to_zero_seconds == 300  # the hidden fields at "never"
+                          "max_replicas": "2", "scale_to_zero": "on", "scale_to_zero_seconds": "0"})
+    assert Deployment.objects.get(name="reserved-too").scale_to_zero_seconds == 300  # an idle time of none
+    ada.post("/deploy/", {**FORM, "name": "keeps-all", "kind": "dedicated", "min_replicas": "1",
+                          "max_replicas": "2", "scale_to_zero": ""})
+    assert Deployment.objects.get(name="keeps-all").scale_to_zero_seconds == 0  # as asked (the API's way too)
 
 
 @pytest.mark.parametrize("changes, field, message", [

@@ -133,6 +133,7 @@ def test_loopback_addresses_are_this_machine():
     ("TOPUP_MIN", "5E+1", "a decimal amount in USD"),  # the page would show it, and parse it, as written
     ("BILLING_SIGNUP_CREDIT", "-5", "a decimal amount in USD"),
     ("REDIS_URL", "http://user:secret@x", "must start with redis://"),
+    ("REDIS_URL", "redis://user:secret@[::1", "an address that cannot be read"),
 ])
 def test_a_bad_setting_stops_with_a_line_naming_it(name, value, says):
     result = run_cli("web", "--port", str(free_port()), env_overrides={name: value})

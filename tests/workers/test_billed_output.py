@@ -159,3 +159,16 @@ def test_a_stream_whose_gateway_died_is_billed_for_what_reached_it_while_alive(w
     # What reached the gateway by its last beat: at least the 40 it read then, at most what it had
     # read as it died and the little still on its way (what came after is generated for nobody).
     assert 40 <= usage["completion_tokens"] <= at_death + 10 and seen < 4000
+
+
+def test_a_request_whose_gateway_died_before_it_ran_is_not_run(worker, monkeypatch):
+    """A queue kept across a restart of the platform (the embedded Redis's append-only file) holds
+    requests whose clients' connections closed with it: a worker taking one finds its gateway's
+    pulse gone, and neither runs nor bills it."""
+    from workers import pulse
+
+    monkeypatch.setattr(pulse, "GRACE_S", 1.0)
+    running = Running(worker, monkeypatch, stream=True, gateway_pulse=f"gateway:pulse:gone-{uuid.uuid4().hex}")
+    running.thread.join(timeout=30)
+    assert not running.thread.is_alive() and running.billed == []
+    assert not running.engine.abort(running.request_id)  # the engine never had it

@@ -474,3 +474,29 @@ def test_a_relay_that_fails_answers_the_client_at_once_and_bills_what_ran(monkey
     assert (sent[-1]["status"], sent[-1]["code"]) == (500, "internal_error")
     [event] = billed
     assert (event["status"], event["prompt_tokens"], event["completion_tokens"]) == ("failed", 3, 0)
+
+
+@pytest.mark.parametrize("stream, billed", [(True, 9), (False, 0)])
+def test_an_answer_whose_end_never_reached_its_gateway_is_not_billed_as_completed(monkeypatch, stream, billed):
+    """The engine finished it, but a send failed (the gateway's channel full, Redis failing): a
+    streaming client pays for the tokens its gateway received, one waiting for the whole answer
+    got an error instead, and pays nothing."""
+    from workers.choices import Choices
+    from workers.engine.sequence import RequestOutput, RequestTimings
+
+    final = RequestOutput(request_id="r", token_ids=[5], text="hi", logprobs=None, finished=True, finish_reason="stop",
+                          prompt_tokens=3, cached_prompt_tokens=0, completion_tokens=50,
+                          timings=RequestTimings(arrival_time=0.0, queue_time=0.001, time_to_first_token=0.01,
+                                                 e2e_latency=0.02, mean_batch_size=1.0))
+    answer = SimpleNamespace(last=final, ended=True, lost=True, tokens_sent=lambda by=None: 9)
+    billed_events = []
+    monkeypatch.setattr(inference, "emit_usage", billed_events.append)
+    payload = {"request_id": f"chatcmpl-{uuid.uuid4().hex}", "deployment": SPEC, "organization_id": 1,
+               "stream": stream}
+    class Cancels(NoCancels):
+        def unwatch(self, request_id):
+            pass
+
+    inference._bill(payload, Choices([answer]), Cancels())
+    [event] = billed_events
+    assert (event["status"], event["completion_tokens"]) == ("failed", billed)

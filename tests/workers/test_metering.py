@@ -195,18 +195,24 @@ def test_the_usage_report_counts_reserved_capacity_apart_from_requests(organizat
 
 def test_an_organization_that_cannot_pay_reserves_no_billed_replica(organization, model, client):
     from models_catalog.errors import InvalidDeployment
-    from models_catalog.services import start_deployment, stop_deployment, update_deployment
+    from models_catalog.services import (change_deployment_settings, set_deployment_status, start_deployment,
+                                         stop_deployment, update_deployment)
 
     serverless = create_deployment(organization=organization, model=model, name=f"warm-{uuid.uuid4().hex[:6]}")
     dedicated = create_deployment(organization=organization, model=model, name=f"ded-{uuid.uuid4().hex[:6]}",
                                   kind="dedicated", min_replicas=1)
     stop_deployment(deployment=dedicated, reason="paused")
+    failed = create_deployment(organization=organization, model=model, name=f"f-{uuid.uuid4().hex[:6]}",
+                               kind="dedicated")
+    set_deployment_status(deployment=failed, status=Deployment.Status.FAILED, reason="the load failed")
     left = billing_selectors.balance(organization=organization)
     add_adjustment(organization=organization, amount=-left, description="spent")  # nothing left
     for attempt in (
         lambda: create_deployment(organization=organization, model=model, name="more", kind="dedicated"),
         lambda: update_deployment(deployment=serverless, min_replicas=1),
         lambda: start_deployment(deployment=dedicated, reason="again"),
+        # A failed one is tried again when its settings change: not while nothing pays for it.
+        lambda: change_deployment_settings(deployment=failed, batch_window_ms=5),
     ):
         with pytest.raises(InvalidDeployment, match="billed by the hour.*cannot pay for them now"):
             attempt()
@@ -230,4 +236,5 @@ def test_an_organization_that_cannot_pay_reserves_no_billed_replica(organization
     page = client.post(f"/deployments/{dedicated.name}/start/", follow=True).content.decode()
     assert "cannot pay for them now" in page
     dedicated.refresh_from_db()
-    assert dedicated.status == Deployment.Status.STOPPED
+    failed.refresh_from_db()
+    assert (dedicated.status, failed.status) == (Deployment.Status.STOPPED, Deployment.Status.FAILED)
