@@ -8,7 +8,7 @@ from celery import shared_task
 from celery.signals import worker_init
 from django.db import InterfaceError, OperationalError
 
-from . import balance_alerts, recovery, services, spend_alerts
+from . import balance_alerts, recovery, reserved_capacity, services, spend_alerts
 from .dispatch import BILLING_QUEUE
 from .errors import InvalidUsageEvent, UnknownModel
 
@@ -55,6 +55,12 @@ def send_balance_alert(organization_id: int) -> int:
 def send_spend_alert(organization_id: int, month: str) -> int:
     """Email an organization's owners and admins that this month's spend reached its alert."""
     return spend_alerts.send_email(organization_id=organization_id, month=month)
+
+
+@shared_task(name="billing.tasks.send_capacity_stopped", **EMAIL_RETRIES)
+def send_capacity_stopped(organization_id: int, names: list, refusal: str) -> int:
+    """Email an organization's owners and admins that its reserved deployments were stopped, unpaid."""
+    return reserved_capacity.send_email(organization_id=organization_id, names=names, refusal=refusal)
 
 
 @worker_init.connect

@@ -155,7 +155,11 @@ def test_the_operators_deployments_and_free_capacity_are_not_metered(organizatio
     assert metering.meter(now=NOW + timedelta(minutes=1), emit=lambda event: record_usage(event=event)) == []
 
 
-def test_reserved_capacity_stops_when_the_credit_is_gone_and_says_why(organization, model):
+def test_reserved_capacity_stops_when_the_credit_is_gone_and_says_why(organization, model, monkeypatch, mailoutbox):
+    from billing import alert_mail, reserved_capacity
+
+    queued = []
+    monkeypatch.setattr(alert_mail, "queue", lambda task, *args: queued.append((task, args)) or True)
     deployment = create_deployment(organization=organization, model=model, name=f"ded-{uuid.uuid4().hex[:6]}",
                                    kind="dedicated", min_replicas=1)
     ready_replicas(deployment, NOW - timedelta(hours=1))
@@ -169,6 +173,14 @@ def test_reserved_capacity_stops_when_the_credit_is_gone_and_says_why(organizati
     assert billing_selectors.balance(organization=organization) < 0
     assert deployment.status == Deployment.Status.STOPPED
     assert "billed by the hour" in deployment.status_reason and "credit balance" in deployment.status_reason
+    # Its owners hear of it once, by email from the billing queue's task.
+    [(task, (organization_id, names, refusal))] = queued
+    assert task == reserved_capacity.SEND_TASK and names == [deployment.name]
+    assert reserved_capacity.send_email(organization_id=organization_id, names=names, refusal=refusal) == 1
+    [email] = mailoutbox
+    assert deployment.name in email.subject and "credit balance" in email.body and "starts them again" in email.body
+    metering.meter(now=NOW + timedelta(minutes=2), emit=lambda event: record_usage(event=event))
+    assert len(queued) == 1
 
 
 def test_the_usage_report_counts_reserved_capacity_apart_from_requests(organization, model):
