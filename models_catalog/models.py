@@ -194,7 +194,7 @@ class Deployment(models.Model):
         endpoint's up to its max_replicas (a busy one above a lowered maximum is released once
         idle), else those it reserves; none of the operator's deployments, nor of a model without
         a replica-hour price."""
-        if self.organization_id is None or not self.model.price_per_replica_hour > 0:
+        if self.organization_id is None or self.model.price_per_replica_hour <= 0:
             return 0
         return min(ready, self.max_replicas if self.is_billed_by_the_hour else self.reserved_replicas)
 

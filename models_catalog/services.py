@@ -68,11 +68,6 @@ def _clean_settings(values: dict) -> dict:
     return cleaned
 
 
-def reserved_replicas(deployment: Deployment) -> int:
-    """The replicas a deployment can keep up however idle it is (``Deployment.reserved_replicas``)."""
-    return deployment.reserved_replicas
-
-
 def taken_message(name: str) -> str:
     return f"The name '{name}' is taken: choose another."
 
@@ -90,10 +85,10 @@ def _check_quota(deployment: Deployment, *, creating: bool, before: int = 0) -> 
     if creating and others.count() >= limit:
         raise InvalidDeployment("name", f"Your organization has {limit} deployments, its limit: delete one first "
                                         "(the operator sets ORG_MAX_DEPLOYMENTS).")
-    mine = reserved_replicas(deployment)
+    mine = deployment.reserved_replicas
     if mine <= before:
         return
-    reserved = mine + sum(reserved_replicas(d) for d in others.only("min_replicas", "max_replicas",
+    reserved = mine + sum(d.reserved_replicas for d in others.only("min_replicas", "max_replicas",
                                                                     "scale_to_zero_seconds"))
     limit = django_settings.ORG_MAX_RESERVED_REPLICAS
     if reserved > limit:
@@ -107,8 +102,6 @@ def _check_quota(deployment: Deployment, *, creating: bool, before: int = 0) -> 
 def _check_can_pay(deployment: Deployment, *, before: int = 0) -> None:
     """A deployment that would hold more than ``before`` replicas billed by the hour: whoever
     receives ``signals.reserving_capacity`` (billing) may refuse (InvalidDeployment)."""
-    if deployment.organization_id is None:
-        return
     if deployment.replicas_billed_hourly(deployment.max_replicas) > before:
         signals.reserving_capacity.send(sender=Deployment, deployment=deployment)
 
@@ -186,7 +179,7 @@ def _save_settings(deployment: Deployment, changes: dict) -> set[str]:
         if cleaned.get("kind") == Deployment.Kind.DEDICATED and "min_replicas" not in cleaned \
                 and locked.min_replicas < 1:
             cleaned["min_replicas"] = 1  # as a new dedicated deployment gets (create_deployment)
-        before = reserved_replicas(locked)
+        before = locked.reserved_replicas
         billed_before = locked.replicas_billed_hourly(locked.max_replicas)
         changed = {field for field, value in cleaned.items() if getattr(locked, field) != value}
         for field, value in cleaned.items():

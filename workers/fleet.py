@@ -143,6 +143,9 @@ def trigger_tick() -> None:
                       ignore_result=True)
 
 
+PLACEMENT_LOCK = "fleet:placement"  # held by the one placement pass running (``TickLock``)
+
+
 def forget_requests_of_a_stopped_platform() -> int:
     """For a Redis that kept its data while nothing used it (the embedded one's append-only file,
     across a stop of ``up``): the requests queued, held or waiting then had their clients'
@@ -169,7 +172,7 @@ def forget_requests_of_a_stopped_platform() -> int:
     waiting = list(redis_client.scan_iter(match=waiting_key("*")))
     if waiting:
         redis_client.delete(*waiting)
-    redis_client.delete("fleet:placement")
+    redis_client.delete(PLACEMENT_LOCK)
     return forgotten
 
 
@@ -178,7 +181,7 @@ class TickLock:
     once more, so that no wake-up is lost."""
 
     def __init__(self):
-        self._lock = client().lock("fleet:placement", timeout=120, blocking=False)
+        self._lock = client().lock(PLACEMENT_LOCK, timeout=120, blocking=False)
         self.acquired = False
 
     def __enter__(self) -> "TickLock":

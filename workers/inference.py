@@ -257,8 +257,10 @@ def _bill(payload: dict, answers: choices.Choices, cancels, before_engine: float
         # Cut short while streaming: what reached its gateway, which passed it on (before it died,
         # if it did), not what was generated after for nobody (a relay that failed, a dead gateway
         # noticed seconds late).
-        by = gateway_gone_after if gateway_gone else None
-        sent = answers.tokens_sent(by) if not gateway_gone or by is not None else 0
+        if gateway_gone and gateway_gone_after is None:
+            sent = 0  # its gateway was never seen alive: nothing reached its client
+        else:
+            sent = answers.tokens_sent(gateway_gone_after if gateway_gone else None)
         event["completion_tokens"] = min(event["completion_tokens"], sent)
     emit_usage(event)
     return event

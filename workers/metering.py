@@ -19,7 +19,7 @@ is billed once.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from typing import Callable
 
@@ -72,9 +72,9 @@ def billed_minutes(*, since: datetime, until: datetime) -> list[Minute]:
         start = since
         while start < until:
             end = start + MINUTE
-            seconds = sorted((_held_seconds(r, start, end, heartbeat) for r in replicas), reverse=True)[:billed]
-            if sum(seconds):
-                minutes.append(Minute(deployment, start, sum(seconds)))
+            held = sum(sorted((_held_seconds(r, start, end, heartbeat) for r in replicas), reverse=True)[:billed])
+            if held:
+                minutes.append(Minute(deployment, start, held))
             start = end
     return minutes
 
@@ -91,7 +91,7 @@ def usage_event(minute: Minute) -> dict:
     from billing.pricing import FREE
 
     deployment = minute.deployment
-    prices = FREE.as_strings() | {"per_replica_hour": format(deployment.model.price_per_replica_hour, "f")}
+    prices = replace(FREE, per_replica_hour=deployment.model.price_per_replica_hour).as_strings()
     return {
         "request_id": minute.request_id, "organization_id": deployment.organization_id, "api_key_id": None,
         "deployment_id": deployment.pk, "model": deployment.model.slug, "deployment": deployment.name,

@@ -46,9 +46,7 @@ def can_host(*, deployment_id: int) -> bool:
 def evictable_replicas(*, now: datetime) -> list[Replica]:
     """Replicas that may give their slot to a deployment that has none, idle longest first: ready,
     nothing in flight for FLEET_EVICT_IDLE_SECONDS, and above what their deployment reserves
-    (``reserved_replicas``: an organization's quota counts those, so they stay)."""
-    from models_catalog.services import reserved_replicas
-
+    (``Deployment.reserved_replicas``: an organization's quota counts those, so they stay)."""
     placed = list(Replica.objects.filter(worker__status=Worker.Status.ALIVE, deployment__isnull=False)
                   .select_related("worker", "deployment"))
     left = Counter(r.deployment_id for r in placed)
@@ -57,7 +55,7 @@ def evictable_replicas(*, now: datetime) -> list[Replica]:
     for replica in sorted(placed, key=lambda r: r.last_active_at or r.assigned_at):
         if (replica.status == Replica.Status.READY and replica.in_flight == 0
                 and (replica.last_active_at or replica.assigned_at) <= idle_since
-                and left[replica.deployment_id] > reserved_replicas(replica.deployment)):
+                and left[replica.deployment_id] > replica.deployment.reserved_replicas):
             evictable.append(replica)
             left[replica.deployment_id] -= 1
     return evictable

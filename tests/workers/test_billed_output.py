@@ -140,13 +140,26 @@ def test_a_stream_whose_gateway_died_is_billed_for_what_reached_it_while_alive(w
         while not dead.wait(0.3):
             client.set(key, "1", ex=dispatch.PULSE_TTL_S)
 
+    beats_seen: list[float] = []  # the gateway's last beat, as the worker saw it at each check
+    check = pulse.GatewayPulse.gone
+
+    def watched(self) -> bool:
+        gone = check(self)
+        if self.last_beat is not None:
+            beats_seen.append(self.last_beat)
+        return gone
+
+    monkeypatch.setattr(pulse.GatewayPulse, "gone", watched)
     beater = threading.Thread(target=beat)
     beater.start()
     try:
         running = Running(worker, monkeypatch, stream=True, max_tokens=4000, gateway_pulse=key)
         running.after_tokens(40)
-        seen, until = 40, time.monotonic() + 1.5  # the gateway reads on, beating, for a second and a half
-        while time.monotonic() < until:
+        read_40 = time.monotonic()
+        seen, deadline = 40, read_40 + 30
+        # The gateway reads on, beating, until the worker has seen a beat after its 40th token.
+        while not any(beat_at > read_40 for beat_at in beats_seen):
+            assert time.monotonic() < deadline, "the worker never checked the gateway's pulse"
             seen += len(running.receive().get("token_ids") or ())
     finally:
         dead.set()  # the gateway dies: its pulse stops, nobody reads what the worker sends on

@@ -53,6 +53,7 @@ from .sequence import (
     TokenLogprob,
 )
 from .tool_calls import ToolGrammar, chat_messages
+from .weights import WeightsError, safetensors_files
 
 log = logging.getLogger(__name__)
 
@@ -931,9 +932,9 @@ def _weights_identity(path) -> str:
     """The weights' name and size: a file replaced by other weights under its name changes it."""
     path = Path(path)
     try:
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        files = safetensors_files(path) if path.is_dir() else [path]
         return f"{path.name}:{sum(f.stat().st_size for f in files)}"
-    except OSError:
+    except (OSError, WeightsError):
         return path.name
 
 
