@@ -47,6 +47,7 @@ from .sequence import (
     InvalidRequestError,
     Release,
     RequestOutput,
+    RequestTimings,
     SamplingParams,
     Sequence,
     SequenceStatus,
@@ -154,6 +155,10 @@ class _Live:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     stop_logprob: TokenLogprob | None = None  # the entry of the stop token that ended it
     delivered: bool = False  # an output went out (the first carries the prompt's logprobs)
+    # The timings its outputs carry: a copy, made again only when they change (at the first token
+    # and at the end), since a dataclass copy per token was a tenth of the loop's host time.
+    timings: RequestTimings | None = None
+    timings_token: float | None = None  # the first token's time when that copy was made
 
 
 class Engine:
@@ -268,6 +273,7 @@ class Engine:
         self.batch_window = batch_window_ms / 1000.0
         self.enable_prefix_caching = enable_prefix_caching
         self._eos_ids = frozenset(self.config.eos_token_ids) | self.tokenizer.eos_token_ids
+        self.tokenizer.detokenizer()  # builds its table now, not in the first request's submit
 
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -560,9 +566,7 @@ class Engine:
         return Guide(grammar.matcher(), ends)
 
     def _detokenizer(self):
-        from .tokenizer import IncrementalDetokenizer
-
-        return IncrementalDetokenizer(self.tokenizer)
+        return self.tokenizer.detokenizer()
 
     # ------------------------------------------------------------------------------ the loop
 
@@ -817,6 +821,9 @@ class Engine:
                     / (seq.num_output_tokens - 1)
             if seq.sampled_steps:
                 timings.mean_batch_size = seq.sampled_alongside / seq.sampled_steps
+        if finished or live.timings is None or live.timings_token != seq.first_token_time:
+            live.timings = replace(timings)  # the sequence's own keeps changing
+            live.timings_token = seq.first_token_time
         out = RequestOutput(
             request_id=seq.request_id,
             token_ids=live.pending_ids,
@@ -827,7 +834,7 @@ class Engine:
             prompt_tokens=seq.num_prompt_tokens,
             cached_prompt_tokens=seq.num_cached_prompt_tokens,
             completion_tokens=seq.num_output_tokens,
-            timings=replace(timings),  # a snapshot: the sequence's own keeps changing
+            timings=live.timings,
             stop_reason=seq.stop_reason if finished else None,
             error=seq.error if finished else None,
             embedding=seq.embedding if finished else None,

@@ -448,6 +448,14 @@ class OutputGate:
     def feed(self, piece: str, *, stops: bool = True) -> Release:
         """The text the tokens added so far complete (possibly ""): what may go out now;
         ``stops``: whether a stop string may end it (see ``StopStringMatcher.feed``)."""
+        if not self.matcher.stops:  # nothing is held back for its text: each token goes with its text
+            if not piece:
+                return Release()
+            self.fed += len(piece)
+            self.released = self.fed
+            tokens, self.held = self.held, []
+            return Release(piece, [t.token_id for t in tokens],
+                           [t.logprob for t in tokens if t.logprob is not None])
         if piece:
             for token in reversed(self.held):
                 if token.start is not None:

@@ -8,6 +8,7 @@ it is code that came with someone else's weights.
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import re
@@ -80,6 +81,7 @@ class Tokenizer:
         self._byte_level = "ByteLevel" in repr(backend.decoder)  # GPT-2 style pieces (else "▁" pieces)
         self._token_bytes: dict[int, bytes] = {}
         self._byte_table: list[bytes | None] | None = None
+        self._text_bytes: list[bytes] | None = None  # per id, what decoding adds ("" for control tokens)
 
     # -- building ------------------------------------------------------------------------------
 
@@ -223,6 +225,28 @@ class Tokenizer:
                                 for i in range(self.backend.get_vocab_size(with_added_tokens=True))]
         return self._byte_table
 
+    def detokenizer(self) -> "IncrementalDetokenizer | ByteLevelDetokenizer":
+        """A new request's incremental detokenizer: a table lookup per token where the vocabulary
+        decodes byte-level (GPT-2, Llama 3, Qwen, SmolLM), else windowed decoding."""
+        table = self.text_bytes()
+        return IncrementalDetokenizer(self) if table is None else ByteLevelDetokenizer(table)
+
+    def text_bytes(self) -> list[bytes] | None:
+        """Each token's bytes as decoding adds them (empty for a control token, which decoding
+        skips), where decoding is only joining them; None where it is more (a sentencepiece
+        "▁" joined into words, or a vocabulary whose added tokens decode otherwise)."""
+        if self._text_bytes is None and self._decodes_by_joining():
+            self._text_bytes = [piece or b"" for piece in self.byte_table()]
+        return self._text_bytes
+
+    def _decodes_by_joining(self) -> bool:
+        if not isinstance(self.backend.decoder, decoders.ByteLevel):
+            return False
+        table = self.byte_table()
+        # Added tokens are written as they are, which may not be their bytes the byte-level way.
+        added = self.backend.get_added_tokens_decoder()
+        return all((table[i] or b"").decode("utf-8", "replace") == self.decode([i]) for i in added)
+
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         """The prompt text for ``messages`` ([{"role": ..., "content": ...}, ...])."""
         if not self.chat_template:
@@ -274,6 +298,31 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self.ids)
         self.text += new
         return new
+
+
+class ByteLevelDetokenizer:
+    """``IncrementalDetokenizer`` for a byte-level vocabulary, where a text's bytes are its tokens'
+    bytes joined: a table lookup and an incremental UTF-8 decode per token, which holds back a
+    character's first bytes until the token that completes it, instead of two decodes of a
+    window (that was a sixth of the engine loop's host time at a batch of 256)."""
+
+    def __init__(self, table: list[bytes]) -> None:
+        self._table = table
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # U+FFFD as decoding writes it
+        self._pieces: list[str] = []
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes (possibly "")."""
+        token_id = int(token_id)
+        raw = self._table[token_id] if 0 <= token_id < len(self._table) else b""  # a padding id: nothing
+        piece = self._utf8.decode(raw)
+        if piece:
+            self._pieces.append(piece)
+        return piece
+
+    @property
+    def text(self) -> str:
+        return "".join(self._pieces)
 
 
 # -- helpers -----------------------------------------------------------------------------------
