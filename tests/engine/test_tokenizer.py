@@ -303,3 +303,47 @@ def test_a_chat_prompt_has_the_templates_bos_only(gguf_metadata):
     tok.chat_template, tok._template = "{% for m in messages %}{{ m['content'] }}{% endfor %}", None
     Engine.submit_chat(fake, [{"role": "user", "content": "Hi there"}])
     assert submitted[-1] == ids
+
+
+def _pieces(detok, ids):
+    return [detok.push(i) for i in ids]
+
+
+def test_a_byte_level_vocabulary_detokenizes_by_table_as_windowed_decoding_does(tokenizer):
+    """The fast detokenizer (a table lookup per token) gives the text decoding gives, as the
+    windowed one does, for real text and for random tokens (characters split across tokens,
+    control tokens, invalid UTF-8, ids past the vocabulary), never half a character. (It may let a
+    token's whole characters out before the rest of its last one, where the windowed one holds
+    the token back.)"""
+    import random
+
+    from workers.engine.tokenizer import ByteLevelDetokenizer
+
+    assert isinstance(tokenizer.detokenizer(), ByteLevelDetokenizer)
+    for text in VARIED_TEXTS:
+        ids = tokenizer.encode(text)
+        pieces = _pieces(tokenizer.detokenizer(), ids)
+        assert "".join(pieces) == "".join(_pieces(IncrementalDetokenizer(tokenizer), ids)) == tokenizer.decode(ids)
+        assert not any("\ufffd" in piece for piece in pieces)
+    rng = random.Random(7)
+    mid_character = [i for i in range(tokenizer.vocab_size) if "\ufffd" in tokenizer.decode([i])]
+    assert mid_character  # the premise: some tokens are parts of characters
+    for _ in range(300):
+        ids = [rng.choice(mid_character) if rng.random() < 0.4 else rng.randrange(tokenizer.vocab_size + 64)
+               for _ in range(rng.randrange(1, 40))]
+        fast = tokenizer.detokenizer()
+        text = "".join(_pieces(fast, ids))
+        assert text == fast.text
+        # All of the decoded text but an unfinished last character (the windowed detokenizer
+        # holds back more of such garbage, for good: text ending in U+FFFD).
+        whole = tokenizer.decode(ids)
+        assert whole.startswith(text) and whole[len(text):] in ("", "\ufffd"), ids
+
+
+def test_a_sentencepiece_vocabulary_keeps_windowed_decoding(tmp_path):
+    import gguf
+
+    path = write_sentencepiece_gguf(tmp_path / "spm.gguf")
+    tok = Tokenizer.from_gguf_metadata({k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()})
+    assert tok.text_bytes() is None
+    assert isinstance(tok.detokenizer(), IncrementalDetokenizer)
