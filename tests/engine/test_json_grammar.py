@@ -389,3 +389,13 @@ def test_the_same_format_compiles_once():
 
     rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": PERSON}}
     assert grammar_for(rf) is grammar_for(json.loads(json.dumps(rf))) is SamplingParams(response_format=rf).grammar
+
+
+def test_a_requested_format_keeps_its_properties_order():
+    """Through the cache of compiled formats too, which once keyed a format by its JSON with sorted
+    keys and compiled that: an "answer" came before its "reasoning"."""
+    schema = {"type": "object", "properties": {"reasoning": {"type": "string"}, "answer": {"type": "integer"}},
+              "required": ["reasoning", "answer"], "additionalProperties": False}
+    g = SamplingParams(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}).grammar
+    assert matches(g, '{"reasoning": "r", "answer": 5}')
+    assert not matches(g, '{"answer": 5, "reasoning": "r"}')

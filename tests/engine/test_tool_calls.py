@@ -358,3 +358,13 @@ def test_a_prompt_that_shows_tools_differs_from_one_that_does_not(engine):
     plain = engine.tokenizer.encode_chat(ASK)
     assert len(shown) > len(plain) + 50
     assert '"name": "get_weather"' in engine.tokenizer.decode(shown)
+
+
+def test_arguments_come_in_the_parameters_order():
+    """Not sorted by name (the compiled grammars' cache once keyed them by sorted JSON)."""
+    tool = {"name": "f", "parameters": {"type": "object", "properties": {"zcity": {"type": "string"},
+                                                                         "aunit": {"type": "string"}},
+                                        "required": ["zcity", "aunit"], "additionalProperties": False}}
+    matcher = tool_grammar_for([tool], "required", False).matcher()
+    assert matcher.accepts(call_text("f", '{"zcity": "Oslo", "aunit": "c"}').encode())
+    assert not matcher.accepts(call_text("f", '{"aunit": "c", "zcity": "Oslo"}').encode())

@@ -148,7 +148,7 @@ def grammar_for(response_format: Any) -> JsonGrammar | None:
     """``JsonGrammar.from_response_format``, compiled once per distinct format: the gateway's
     check and every request asking for the same one share it."""
     try:
-        key = json.dumps(response_format, sort_keys=True)
+        key = json.dumps(response_format)  # not sorted: properties are written in the schema's order
     except (TypeError, ValueError, RecursionError) as exc:
         raise SchemaError(f"must be JSON nested at most {MAX_DEPTH} deep: {str(exc)[:100]}") from None
     return _compiled(key)

@@ -122,7 +122,7 @@ def tool_grammar_for(tools: list[dict], choice: Any, parallel: bool, answer: Jso
     if choice == "none":
         return NO_CALLS
     try:
-        key = json.dumps([[t["name"], t.get("parameters")] for t in tools], sort_keys=True)
+        key = json.dumps([[t["name"], t.get("parameters")] for t in tools])  # not sorted: arguments keep their order
     except (TypeError, ValueError, RecursionError, KeyError) as exc:
         raise SchemaError(f"tools must be JSON: {str(exc)[:100]}") from None
     named = choice.get("name") if isinstance(choice, dict) else None
