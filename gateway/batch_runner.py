@@ -21,6 +21,8 @@ from django.conf import settings
 from django.db import DatabaseError, IntegrityError, InterfaceError, close_old_connections
 from django.utils import timezone
 
+from inference_platform.request_id import new_request_id
+
 from . import admission, answers, calls, formatting, selectors, services
 from .batch_input import ENDPOINTS, line_id
 from .errors import ApiError
@@ -123,7 +125,7 @@ class _Runner:
             raise
         except Exception:
             log.exception("batch %s: line %d failed", self.batch.pk, line)
-            await self._record(line, "", INTERNAL.status, INTERNAL.body())
+            await self._record(line, new_request_id(), INTERNAL.status, INTERNAL.body())
 
     async def _attempt(self, line: int, deadline: float) -> None:
         body = {key: value for key, value in self.requests[line]["body"].items()
@@ -131,7 +133,7 @@ class _Runner:
         try:
             inference = PARSERS[self.kind](body)
         except ApiError as exc:
-            return await self._record(line, "", exc.status, exc.body())
+            return await self._record(line, new_request_id(), exc.status, exc.body())  # as the API's 400 has
         loop, backoff = asyncio.get_running_loop(), 1.0
         while True:
             try:
@@ -141,7 +143,8 @@ class _Runner:
             except ApiError as exc:
                 wait = max(_retry_after(exc), backoff)
                 if (exc.status, exc.code) not in RETRIED or loop.time() + wait >= deadline:
-                    return await self._record(line, exc.headers.get("x-request-id", ""), exc.status, exc.body())
+                    return await self._record(line, exc.headers.get("x-request-id") or new_request_id(), exc.status,
+                                              exc.body())
                 await asyncio.sleep(wait)
                 backoff = min(60.0, backoff * 2)
         ctx = formatting.Context(kind=self.kind, id=call.request_id, created=call.created, model=inference.model,

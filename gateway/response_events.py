@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Awaitable, Callable
 
 from . import calls, formatting, tools
@@ -36,7 +37,7 @@ class ResponseBuilder:
     def __init__(self, *, response_id: str, created: int, model: str, sampling: dict, settings: dict) -> None:
         self.response = {
             "id": response_id, "object": "response", "created_at": created, "status": "in_progress",
-            "error": None, "incomplete_details": None, "model": model, "output": [], "usage": None,
+            "completed_at": None, "error": None, "incomplete_details": None, "model": model, "output": [], "usage": None,
             "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
             **settings,
         }
@@ -86,6 +87,8 @@ class ResponseBuilder:
         out += self._close(status="completed" if status == "completed" else "incomplete")
         self.response["usage"] = usage_json(usage)
         self.response["status"] = status
+        if status == "completed":
+            self.response["completed_at"] = int(time.time())
         if status == "incomplete":
             self.response["incomplete_details"] = {"reason": "max_output_tokens"}
         return out

@@ -11,8 +11,13 @@ from django.utils.deprecation import MiddlewareMixin
 HEADER = "x-request-id"
 
 
+def new_request_id() -> str:
+    """The id of a response that is no inference's."""
+    return f"req_{secrets.token_hex(16)}"
+
+
 class RequestIdMiddleware(MiddlewareMixin):  # the mixin: sync and async, like Django's own
     def process_response(self, request, response):
         if request.path.startswith("/v1/") and HEADER not in response:
-            response[HEADER] = f"req_{secrets.token_hex(16)}"
+            response[HEADER] = new_request_id()
         return response

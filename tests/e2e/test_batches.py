@@ -58,6 +58,7 @@ def test_a_batch_answers_each_request_as_the_api_would_at_the_batch_price(openai
     [failure] = _lines(openai_client, done.error_file_id)
     assert failure["custom_id"] == "bad" and failure["response"]["status_code"] == 400
     assert failure["response"]["body"]["error"]["param"] == "temperature"
+    assert failure["response"]["request_id"].startswith("req_")  # named, as the API's 400 is
     assert done.usage.output_tokens == sum(a["response"]["body"]["usage"]["completion_tokens"] for a in answers)
     assert done.usage.input_tokens_details.cached_tokens == \
         sum(a["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers)

@@ -4,6 +4,7 @@ function calls and their results, structured output, and the errors that name it
 from __future__ import annotations
 
 import json
+import time
 
 import openai
 import pytest
@@ -50,6 +51,8 @@ def test_a_stream_of_events_adds_up_to_the_response(openai_client):
     # The client's own helper rebuilds a response that ends from the events.
     ended = openai_client.responses.create(model=DEPLOYMENT, input=QUESTION, max_output_tokens=400, temperature=0)
     assert ended.status == "completed"
+    assert ended.created_at <= ended.completed_at <= time.time() + 1
+    assert events[-1].response.completed_at is None  # incomplete: it never completed
     with openai_client.responses.stream(model=DEPLOYMENT, input=QUESTION, max_output_tokens=400,
                                         temperature=0) as stream:
         assert stream.get_final_response().output_text == ended.output_text

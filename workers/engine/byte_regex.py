@@ -288,8 +288,8 @@ class _Parser:
         if c in "xu":
             return _point(self._hex(c))
         if c.isascii() and c.isalnum():
-            raise RegexError(f"\\{c} is not supported (word boundaries, backreferences, anchors and "
-                             "Unicode properties are not)")
+            raise RegexError(f"\\{c} is not supported (escapes for word boundaries, backreferences, "
+                             "Unicode properties and anchors such as \\A are not; ^ and $ are)")
         return _point(ord(c))
 
     def _hex(self, c: str) -> int:
