@@ -22,6 +22,7 @@ def _stop_if_down(check) -> None:
 
 
 def main():
+    os.umask(0o077)  # as `inference-platform` does: the SQLite database and logs are this user's only
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "inference_platform.settings")
     from django.core.exceptions import ImproperlyConfigured
     from django.core.management import execute_from_command_line

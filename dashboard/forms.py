@@ -6,10 +6,11 @@ from datetime import date, timedelta
 from decimal import Decimal
 
 from django import forms
-from django.contrib.auth.forms import AuthenticationForm
+from django.contrib.auth.forms import AuthenticationForm, PasswordResetForm
 from django.utils import timezone
 
 from accounts import login_throttle
+from . import links, mail_quota
 from accounts.models import SCOPES, Membership
 from billing.models import LIMIT_MAX, MONEY
 from billing.selectors import REPORT_DATES
@@ -18,6 +19,23 @@ from models_catalog.selectors import deployment_name_taken
 from models_catalog.services import ENGINE_SETTINGS, INT_SETTINGS, taken_message
 
 MAX_USAGE_DAYS = 366
+
+
+class ThrottledPasswordResetForm(PasswordResetForm):
+    """Django's, with its link under SITE_URL (``links``), and at most one email a minute and a few
+    a day to one address (``mail_quota``): past that, none goes, and the page says what it always
+    says, so that it tells nobody whether the address has an account."""
+
+    def save(self, **kwargs):
+        return super().save(**{**kwargs, **links.site_override()})
+
+    def send_mail(self, subject_template_name, email_template_name, context, from_email, to_email,
+                  html_email_template_name=None):
+        user = context["user"]
+        if mail_quota.take("password-reset", mail_quota.row(user, user.date_joined)) is not None:
+            return
+        super().send_mail(subject_template_name, email_template_name, context, from_email, to_email,
+                          html_email_template_name)
 
 SCOPE_CHOICES = [
     ("inference", "Inference — call the chat and completions API"),

@@ -22,6 +22,7 @@ from accounts import services as account_services
 from accounts.errors import InvalidInput
 from accounts.models import CONTROL_CHARACTERS, MANAGER_ROLES, Membership, Organization, User
 
+from . import mail_quota
 from .errors import DashboardError, InvalidInvitation, NotAllowed, SignUpClosed
 from .models import Invitation, hash_token
 
@@ -70,43 +71,35 @@ def sign_up(*, email: str, password: str, name: str = "", organization_name: str
     return user
 
 
-# Confirmation emails to one user: one a minute, CONFIRMATIONS_A_DAY a day. Anyone can sign up with
-# someone else's address; "Send it again" must not let them flood it.
-CONFIRMATION_EVERY_S = 60
-CONFIRMATIONS_A_DAY = 5
+# Confirmation emails to one user: one a minute, CONFIRMATIONS_A_DAY a day (``mail_quota``).
+CONFIRMATIONS_A_DAY = mail_quota.A_DAY
+
+
+def _confirmation_recipient(user: User) -> str:
+    return mail_quota.row(user, user.date_joined)
 
 
 def confirmation_keys(user: User) -> tuple[str, str]:
-    """The cache's counts of one user's confirmation emails (this minute's, today's): by the user's
-    id and creation, which a database made again does not reuse."""
-    who = f"{user.pk}:{int(user.date_joined.timestamp() * 1000)}"
-    return f"email-confirmation-sent:{who}", f"email-confirmations-today:{who}"
+    """The cache's counts of one user's confirmation emails (this minute's, today's)."""
+    return mail_quota.keys("confirmation", _confirmation_recipient(user))
 
 
 def _may_send_confirmation(user: User) -> str | None:
     """Count a confirmation email to ``user``; why not, if it may not go (None: it may)."""
-    from django.core.cache import cache
-
-    minute, day = confirmation_keys(user)
-    try:
-        if not cache.add(minute, 1, timeout=CONFIRMATION_EVERY_S):
-            return (f"A link went to {user.email} less than a minute ago: look for it (in the spam folder too), or "
-                    "ask again in a minute.")
-        cache.add(day, 0, timeout=24 * 3600)
-        if cache.incr(day) > CONFIRMATIONS_A_DAY:
-            return (f"{CONFIRMATIONS_A_DAY} links went to {user.email} today, the most a day: look for them (in the "
-                    "spam folder too), or ask again tomorrow.")
-    except Exception:  # the cache down: send, uncounted, rather than not at all
-        pass
+    over = mail_quota.take("confirmation", _confirmation_recipient(user), a_day=CONFIRMATIONS_A_DAY)
+    if over == "minute":
+        return (f"A link went to {user.email} less than a minute ago: look for it (in the spam folder too), or "
+                "ask again in a minute.")
+    if over == "day":
+        return (f"{CONFIRMATIONS_A_DAY} links went to {user.email} today, the most a day: look for them (in the "
+                "spam folder too), or ask again tomorrow.")
     return None
 
 
 def send_email_confirmation(*, user: User, link_for: Callable[[str, str], str]) -> None:
     """Mail ``user`` the link that confirms their address (``link_for(uid, token)``); DashboardError
-    when the mail cannot be sent, or when one went less than CONFIRMATION_EVERY_S ago or
-    CONFIRMATIONS_A_DAY went today."""
-    from django.core.cache import cache
-
+    when the mail cannot be sent, or when one went less than a minute ago or CONFIRMATIONS_A_DAY
+    went today."""
     from accounts.email_verification import link_parts
 
     if (refusal := _may_send_confirmation(user)) is not None:
@@ -122,10 +115,7 @@ def send_email_confirmation(*, user: User, link_for: Callable[[str, str], str]) 
             recipient_list=[user.email],
         )
     except (OSError, BadHeaderError) as exc:
-        try:
-            cache.delete(confirmation_keys(user)[0])  # not sent: asking again at once is fine
-        except Exception:  # the cache down: the minute passes by itself
-            pass
+        mail_quota.give_back("confirmation", _confirmation_recipient(user))
         raise DashboardError(f"The confirmation email could not be sent ({exc}); try again later.") from None
 
 
@@ -258,6 +248,11 @@ def invite_member(*, organization: Organization, invited_by: User, email: str, r
             )
     except IntegrityError:
         raise DashboardError(f"{email} already has a pending invitation.", field="email") from None
+    try:
+        _count_invitation(organization, email)
+    except DashboardError:
+        invitation.delete()
+        raise
     try:  # after the commit: a slow mail server must not hold the database's write lock (SQLite)
         send_mail(
             subject=_one_line(f"{inviter} invited you to {organization.name}"),
@@ -271,12 +266,39 @@ def invite_member(*, organization: Organization, invited_by: User, email: str, r
         )
     except (OSError, BadHeaderError) as exc:  # refused, unreachable (SMTPException is one), or a bad header
         invitation.delete()  # not kept: a retry must not find it "already pending"
+        mail_quota.give_back("invitation", _invitation_recipient(organization, email))
         raise DashboardError(f"The invitation email could not be sent ({exc}); nothing was saved, try again "
                              "later.", field="email") from None
     except BaseException:
         invitation.delete()  # whatever failed, no invitation is left that nobody was told about
         raise
     return invitation
+
+
+# Invitations (whose subject and text carry names their sender chose): to one address from one
+# organization, one a minute and INVITATIONS_A_DAY a day (revoking and inviting again counts);
+# from one organization, ORGANIZATION_INVITATIONS_A_DAY a day.
+INVITATIONS_A_DAY = mail_quota.A_DAY
+ORGANIZATION_INVITATIONS_A_DAY = 50
+
+
+def _invitation_recipient(organization: Organization, email: str) -> str:
+    return f"{mail_quota.row(organization, organization.created_at)}:{email}"
+
+
+def _count_invitation(organization: Organization, email: str) -> None:
+    over = mail_quota.take("invitation", _invitation_recipient(organization, email), a_day=INVITATIONS_A_DAY)
+    if over == "minute":
+        raise DashboardError(f"An invitation went to {email} less than a minute ago; try again in a minute.",
+                             field="email")
+    if over == "day":
+        raise DashboardError(f"{INVITATIONS_A_DAY} invitations went to {email} today, the most a day; try again "
+                             "tomorrow.", field="email")
+    if mail_quota.take("invitations", mail_quota.row(organization, organization.created_at), every_s=None,
+                       a_day=ORGANIZATION_INVITATIONS_A_DAY) is not None:
+        mail_quota.give_back("invitation", _invitation_recipient(organization, email))
+        raise DashboardError(f"{organization.name} sent {ORGANIZATION_INVITATIONS_A_DAY} invitations today, the "
+                             "most a day; try again tomorrow.", field="email")
 
 
 def _one_line(text: str) -> str:

@@ -7,7 +7,7 @@ from django.contrib.auth import views as auth_views
 from django.contrib.staticfiles.views import serve as serve_static
 from django.urls import path, re_path
 
-from .forms import EmailLoginForm
+from .forms import EmailLoginForm, ThrottledPasswordResetForm
 from .views import account, billing, catalog, deployments, keys, logout, logs, operator, playground, usage
 
 urlpatterns = [
@@ -21,7 +21,8 @@ urlpatterns = [
          name="login"),
     path("logout/", logout.logout, name="logout"),
     path("signup/", account.signup, name="signup"),
-    path("password-reset/", auth_views.PasswordResetView.as_view(), name="password_reset"),
+    path("password-reset/", auth_views.PasswordResetView.as_view(form_class=ThrottledPasswordResetForm),
+         name="password_reset"),
     path("password-reset/sent/", auth_views.PasswordResetDoneView.as_view(), name="password_reset_done"),
     path("reset/<uidb64>/<token>/", auth_views.PasswordResetConfirmView.as_view(), name="password_reset_confirm"),
     path("reset/done/", auth_views.PasswordResetCompleteView.as_view(), name="password_reset_complete"),

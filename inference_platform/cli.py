@@ -54,11 +54,17 @@ def setup_django():
 
     try:
         # Its own user's only: it holds the SQLite database (password hashes, sessions, stored
-        # responses), the logs and the operator's key. A folder given that exists keeps its mode.
+        # responses), the logs and the operator's key. A folder given that exists keeps its mode
+        # (it may be a mount), said if others may enter it; what is written in it is ours only.
         settings.DATA_DIR.mkdir(parents=True, exist_ok=True, mode=0o700)
+        open_to_others = settings.DATA_DIR.stat().st_mode & 0o077
     except OSError as exc:
         raise Abort(f"cannot create the data folder {settings.DATA_DIR}: {exc.strerror} (set DATA_DIR to a "
                     "writable folder)") from None
+    if open_to_others:
+        print(f"warning: other users of this machine may enter the data folder {settings.DATA_DIR} (mode "
+              f"{settings.DATA_DIR.stat().st_mode & 0o777:o}), which holds the database, logs and keys: "
+              f"`chmod 700 {settings.DATA_DIR}`", file=sys.stderr)
     return settings
 
 
@@ -738,6 +744,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.umask(0o077)  # what this writes (the SQLite database, logs, mail, imported weights) is its user's only
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -17,6 +17,7 @@ from accounts.selectors import organizations_for_user
 from .. import selectors, services
 from ..errors import DashboardError, InvalidInvitation
 from ..forms import InviteForm, OrganizationForm, RoleForm, SignUpForm
+from ..links import absolute_url
 from ..organizations import choose_organization
 from .common import organization_required, safe_next
 
@@ -79,7 +80,7 @@ def signup(request):
 
 def _send_confirmation(request, user, *, said: bool = True) -> None:
     def link_for(uid: str, token: str) -> str:
-        return request.build_absolute_uri(reverse("email-confirm", args=[uid, token]))
+        return absolute_url(request, reverse("email-confirm", args=[uid, token]))
 
     try:
         services.send_email_confirmation(user=user, link_for=link_for)
@@ -181,7 +182,7 @@ def members(request):
                 invitation = services.invite_member(
                     organization=organization, invited_by=request.user, email=invite_form.cleaned_data["email"],
                     role=invite_form.cleaned_data["role"],
-                    link_for=lambda token: request.build_absolute_uri(reverse("invitation", args=[token])),
+                    link_for=lambda token: absolute_url(request, reverse("invitation", args=[token])),
                 )
             except DashboardError as exc:
                 _form_error(invite_form, exc)

@@ -278,3 +278,23 @@ def test_the_login_form_tabs_from_the_email_to_the_password(client, db):
     # Nothing between the two fields: the "Forgot your password?" link sat there, in the label's row.
     assert order.index("id_password") == order.index("id_username") + 1, order
     assert order.index("/password-reset/") > order.index("id_password"), order
+
+
+def test_password_resets_to_one_account_are_few_and_link_under_the_site_url(client, acme, settings):
+    """Anyone may ask to reset anyone's password: one email a minute and five a day go, and the
+    page says the same whatever happened. The link is SITE_URL's, not a Host header's (whose port
+    Django's host check ignores)."""
+    from dashboard import mail_quota
+
+    user, _ = acme
+    settings.SITE_URL = "https://llm.example.com"
+    for _ in range(3):
+        response = client.post("/password-reset/", {"email": user.email}, HTTP_HOST="testserver:6666")
+        assert response.status_code == 302 and response["Location"] == "/password-reset/sent/"
+    assert len(mail.outbox) == 1 and "https://llm.example.com/reset/" in mail.outbox[0].body
+    assert "6666" not in mail.outbox[0].body
+    minute = mail_quota.keys("password-reset", mail_quota.row(user, user.date_joined))[0]
+    for _ in range(mail_quota.A_DAY):
+        cache.delete(minute)
+        client.post("/password-reset/", {"email": user.email})
+    assert len(mail.outbox) == mail_quota.A_DAY

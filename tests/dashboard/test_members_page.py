@@ -105,3 +105,34 @@ def test_a_member_who_may_leave_gets_the_leave_button(acme, role):
     assert f'action="/settings/members/{user.pk}/remove/"' in cell and "disabled" not in cell
     first_owners = selectors.members_page(organization=org, user=owner)["leave_refusal"]
     assert (first_owners is None) == (role == "owner")  # a second owner lets the first one leave too
+
+
+def test_invitations_to_one_address_are_at_most_one_a_minute_and_five_a_day(ada, acme, monkeypatch):
+    """An owner may revoke and invite again, but not mail an address (with a subject naming
+    whatever their organization is called) more than that; nor an organization more than its day's
+    invitations. The link goes under SITE_URL, not the request's Host."""
+    from django.core import mail
+    from django.core.cache import cache
+
+    from dashboard import mail_quota, services
+
+    _, org = acme
+    monkeypatch.setattr(services.settings, "SITE_URL", "https://llm.example.com")
+    assert _invite(ada, "target@example.com").status_code == 302
+    assert mail.outbox[-1].body.count("https://llm.example.com/invitations/") == 1
+    recipient = services._invitation_recipient(org, "target@example.com")
+    for sent in range(1, services.INVITATIONS_A_DAY + 1):
+        assert len(mail.outbox) == sent
+        ada.post(f"/settings/invitations/{Invitation.objects.get(revoked_at__isnull=True).pk}/revoke/")
+        page = _invite(ada, "target@example.com").content.decode()
+        assert "less than a minute ago" in page and len(mail.outbox) == sent
+        cache.delete(mail_quota.keys("invitation", recipient)[0])
+        page = _invite(ada, "target@example.com").content.decode()
+    assert "the most a day" in page and len(mail.outbox) == services.INVITATIONS_A_DAY
+    assert not Invitation.objects.filter(revoked_at__isnull=True).exists()  # none kept unsent
+
+    monkeypatch.setattr(services, "ORGANIZATION_INVITATIONS_A_DAY", services.INVITATIONS_A_DAY + 1)  # five went
+    _invite(ada, "one@example.com")
+    page = _invite(ada, "two@example.com").content.decode()
+    assert "invitations today, the most a day" in page
+    assert [m.to for m in mail.outbox[-1:]] == [["one@example.com"]]

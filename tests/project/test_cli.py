@@ -386,6 +386,19 @@ def test_a_new_data_folder_is_its_users_only(tmp_path):
     assert (tmp_path / "fresh").stat().st_mode & 0o777 == 0o700
 
 
+def test_what_is_written_in_a_data_folder_open_to_others_is_its_users_only_and_the_folder_is_said(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    result = run_cli("createkey", env_overrides={"DATA_DIR": str(shared), "DATABASE_URL": "", "REDIS_URL": ""})
+    assert "other users of this machine may enter the data folder" in result.stderr and "chmod 700" in result.stderr
+    env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "DEBUG", "SECRET_KEY", "ALLOWED_HOSTS"}}
+    subprocess.run([sys.executable, "manage.py", "shell", "-c",
+                    "from django.db import connection; connection.ensure_connection()"],
+                   cwd=REPO_ROOT, env={**env, "DATA_DIR": str(shared)}, check=True, timeout=60)
+    assert (shared / "db.sqlite3").stat().st_mode & 0o777 == 0o600
+
+
 def test_up_names_the_part_that_stopped():
     from inference_platform.processes import describe, spawn
 
