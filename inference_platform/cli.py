@@ -328,6 +328,27 @@ def refuse_debug_off_loopback(settings, host: str) -> None:
                     "and ALLOWED_HOSTS (see .env.example), or leave --host at 127.0.0.1")
 
 
+def production_gaps(settings) -> list[str]:
+    """What a production start (DEBUG=false) still leaves to the development defaults, said at start:
+    it runs, but users would miss it."""
+    if settings.DEBUG:
+        return []
+    gaps = []
+    if settings.EMAIL_BACKEND.endswith("console.EmailBackend"):
+        gaps.append("EMAIL_BACKEND is the console's: invitations, address confirmations and password resets go to "
+                    "this process's output, not to their users (set the SMTP backend, see EMAIL_HOST)")
+    if not settings.SITE_URL:
+        gaps.append("SITE_URL is unset: links in emails use the host each request named")
+    if not settings.HTTPS:
+        gaps.append("HTTPS is off: cookies are not Secure and there is no HSTS (set HTTPS=true behind TLS)")
+    return gaps
+
+
+def say_production_gaps(settings) -> None:
+    for gap in production_gaps(settings):
+        print(f"warning: {gap}", file=sys.stderr)
+
+
 def local_url(host: str, port: int) -> str:
     """Where this machine reaches the web server: a wildcard address is one to listen on, not to
     connect to (and its Host header is none that ALLOWED_HOSTS lists)."""
@@ -463,6 +484,7 @@ def cmd_up(args) -> int:
     procs: list[subprocess.Popen] = []
     try:
         refuse_debug_off_loopback(settings, args.host)
+        say_production_gaps(settings)
         free_port(args.host, args.port)
         say("[1/5] Redis")
         ensure_redis(settings, procs)
@@ -555,6 +577,7 @@ def cmd_up(args) -> int:
 def cmd_web(args) -> int:
     settings = setup_django()
     refuse_debug_off_loopback(settings, args.host)
+    say_production_gaps(settings)
     procs: list[subprocess.Popen] = []
     ensure_redis(settings, procs, alone=True)
     require_database(settings)

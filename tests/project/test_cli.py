@@ -435,3 +435,18 @@ def test_a_command_on_a_data_folder_up_never_made_says_so_and_leaves_no_empty_da
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "run `inference-platform up` first" in result.stderr, result.stderr
     assert not (fresh / "db.sqlite3").exists()
+
+
+def test_a_production_start_says_what_it_leaves_to_the_development_defaults(settings):
+    from inference_platform.cli import production_gaps
+
+    settings.DEBUG, settings.SITE_URL, settings.HTTPS = False, "", False
+    settings.EMAIL_BACKEND = "django.core.mail.backends.console.EmailBackend"
+    gaps = " ".join(production_gaps(settings))
+    assert "EMAIL_BACKEND" in gaps and "SITE_URL" in gaps and "HTTPS" in gaps
+    settings.SITE_URL, settings.HTTPS = "https://llm.example.com", True
+    settings.EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
+    assert production_gaps(settings) == []
+    settings.DEBUG = True
+    settings.EMAIL_BACKEND = "django.core.mail.backends.console.EmailBackend"
+    assert production_gaps(settings) == []  # the development defaults are what development wants
