@@ -9,6 +9,7 @@ it is code that came with someone else's weights.
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 import logging
 import re
@@ -81,7 +82,6 @@ class Tokenizer:
         self._byte_level = "ByteLevel" in repr(backend.decoder)  # GPT-2 style pieces (else "▁" pieces)
         self._token_bytes: dict[int, bytes] = {}
         self._byte_table: list[bytes | None] | None = None
-        self._text_bytes: list[bytes] | None = None  # per id, what decoding adds ("" for control tokens)
 
     # -- building ------------------------------------------------------------------------------
 
@@ -235,17 +235,18 @@ class Tokenizer:
         """Each token's bytes as decoding adds them (empty for a control token, which decoding
         skips), where decoding is only joining them; None where it is more (a sentencepiece
         "▁" joined into words, or a vocabulary whose added tokens decode otherwise)."""
-        if self._text_bytes is None and self._decodes_by_joining():
-            self._text_bytes = [piece or b"" for piece in self.byte_table()]
         return self._text_bytes
 
-    def _decodes_by_joining(self) -> bool:
+    @functools.cached_property
+    def _text_bytes(self) -> list[bytes] | None:
         if not isinstance(self.backend.decoder, decoders.ByteLevel):
-            return False
+            return None
         table = self.byte_table()
         # Added tokens are written as they are, which may not be their bytes the byte-level way.
         added = self.backend.get_added_tokens_decoder()
-        return all((table[i] or b"").decode("utf-8", "replace") == self.decode([i]) for i in added)
+        if any((table[i] or b"").decode("utf-8", "replace") != self.decode([i]) for i in added):
+            return None
+        return [piece or b"" for piece in table]
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         """The prompt text for ``messages`` ([{"role": ..., "content": ...}, ...])."""
