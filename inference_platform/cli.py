@@ -240,10 +240,16 @@ def seed(settings) -> None:
 
 
 def served_deployments() -> list[str]:
-    """The deployments the embedded worker serves: every public one seeded so far."""
+    """The deployments the embedded worker serves: every public one but those stopped. One that
+    failed to load is tried again, as a start is the operator's way to say "again" (its weights
+    may be back)."""
     from models_catalog.models import Deployment
+    from models_catalog.services import retry_if_failed
 
-    return list(Deployment.objects.filter(is_public=True).order_by("name").values_list("name", flat=True))
+    public = Deployment.objects.filter(is_public=True).exclude(status=Deployment.Status.STOPPED).order_by("name")
+    for deployment in public.filter(status=Deployment.Status.FAILED):
+        retry_if_failed(deployment=deployment, why="the platform started again")
+    return list(public.values_list("name", flat=True))
 
 
 def _abort_if_one_exited(procs: list[subprocess.Popen], when: str) -> None:
@@ -270,32 +276,35 @@ def wait_ready(url: str, procs: list[subprocess.Popen], *, deadline_s: float) ->
 
 
 def wait_loaded(names: list[str], worker: str, procs: list[subprocess.Popen], *, deadline_s: float,
-                since=None) -> None:
+                since=None) -> dict[str, str]:
     """Wait until ``worker`` has loaded every deployment in ``names`` (its engines answer Celery's
-    remote control), so that the first request does not wait for a model load. A load that fails
-    (the fleet records it, after ``since``) stops the wait at once with its reason."""
+    remote control), so that the first request does not wait for a model load. One whose load
+    failed (the fleet records it, after ``since``) is not waited for: the platform starts without
+    it (it is marked failed, with the reason). Returns those failures' reasons, by name."""
     from workers.models import FleetEvent
 
     from .celery import app
 
     give_up = time.monotonic() + deadline_s
+    failures: dict[str, str] = {}
+    loaded: set[str] = set()
     while time.monotonic() < give_up:
         _abort_if_one_exited(procs, "while loading")
         failed = FleetEvent.objects.filter(kind=FleetEvent.Kind.FAILED, worker=worker, deployment_name__in=names)
         if since is not None:
             failed = failed.filter(created_at__gte=since)
-        failure = failed.order_by("created_at").first()
-        if failure is not None:
-            raise Abort(f"the worker could not load {failure.deployment_name}: {failure.message}")
+        for name, message in failed.order_by("created_at").values_list("deployment_name", "message"):
+            failures.setdefault(name, message)
         try:
             replies = app.control.broadcast("engine_stats", reply=True, timeout=1.0, destination=[worker])
         except Exception:  # the broker is briefly unreachable: ask again
             replies = []
         loaded = {name for reply in replies for node in reply.values() for name in node.get("engines", {})}
-        if loaded >= set(names):
-            return
+        if loaded | failures.keys() >= set(names):
+            return failures
         time.sleep(0.5)
-    raise Abort(f"the worker did not load {', '.join(names)} within {deadline_s:g}s: see its log")
+    missing = [name for name in names if name not in loaded and name not in failures]
+    raise Abort(f"the worker did not load {', '.join(missing)} within {deadline_s:g}s: see its log")
 
 
 def free_port(host: str, port: int) -> None:
@@ -328,24 +337,25 @@ def refuse_debug_off_loopback(settings, host: str) -> None:
                     "and ALLOWED_HOSTS (see .env.example), or leave --host at 127.0.0.1")
 
 
-def production_gaps(settings) -> list[str]:
+def production_gaps(settings, *, site_url: str | None = None) -> list[str]:
     """What a production start (DEBUG=false) still leaves to the development defaults, said at start:
-    it runs, but users would miss it."""
+    it runs, but users would miss it. ``site_url``: the SITE_URL its processes get (`up` sets one)."""
     if settings.DEBUG:
         return []
+    site_url = settings.SITE_URL if site_url is None else site_url
     gaps = []
     if settings.EMAIL_BACKEND.endswith("console.EmailBackend"):
         gaps.append("EMAIL_BACKEND is the console's: invitations, address confirmations and password resets go to "
                     "this process's output, not to their users (set the SMTP backend, see EMAIL_HOST)")
-    if not settings.SITE_URL:
+    if not site_url:
         gaps.append("SITE_URL is unset: links in emails use the host each request named")
     if not settings.HTTPS:
         gaps.append("HTTPS is off: cookies are not Secure and there is no HSTS (set HTTPS=true behind TLS)")
     return gaps
 
 
-def say_production_gaps(settings) -> None:
-    for gap in production_gaps(settings):
+def say_production_gaps(settings, *, site_url: str | None = None) -> None:
+    for gap in production_gaps(settings, site_url=site_url):
         print(f"warning: {gap}", file=sys.stderr)
 
 
@@ -484,7 +494,7 @@ def cmd_up(args) -> int:
     procs: list[subprocess.Popen] = []
     try:
         refuse_debug_off_loopback(settings, args.host)
-        say_production_gaps(settings)
+        say_production_gaps(settings, site_url=settings.SITE_URL or own_site_url(args.host, args.port))
         free_port(args.host, args.port)
         say("[1/5] Redis")
         ensure_redis(settings, procs)
@@ -549,8 +559,11 @@ def cmd_up(args) -> int:
         base = local_url(args.host, args.port)
         started = time.monotonic()
         wait_ready(f"{base}/readyz", procs, deadline_s=args.ready_timeout)
-        wait_loaded(served, worker_name, procs, since=spawned_at,
-                    deadline_s=max(1.0, args.ready_timeout - (time.monotonic() - started)))
+        failures = wait_loaded(served, worker_name, procs, since=spawned_at,
+                               deadline_s=max(1.0, args.ready_timeout - (time.monotonic() - started)))
+        for name, why in failures.items():
+            say(f"warning: {name} could not be loaded, and is marked failed (start it again from its page once "
+                f"that is fixed): {why}")
     except (Abort, KeyboardInterrupt) as exc:
         shut_down(procs, say=say, announce=False)
         if isinstance(exc, KeyboardInterrupt):
@@ -736,6 +749,7 @@ def build_parser() -> argparse.ArgumentParser:
         "createkey", help="create an API key and print it (alone, on stdout)",
         description="Create an API key for an organization, creating the organization and the user when "
                     "missing. The key alone goes to stdout (it is shown only this once); notes go to stderr.",
+        epilog=SETTINGS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     createkey.add_argument("--org", default=DEFAULT_ORG, help=f"organization name (default {DEFAULT_ORG!r}; created when missing)")
     createkey.add_argument("--email", default=None,

@@ -21,7 +21,7 @@ from . import signals
 from .errors import DeploymentNotFound, InvalidCatalogModel, InvalidDeployment, ModelImportError
 from .models import DEPLOYMENT_NAME_PATTERN, PRICE_FIELD, CatalogModel, Deployment
 from .selectors import deployment_name_taken
-from .weights import inspect_weights, models_root, path_under_models_root
+from .weights import inspect_weights, missing_weights_message, models_root, path_under_models_root
 
 # Settings a caller may give a deployment, with the bounds the service enforces (the database
 # enforces the lower bounds and max_replicas >= min_replicas itself).
@@ -323,7 +323,7 @@ def import_model(
     cleaned_prices = {field: _price(field, value) for field, value in prices.items()}
     resolved = path_under_models_root(path)
     if not resolved.exists():
-        raise ModelImportError(f"{path}: no such file or folder under MODELS_ROOT")
+        raise ModelImportError(missing_weights_message(path))
     info = inspect_weights(resolved)
     if check is not None:
         info = dataclasses.replace(info, context_length=check(resolved))

@@ -66,8 +66,23 @@ def path_under_models_root(path: str | Path) -> Path:
     candidate = raw if raw.is_absolute() else root / raw
     resolved = candidate.resolve()
     if resolved != root and not resolved.is_relative_to(root):
+        if candidate.absolute().is_relative_to(root):
+            raise ModelImportError(f"{path}: links to {resolved}, outside MODELS_ROOT ({root}), which models are "
+                                   "only imported from: copy the weights into it instead of linking them")
         raise ModelImportError(f"{path}: models can only be imported from below MODELS_ROOT ({root})")
     return resolved
+
+
+def missing_weights_message(path: str | Path) -> str:
+    """Why ``path`` (as given to an import) finds nothing, and where to put the weights."""
+    root = models_root()
+    message = f"{path}: no such file or folder under MODELS_ROOT ({root})"
+    if not root.exists():
+        return f"{message}, which does not exist yet: create it and put the weights there"
+    if not Path(path).is_absolute() and Path(path).exists():
+        return (f"{message}: a relative path is read from MODELS_ROOT, and this one is in the current folder "
+                "instead; move or copy it into MODELS_ROOT")
+    return message
 
 
 def resolve_weights_path(catalog_model: CatalogModel) -> Path:

@@ -340,12 +340,19 @@ class Agent:
         from models_catalog.models import Deployment
 
         from .dispatch import engine_spec
+        from .services import replica_failed
 
         deployment = Deployment.objects.filter(name=name).select_related("model").first()
         if deployment is None:
             log.warning("INFERENCE_PRELOAD names %s, which does not exist", name)
             return
-        spec = engine_spec(deployment)
+        try:
+            spec = engine_spec(deployment)  # its weights' path resolved: they may be gone
+        except Exception as exc:
+            log.exception("could not preload %s", name)
+            replica_failed(hostname=self.hostname, instance=INSTANCE, deployment_id=deployment.pk, name=name,
+                           error=str(exc)[:1000])
+            return
         with self.lock:
             self.hosted[name] = {"state": "loading", "deployment_id": spec["id"], "spec_hash": fleet.spec_hash(spec),
                                  "origin": "preload"}

@@ -8,6 +8,7 @@ import threading
 from celery import shared_task
 from celery.signals import worker_ready
 from celery.worker.control import inspect_command
+from django.conf import settings
 
 from . import inference
 from .agent import agent  # also registers the fleet's worker signals and remote control commands
@@ -45,9 +46,10 @@ def meter_reserved_capacity() -> None:
 @worker_ready.connect
 def preload_engines(sender=None, **kwargs) -> None:
     """Load the deployments named in INFERENCE_PRELOAD in the background as the worker starts, so
-    the first request does not pay for it (requests arriving meanwhile wait for the load)."""
+    the first request does not pay for it (requests arriving meanwhile wait for the load). A worker
+    with slots leaves it to its fleet agent, which also records a load that fails."""
     names = preload_names()
-    if names:
+    if names and int(settings.WORKER_SLOTS) == 0:
         threading.Thread(target=_preload, args=(names,), name="engine-preload", daemon=True).start()
 
 

@@ -113,9 +113,23 @@ def test_a_truncated_gguf_gives_an_error_and_no_row(models_root, gguf_copy):
     assert not CatalogModel.objects.exists()
 
 
-def test_a_missing_path_gives_an_error(models_root):
-    with pytest.raises(ModelImportError, match="no such file"):
+def test_a_missing_path_gives_an_error_that_says_where_weights_go(models_root, settings, tmp_path, monkeypatch):
+    with pytest.raises(ModelImportError, match=f"no such file or folder under MODELS_ROOT \\({models_root.resolve()}\\)$"):
         import_model(path="nothing-here.gguf")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "here.gguf").write_bytes(b"GGUF")  # a relative path, from the current folder
+    with pytest.raises(ModelImportError, match="in the current folder instead; move or copy it into MODELS_ROOT"):
+        import_model(path="here.gguf")
+    settings.MODELS_ROOT = tmp_path / "not-made-yet"
+    with pytest.raises(ModelImportError, match="which does not exist yet: create it and put the weights there"):
+        import_model(path="nothing-here.gguf")
+
+
+def test_a_link_out_of_models_root_is_named_as_one(models_root, gguf_copy, tmp_path):
+    (models_root / "link.gguf").symlink_to(gguf_copy)
+    with pytest.raises(ModelImportError, match="link.gguf: links to .* outside MODELS_ROOT"):
+        import_model(path="link.gguf")
+    assert not CatalogModel.objects.exists()
 
 
 def write_safetensors_folder(folder, *, dtype=np.float16):

@@ -332,8 +332,9 @@ def test_up_killed_outright_leaves_no_process(tmp_path):
 
 
 @pytest.mark.django_db
-def test_up_stops_waiting_for_a_model_whose_load_failed():
-    """A model that cannot load gives its reason at once, not a three-minute wait."""
+def test_up_does_not_wait_for_a_model_whose_load_failed():
+    """A model that cannot load is not waited for (nor does it stop the platform): its reason comes
+    back at once, to be said, and a timeout names only the deployments still loading."""
     from django.utils import timezone
 
     from inference_platform.cli import Abort, wait_loaded
@@ -342,10 +343,30 @@ def test_up_stops_waiting_for_a_model_whose_load_failed():
     since = timezone.now()
     worker = "worker@nowhere-test"  # answers no remote control: only the failure can end the wait
     record_event(kind="failed", deployment=None, deployment_name="smol", worker=worker, message="weights are corrupt")
-    with pytest.raises(Abort, match="could not load smol: weights are corrupt"):
-        wait_loaded(["smol"], worker, [], deadline_s=60, since=since)
+    assert wait_loaded(["smol"], worker, [], deadline_s=60, since=since) == {"smol": "weights are corrupt"}
+    with pytest.raises(Abort, match="did not load other within 1s"):
+        wait_loaded(["smol", "other"], worker, [], deadline_s=1, since=since)
     with pytest.raises(Abort, match="did not load smol within 1s"):  # an older failure is not this start's
         wait_loaded(["smol"], worker, [], deadline_s=1, since=timezone.now())
+
+
+@pytest.mark.django_db
+def test_up_serves_the_public_deployments_but_those_stopped_and_tries_a_failed_one_again():
+    from inference_platform.cli import served_deployments
+    from models_catalog.models import CatalogModel, Deployment
+    from models_catalog.services import create_deployment, seed_catalog, set_deployment_status
+
+    seed_catalog()
+    Deployment.objects.exclude(is_public=True).delete()
+    model = CatalogModel.objects.get(slug="smollm2-135m-instruct")
+    stopped, failed = (create_deployment(organization=None, model=model, name=name, is_public=True)
+                       for name in ("t-stopped", "t-failed"))
+    set_deployment_status(deployment=stopped, status="stopped", reason="the operator stopped it")
+    set_deployment_status(deployment=failed, status="failed", reason="weights not found")
+    served = served_deployments()
+    assert "t-failed" in served and "t-stopped" not in served and "smollm2-135m-instruct" in served
+    failed.refresh_from_db()
+    assert failed.status == "pending" and "trying again" in failed.status_reason
 
 
 def test_production_hosts_keep_the_loopback_names_for_the_local_health_checks():
@@ -444,6 +465,7 @@ def test_a_production_start_says_what_it_leaves_to_the_development_defaults(sett
     settings.EMAIL_BACKEND = "django.core.mail.backends.console.EmailBackend"
     gaps = " ".join(production_gaps(settings))
     assert "EMAIL_BACKEND" in gaps and "SITE_URL" in gaps and "HTTPS" in gaps
+    assert "SITE_URL" not in " ".join(production_gaps(settings, site_url="http://127.0.0.1:8000"))  # `up`'s own
     settings.SITE_URL, settings.HTTPS = "https://llm.example.com", True
     settings.EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
     assert production_gaps(settings) == []

@@ -482,3 +482,22 @@ def test_a_cold_start_that_waits_for_a_slot_is_still_a_cold_start(model, queued)
     beat(worker, {})
     placement._tick_once(now=None)
     assert replicas(deployment) == [(worker.hostname, "loading", "demand")]
+
+
+def test_a_preload_whose_weights_are_gone_fails_its_deployment_with_the_reason(model, tmp_path, settings):
+    """`up` preloads its public deployments; one whose weights file went away must be marked failed
+    (which `up` reads to stop waiting), not leave only a traceback in the worker's log."""
+    from workers.agent import Agent
+
+    settings.MODELS_ROOT = tmp_path
+    (tmp_path / "gone.gguf").write_bytes(b"GGUF")
+    imported = CatalogModel.objects.create(slug="gone", display_name="Gone", architecture="llama", weights_path="gone.gguf")
+    deployment = create_deployment(organization=None, model=imported, name=f"t-{uuid.uuid4().hex[:8]}")
+    (tmp_path / "gone.gguf").unlink()
+    worker = register("alpha")
+    agent = Agent()
+    agent.hostname = worker.hostname
+    agent._preload(deployment.name)
+    state, reason = status(deployment)
+    assert state == "failed" and "not found" in reason
+    assert FleetEvent.objects.filter(kind="failed", deployment_name=deployment.name, worker=worker.hostname).exists()
