@@ -39,7 +39,8 @@ def send(organization: Organization, *, subject: str, lines: list[str]) -> int:
         .exclude(user__email="").values_list("user__email", flat=True)))
     if not recipients:
         return 0
-    page = f"{settings.SITE_URL}{reverse('billing')}" if settings.SITE_URL else "the dashboard's Billing page"
+    site = settings.SITE_URL or settings.OWN_SITE_URL
+    page = f"{site}{reverse('billing')}" if site else "the dashboard's Billing page"
     send_mail(subject=f"{one_line(organization.name)}: {subject}",
               message="\n\n".join(line.replace("{page}", page) for line in lines),
               from_email=None, recipient_list=recipients)

@@ -43,9 +43,13 @@ def take(kind: str, who: str, *, every_s: int | None = EVERY_S, a_day: int = A_D
     return None
 
 
-def give_back(kind: str, who: str) -> None:
-    """An email counted but not sent (the mail server refused it): asking again at once is fine."""
+def give_back(kind: str, who: str, *, every_s: int | None = EVERY_S) -> None:
+    """An email counted but not sent (the mail server refused it, another limit held it): it counts
+    for neither the minute (asking again at once is fine) nor the day."""
+    minute, day = keys(kind, who)
     try:
-        cache.delete(keys(kind, who)[0])
-    except Exception:  # the cache down: the minute passes by itself
+        if every_s is not None:
+            cache.delete(minute)
+        cache.decr(day)
+    except Exception:  # the cache down, or the count gone: the minute and the day pass by themselves
         pass

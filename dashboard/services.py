@@ -267,6 +267,7 @@ def invite_member(*, organization: Organization, invited_by: User, email: str, r
     except (OSError, BadHeaderError) as exc:  # refused, unreachable (SMTPException is one), or a bad header
         invitation.delete()  # not kept: a retry must not find it "already pending"
         mail_quota.give_back("invitation", _invitation_recipient(organization, email))
+        mail_quota.give_back("invitations", mail_quota.row(organization, organization.created_at), every_s=None)
         raise DashboardError(f"The invitation email could not be sent ({exc}); nothing was saved, try again "
                              "later.", field="email") from None
     except BaseException:

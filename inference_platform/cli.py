@@ -337,25 +337,24 @@ def refuse_debug_off_loopback(settings, host: str) -> None:
                     "and ALLOWED_HOSTS (see .env.example), or leave --host at 127.0.0.1")
 
 
-def production_gaps(settings, *, site_url: str | None = None) -> list[str]:
+def production_gaps(settings) -> list[str]:
     """What a production start (DEBUG=false) still leaves to the development defaults, said at start:
-    it runs, but users would miss it. ``site_url``: the SITE_URL its processes get (`up` sets one)."""
+    it runs, but users would miss it."""
     if settings.DEBUG:
         return []
-    site_url = settings.SITE_URL if site_url is None else site_url
     gaps = []
     if settings.EMAIL_BACKEND.endswith("console.EmailBackend"):
         gaps.append("EMAIL_BACKEND is the console's: invitations, address confirmations and password resets go to "
                     "this process's output, not to their users (set the SMTP backend, see EMAIL_HOST)")
-    if not site_url:
+    if not settings.SITE_URL:
         gaps.append("SITE_URL is unset: links in emails use the host each request named")
     if not settings.HTTPS:
         gaps.append("HTTPS is off: cookies are not Secure and there is no HSTS (set HTTPS=true behind TLS)")
     return gaps
 
 
-def say_production_gaps(settings, *, site_url: str | None = None) -> None:
-    for gap in production_gaps(settings, site_url=site_url):
+def say_production_gaps(settings) -> None:
+    for gap in production_gaps(settings):
         print(f"warning: {gap}", file=sys.stderr)
 
 
@@ -367,8 +366,9 @@ def local_url(host: str, port: int) -> str:
 
 
 def own_site_url(host: str, port: int) -> str:
-    """Emails' links when SITE_URL is unset: this machine's address when it listens on one alone
-    (one that listens on every address has none that others surely reach: no link then)."""
+    """OWN_SITE_URL, where emails sent without a request link when SITE_URL is unset: this
+    machine's address when it listens on one alone (one that listens on every address has none
+    that others surely reach: no link then)."""
     return "" if host in ("0.0.0.0", "", "::") else local_url(host, port)
 
 
@@ -494,7 +494,7 @@ def cmd_up(args) -> int:
     procs: list[subprocess.Popen] = []
     try:
         refuse_debug_off_loopback(settings, args.host)
-        say_production_gaps(settings, site_url=settings.SITE_URL or own_site_url(args.host, args.port))
+        say_production_gaps(settings)
         free_port(args.host, args.port)
         say("[1/5] Redis")
         ensure_redis(settings, procs)
@@ -511,7 +511,7 @@ def cmd_up(args) -> int:
         served = served_deployments()
         worker_name = f"worker@{socket.gethostname()}"
         # Every part's: the billing worker's emails link to this server too.
-        common = {"DATA_DIR": str(settings.DATA_DIR), "SITE_URL": settings.SITE_URL or own_site_url(args.host, args.port)}
+        common = {"DATA_DIR": str(settings.DATA_DIR), "OWN_SITE_URL": own_site_url(args.host, args.port)}
         slots = max(args.slots, len(served))
         env = child_env(**common, INFERENCE_PRELOAD=",".join(served), WORKER_SLOTS=str(slots))
         logs = settings.DATA_DIR / "logs"

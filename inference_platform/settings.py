@@ -165,8 +165,11 @@ STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = DATA_DIR / "staticfiles"
 
-# Where users reach the dashboard, for links in emails sent without a request (low-balance alerts).
+# Where users reach the dashboard, for links in emails (without it, those sent while answering a
+# request link to the host it named, and the others, such as low-balance alerts, to OWN_SITE_URL:
+# the address `up` listens on, which it sets for its processes).
 SITE_URL = env_url("SITE_URL")
+OWN_SITE_URL = env_url("OWN_SITE_URL")
 EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
 DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "noreply@localhost")
 # For EMAIL_BACKEND=django.core.mail.backends.filebased.EmailBackend: the folder emails are written to.

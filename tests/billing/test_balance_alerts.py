@@ -139,6 +139,11 @@ def test_the_email_goes_to_active_owners_and_admins_with_the_figures(settings, f
     # Topped up before the queue got to it: nothing to say.
     credit(funded, "20")
     assert balance_alerts.send_email(organization_id=funded.pk) == 0 and len(mail.outbox) == 1
+    # Without SITE_URL, the link goes to `up`'s own address (OWN_SITE_URL).
+    settings.SITE_URL, settings.OWN_SITE_URL = "", "http://127.0.0.1:8000"
+    SpendLimit.objects.filter(organization=funded).update(balance_alert=Decimal("100"), balance_alert_sent_at=None)
+    assert balance_alerts.send_email(organization_id=funded.pk) == 2
+    assert "http://127.0.0.1:8000/billing/" in mail.outbox[-1].body
 
 
 @pytest.mark.parametrize("amount, text", [

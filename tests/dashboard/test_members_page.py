@@ -136,3 +136,18 @@ def test_invitations_to_one_address_are_at_most_one_a_minute_and_five_a_day(ada,
     page = _invite(ada, "two@example.com").content.decode()
     assert "invitations today, the most a day" in page
     assert [m.to for m in mail.outbox[-1:]] == [["one@example.com"]]
+
+
+def test_invitations_that_could_not_be_sent_do_not_count(ada, acme, monkeypatch):
+    from django.core import mail
+
+    from dashboard import services
+
+    def down(**kwargs):
+        raise OSError("Connection refused")
+
+    monkeypatch.setattr(services, "send_mail", down)
+    for _ in range(services.INVITATIONS_A_DAY + 1):
+        assert "could not be sent" in _invite(ada, "target@example.com").content.decode()
+    monkeypatch.undo()
+    assert _invite(ada, "target@example.com").status_code == 302 and len(mail.outbox) == 1

@@ -221,13 +221,15 @@ def test_numbers_past_what_a_double_holds_are_not_taken():
     assert takes(below_half, "-123456789012345") and not takes(below_half, "-1234567890123456")
     positive = grammar({"type": "number", "exclusiveMinimum": 0})  # at most 20 places, 20 zeros in a row
     assert takes(positive, "0." + "0" * 19 + "1") and not takes(positive, "0." + "0" * 20 + "1")
-    assert takes(positive, "0.5" + "0" * 19) and not takes(positive, "0.5" + "0" * 20)  # zeros are exact
+    assert takes(positive, "0.5" + "0" * 13) and not takes(positive, "0.5" + "0" * 14)  # no digit could follow
     assert takes(positive, "1732800000000000") and takes(positive, "1" + "0" * 20) and not takes(positive, "1" + "0" * 21)
     assert takes(positive, "10000000000000.5") and not takes(positive, "100000000000000.5")
     # Past the fifteenth digit, a zero after the point only pads: a model short of the digit it
     # wanted wrote 0.87118818330974500000.
     assert takes(positive, "0.871188183309745") and not takes(positive, "0.8711881833097450")
+    assert takes(positive, "0.87118818330974") and not takes(positive, "0.871188183309740")
     assert takes(positive, "123456789012345") and not takes(positive, "123456789012345.0")
+    assert not takes(positive, "100000000000000.0") and takes(positive, "10000000000000.5")
     assert takes(grammar({"type": "integer", "minimum": 0}), "12345678901234567890")  # an integer is no double
     with pytest.raises(SchemaError, match="at most 15 significant digits"):
         grammar({"type": "number", "exclusiveMinimum": 0.1, "exclusiveMaximum": 0.1000000000000001})

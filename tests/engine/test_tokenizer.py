@@ -347,3 +347,24 @@ def test_a_sentencepiece_vocabulary_keeps_windowed_decoding(tmp_path):
     tok = Tokenizer.from_gguf_metadata({k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()})
     assert tok.text_bytes() is None
     assert isinstance(tok.detokenizer(), IncrementalDetokenizer)
+
+
+def test_a_byte_level_table_writes_what_decoding_writes_for_odd_vocabularies():
+    """A piece spelled like a sentencepiece byte token is written as it is by a byte-level decoder;
+    a vocabulary whose ids leave holes keeps windowed decoding (a table by id would miss some)."""
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import decoders, models
+
+    from workers.engine.tokenizer import ByteLevelDetokenizer
+
+    def tokenizer(vocab):
+        backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[]))
+        backend.decoder = decoders.ByteLevel()
+        return Tokenizer(backend, bos_token_id=None, eos_token_ids=[], chat_template=None)
+
+    literal = tokenizer({"a": 0, "b": 1, "<0x41>": 2})
+    detok = literal.detokenizer()
+    assert isinstance(detok, ByteLevelDetokenizer)
+    assert "".join(detok.push(i) for i in (0, 1, 2)) == literal.decode([0, 1, 2]) == "ab<0x41>"
+    holes = tokenizer({"a": 0, "b": 5, "c": 2})
+    assert holes.text_bytes() is None and isinstance(holes.detokenizer(), IncrementalDetokenizer)

@@ -126,15 +126,5 @@ def test_an_inference_worker_is_given_longer_than_the_drain_timeout_to_stop(comp
         assert seconds_of(service.get("stop_grace_period", "10s")) > int(default), name
 
 
-def test_services_built_alike_share_one_image_and_those_built_otherwise_have_their_own(compose):
-    """Without an image name, compose builds and tags the same image once per service; with one
-    name for two builds, one would overwrite the other (the GPU worker's torch is another)."""
-    built: dict[str, str] = {}
-    for name, service in app_services(compose).items():
-        assert service.get("image"), f"{name} names no image"
-        build = repr(service["build"])
-        assert built.setdefault(service["image"], build) == build, f"{name}: two builds tagged {service['image']}"
-
-
 def test_the_migrate_step_waits_for_redis_as_seeding_wakes_the_placement_loop(compose):
     assert compose["services"]["migrate"]["depends_on"]["redis"] == {"condition": "service_healthy"}

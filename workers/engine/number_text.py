@@ -15,10 +15,10 @@ such texts that differ read as doubles that differ, in the same order (a double 
 A bound is a double's shortest text (integers past 2**53, which no double holds, aside): a
 number of 15 digits or fewer that read as the bound's double would be a shorter text of it, so
 it would be the bound. Zeros count only once a nonzero digit follows them (``1732800000000000``
-and ``0.5000`` are fine), but none follows a fifteenth digit after the point, where it could only
-pad (a model that cannot write the digit it wanted would write ``0.871188183309745000``); a run of
-them is at most ``MAX_PLACES`` long, as are the digits after the point: no bound has more, and it
-keeps the states to search few.
+and ``0.5000`` are fine), but after the point only while a nonzero digit could still follow
+within 15: else it could only pad (a model that cannot write the digit it wanted would write
+``0.871188183309745000``); a run of them is at most ``MAX_PLACES`` long, as are the digits after
+the point: no bound has more, and it keeps the states to search few.
 
 A state is (the pattern's states, the remainder, digits after the point so far or None before it,
 significant digits so far, zeros since the last nonzero digit after the first). A byte is taken
@@ -149,8 +149,8 @@ class NumberText:
                 if b != 0x30:
                     significant, zeros = significant + zeros + 1, 0
                 elif significant:
-                    if places is not None and significant >= self.digits:
-                        return None  # after the point, past a double's digits, a zero only pads
+                    if places is not None and significant + zeros + 1 >= self.digits:
+                        return None  # after the point, a zero no nonzero digit can follow only pads
                     zeros += 1
                 if significant > self.digits or zeros > MAX_PLACES or (places is not None and places >= MAX_PLACES):
                     return None

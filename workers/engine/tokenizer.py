@@ -242,6 +242,8 @@ class Tokenizer:
         if not isinstance(self.backend.decoder, decoders.ByteLevel):
             return None
         table = self.byte_table()
+        if max(self.backend.get_vocab(with_added_tokens=True).values(), default=-1) >= len(table):
+            return None  # ids with holes between them: the table, by id, would miss some
         # Added tokens are written as they are, which may not be their bytes the byte-level way.
         added = self.backend.get_added_tokens_decoder()
         if any((table[i] or b"").decode("utf-8", "replace") != self.decode([i]) for i in added):
@@ -347,7 +349,8 @@ _BYTE_LEVEL = _byte_level_alphabet()
 
 
 def _piece_bytes(piece: str, *, byte_level: bool) -> bytes:
-    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # a byte-fallback token
+    # A sentencepiece byte-fallback token (a byte-level vocabulary's decoder writes such a piece as it is).
+    if not byte_level and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
         try:
             return bytes([int(piece[3:5], 16)])
         except ValueError:
