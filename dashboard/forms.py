@@ -10,13 +10,14 @@ from django.contrib.auth.forms import AuthenticationForm, PasswordResetForm
 from django.utils import timezone
 
 from accounts import login_throttle
-from . import links, mail_quota
 from accounts.models import SCOPES, Membership
 from billing.models import LIMIT_MAX, MONEY
 from billing.selectors import REPORT_DATES
 from models_catalog.models import CatalogModel, Deployment
 from models_catalog.selectors import deployment_name_taken
 from models_catalog.services import ENGINE_SETTINGS, INT_SETTINGS, taken_message
+
+from . import links, mail_quota
 
 MAX_USAGE_DAYS = 366
 
@@ -36,6 +37,7 @@ class ThrottledPasswordResetForm(PasswordResetForm):
             return
         super().send_mail(subject_template_name, email_template_name, context, from_email, to_email,
                           html_email_template_name)
+
 
 SCOPE_CHOICES = [
     ("inference", "Inference — call the chat and completions API"),
