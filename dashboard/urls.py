@@ -4,9 +4,9 @@ import re
 
 from django.conf import settings
 from django.contrib.auth import views as auth_views
-from django.contrib.staticfiles.views import serve as serve_static
 from django.urls import path, re_path
 
+from . import static_files
 from .forms import EmailLoginForm, ThrottledPasswordResetForm
 from .views import account, billing, catalog, deployments, keys, logout, logs, operator, playground, usage
 
@@ -14,8 +14,7 @@ urlpatterns = [
     # The dashboard's own assets (CSS, JS, the vendored htmx and Chart.js) from the app's static
     # folders, whatever DEBUG says: `inference-platform up` serves everything from one ASGI process,
     # offline. A deployment behind a proxy can serve `collectstatic`'s folder itself instead.
-    re_path(rf"^{re.escape(settings.STATIC_URL.strip('/'))}/(?P<path>.+)$", serve_static, {"insecure": True},
-            name="static"),
+    re_path(rf"^{re.escape(settings.STATIC_URL.strip('/'))}/(?P<path>.+)$", static_files.serve_whole, name="static"),
     # Accounts
     path("login/", auth_views.LoginView.as_view(authentication_form=EmailLoginForm, redirect_authenticated_user=True),
          name="login"),

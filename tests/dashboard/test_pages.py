@@ -66,3 +66,25 @@ def test_an_htmx_poll_after_the_session_ended_sends_the_page_to_the_login_form(c
         "HX-Request": "true", "HX-Current-URL": "http://testserver/deployments/"})
     assert response.status_code == 204
     assert response["HX-Redirect"] == "/login/?next=%2Fdeployments%2F"
+
+
+def test_the_assets_are_served_whole_under_asgi_without_a_warning(db):
+    """`up` serves the dashboard's CSS and JS from its ASGI process: a file streamed through a
+    synchronous iterator there made Django warn in the web log, and hop threads per chunk."""
+    import warnings
+
+    from asgiref.sync import async_to_sync
+    from django.test import AsyncClient
+
+    from tests.support import REPO_ROOT
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        response = async_to_sync(AsyncClient().get)("/static/vendor/chart-4.6.1.umd.min.js")
+        assert response.status_code == 200 and not response.streaming
+        assert response.content == (REPO_ROOT / "static" / "vendor" / "chart-4.6.1.umd.min.js").read_bytes()
+        assert response["Content-Type"].startswith("text/javascript") and response["Last-Modified"]
+        again = async_to_sync(AsyncClient().get)("/static/vendor/chart-4.6.1.umd.min.js",
+                                                 headers={"If-Modified-Since": response["Last-Modified"]})
+        assert again.status_code == 304  # a browser's cached copy is still good
+    assert not [w for w in caught if "synchronous iterators" in str(w.message)], [str(w.message) for w in caught]
