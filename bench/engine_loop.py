@@ -21,11 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
-import platform
 import random
-import re
 import statistics
 import sys
 import time
@@ -34,7 +30,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
-RESULTS = REPO_ROOT / "bench" / "results"
+sys.path.insert(0, str(REPO_ROOT / "bench"))
 WAYS = ("engine", "windowed")
 PHASES = ("schedule", "execute", "postprocess")
 
@@ -45,7 +41,7 @@ def parse_args(argv=None):
     parser.add_argument("--output-tokens", type=int, default=64, help="tokens each request generates (64)")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each way (3)")
     parser.add_argument("--stop", action="store_true", help="give every request stop strings (the slower gate)")
-    parser.add_argument("--output", type=Path, default=None, help="where the JSON goes")
+    parser.add_argument("--output", default=None, help="where the JSON goes (bench/results/engine-loop-<cpu>.json)")
     return parser.parse_args(argv)
 
 
@@ -98,6 +94,9 @@ def run_round(engine, way: str, prompts, params) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    import torch
+
+    from engine import machine_info, write_result  # bench/engine.py
     from workers.engine.sequence import SamplingParams
 
     engine = tiny_engine(args.requests, args.output_tokens)
@@ -118,7 +117,7 @@ def main(argv=None) -> int:
     median = {way: {phase: statistics.median(r[phase] for r in rounds[way]) for phase in PHASES} for way in WAYS}
     report = {
         "benchmark": "engine_loop",
-        "machine": {"cpu": _cpu_name(), "logical_cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine_info(torch),
         "workload": {"requests": args.requests, "output_tokens": args.output_tokens, "stop_strings": args.stop,
                      "model": "one random layer, hidden 64, the bundled model's vocabulary and tokenizer"},
         "ms_per_step": median,
@@ -127,25 +126,8 @@ def main(argv=None) -> int:
     }
     print(f"postprocess: {median['engine']['postprocess']:.3f} ms/step against {median['windowed']['postprocess']:.3f} "
           f"with the windowed detokenizer ({report['postprocess_ratio_engine_over_windowed']:.2f}x)")
-    path = args.output or RESULTS / f"engine-loop-{_slug(_cpu_name())}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_result(report, prefix="engine-loop", device=report["machine"]["cpu"] or "cpu", out=args.output)
     return 0
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
-
-
-def _slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40] or "cpu"
 
 
 if __name__ == "__main__":

@@ -32,8 +32,7 @@ class ThrottledPasswordResetForm(PasswordResetForm):
 
     def send_mail(self, subject_template_name, email_template_name, context, from_email, to_email,
                   html_email_template_name=None):
-        user = context["user"]
-        if mail_quota.take("password-reset", mail_quota.row(user, user.date_joined)) is not None:
+        if mail_quota.take("password-reset", mail_quota.of_user(context["user"])) is not None:
             return
         super().send_mail(subject_template_name, email_template_name, context, from_email, to_email,
                           html_email_template_name)

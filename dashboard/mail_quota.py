@@ -22,6 +22,14 @@ def row(obj, created) -> str:
     return f"{obj.pk}:{int(created.timestamp() * 1000)}"
 
 
+def of_user(user) -> str:
+    return row(user, user.date_joined)
+
+
+def of_organization(organization) -> str:
+    return row(organization, organization.created_at)
+
+
 def keys(kind: str, who: str) -> tuple[str, str]:
     """The cache's counts of one kind of email to one recipient: this minute's, today's."""
     return f"mail-quota:{kind}:{who}:minute", f"mail-quota:{kind}:{who}:day"

@@ -75,18 +75,14 @@ def sign_up(*, email: str, password: str, name: str = "", organization_name: str
 CONFIRMATIONS_A_DAY = mail_quota.A_DAY
 
 
-def _confirmation_recipient(user: User) -> str:
-    return mail_quota.row(user, user.date_joined)
-
-
 def confirmation_keys(user: User) -> tuple[str, str]:
     """The cache's counts of one user's confirmation emails (this minute's, today's)."""
-    return mail_quota.keys("confirmation", _confirmation_recipient(user))
+    return mail_quota.keys("confirmation", mail_quota.of_user(user))
 
 
 def _may_send_confirmation(user: User) -> str | None:
     """Count a confirmation email to ``user``; why not, if it may not go (None: it may)."""
-    over = mail_quota.take("confirmation", _confirmation_recipient(user), a_day=CONFIRMATIONS_A_DAY)
+    over = mail_quota.take("confirmation", mail_quota.of_user(user), a_day=CONFIRMATIONS_A_DAY)
     if over == "minute":
         return (f"A link went to {user.email} less than a minute ago: look for it (in the spam folder too), or "
                 "ask again in a minute.")
@@ -115,7 +111,7 @@ def send_email_confirmation(*, user: User, link_for: Callable[[str, str], str]) 
             recipient_list=[user.email],
         )
     except (OSError, BadHeaderError) as exc:
-        mail_quota.give_back("confirmation", _confirmation_recipient(user))
+        mail_quota.give_back("confirmation", mail_quota.of_user(user))
         raise DashboardError(f"The confirmation email could not be sent ({exc}); try again later.") from None
 
 
@@ -267,7 +263,7 @@ def invite_member(*, organization: Organization, invited_by: User, email: str, r
     except (OSError, BadHeaderError) as exc:  # refused, unreachable (SMTPException is one), or a bad header
         invitation.delete()  # not kept: a retry must not find it "already pending"
         mail_quota.give_back("invitation", _invitation_recipient(organization, email))
-        mail_quota.give_back("invitations", mail_quota.row(organization, organization.created_at), every_s=None)
+        mail_quota.give_back("invitations", mail_quota.of_organization(organization), every_s=None)
         raise DashboardError(f"The invitation email could not be sent ({exc}); nothing was saved, try again "
                              "later.", field="email") from None
     except BaseException:
@@ -284,7 +280,7 @@ ORGANIZATION_INVITATIONS_A_DAY = 50
 
 
 def _invitation_recipient(organization: Organization, email: str) -> str:
-    return f"{mail_quota.row(organization, organization.created_at)}:{email}"
+    return f"{mail_quota.of_organization(organization)}:{email}"
 
 
 def _count_invitation(organization: Organization, email: str) -> None:
@@ -295,7 +291,7 @@ def _count_invitation(organization: Organization, email: str) -> None:
     if over == "day":
         raise DashboardError(f"{INVITATIONS_A_DAY} invitations went to {email} today, the most a day; try again "
                              "tomorrow.", field="email")
-    if mail_quota.take("invitations", mail_quota.row(organization, organization.created_at), every_s=None,
+    if mail_quota.take("invitations", mail_quota.of_organization(organization), every_s=None,
                        a_day=ORGANIZATION_INVITATIONS_A_DAY) is not None:
         mail_quota.give_back("invitation", _invitation_recipient(organization, email))
         raise DashboardError(f"{organization.name} sent {ORGANIZATION_INVITATIONS_A_DAY} invitations today, the "

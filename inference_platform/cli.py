@@ -57,13 +57,13 @@ def setup_django():
         # responses), the logs and the operator's key. A folder given that exists keeps its mode
         # (it may be a mount), said if others may enter it; what is written in it is ours only.
         settings.DATA_DIR.mkdir(parents=True, exist_ok=True, mode=0o700)
-        open_to_others = settings.DATA_DIR.stat().st_mode & 0o077
+        mode = settings.DATA_DIR.stat().st_mode & 0o777
     except OSError as exc:
         raise Abort(f"cannot create the data folder {settings.DATA_DIR}: {exc.strerror} (set DATA_DIR to a "
                     "writable folder)") from None
-    if open_to_others:
+    if mode & 0o077:
         print(f"warning: other users of this machine may enter the data folder {settings.DATA_DIR} (mode "
-              f"{settings.DATA_DIR.stat().st_mode & 0o777:o}), which holds the database, logs and keys: "
+              f"{mode:o}), which holds the database, logs and keys: "
               f"`chmod 700 {settings.DATA_DIR}`", file=sys.stderr)
     return settings
 

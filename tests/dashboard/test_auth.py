@@ -293,7 +293,7 @@ def test_password_resets_to_one_account_are_few_and_link_under_the_site_url(clie
         assert response.status_code == 302 and response["Location"] == "/password-reset/sent/"
     assert len(mail.outbox) == 1 and "https://llm.example.com/reset/" in mail.outbox[0].body
     assert "6666" not in mail.outbox[0].body
-    minute = mail_quota.keys("password-reset", mail_quota.row(user, user.date_joined))[0]
+    minute = mail_quota.keys("password-reset", mail_quota.of_user(user))[0]
     for _ in range(mail_quota.A_DAY):
         cache.delete(minute)
         client.post("/password-reset/", {"email": user.email})

@@ -158,7 +158,6 @@ class _Live:
     # The timings its outputs carry: a copy, made again only when they change (at the first token
     # and at the end): a dataclass copy per token cost about as much as detokenizing it.
     timings: RequestTimings | None = None
-    timings_token: float | None = None  # the first token's time when that copy was made
 
 
 class Engine:
@@ -273,7 +272,7 @@ class Engine:
         self.batch_window = batch_window_ms / 1000.0
         self.enable_prefix_caching = enable_prefix_caching
         self._eos_ids = frozenset(self.config.eos_token_ids) | self.tokenizer.eos_token_ids
-        self.tokenizer.detokenizer()  # builds its table now, not in the first request's submit
+        self.tokenizer.text_bytes()  # the detokenizers' table, built now rather than in the first request's submit
 
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -821,9 +820,8 @@ class Engine:
                     / (seq.num_output_tokens - 1)
             if seq.sampled_steps:
                 timings.mean_batch_size = seq.sampled_alongside / seq.sampled_steps
-        if finished or live.timings is None or live.timings_token != seq.first_token_time:
+        if finished or live.timings is None or live.timings.time_to_first_token != timings.time_to_first_token:
             live.timings = replace(timings)  # the sequence's own keeps changing
-            live.timings_token = seq.first_token_time
         out = RequestOutput(
             request_id=seq.request_id,
             token_ids=live.pending_ids,

@@ -453,9 +453,7 @@ class OutputGate:
                 return Release()
             self.fed += len(piece)
             self.released = self.fed
-            tokens, self.held = self.held, []
-            return Release(piece, [t.token_id for t in tokens],
-                           [t.logprob for t in tokens if t.logprob is not None])
+            return self._release(piece, len(self.held))
         if piece:
             for token in reversed(self.held):
                 if token.start is not None:
